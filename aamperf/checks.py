@@ -1,0 +1,33 @@
+"""Config checks that need more than a type: all problems found at once, each naming its override."""
+
+from omegaconf import DictConfig
+
+from aamperf.errors import UserError
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Raise one UserError listing every problem of `cfg`, or return."""
+    t, m = cfg.trainer, cfg.metrics
+    problems = []
+    if t.batch_size < 2:
+        problems.append(f"trainer.batch_size={t.batch_size} must be >= 2 (UniFrac compares pairs of samples)")
+    if t.max_steps <= 0:
+        problems.append(f"trainer.max_steps={t.max_steps} must be > 0")
+    if t.grad_accum_steps < 1:
+        problems.append(f"trainer.grad_accum_steps={t.grad_accum_steps} must be >= 1")
+    if t.lr <= 0:
+        problems.append(f"trainer.lr={t.lr} must be > 0")
+    if t.weight_decay < 0:
+        problems.append(f"trainer.weight_decay={t.weight_decay} must be >= 0")
+    if t.warmup_steps < 0:
+        problems.append(f"trainer.warmup_steps={t.warmup_steps} must be >= 0")
+    if t.val_every < 1 or t.val_batches < 1:
+        problems.append("trainer.val_every and trainer.val_batches must be >= 1")
+    if m.log_every < 1:
+        problems.append(f"metrics.log_every={m.log_every} must be >= 1")
+    if m.skip_steps < 0:
+        problems.append(f"metrics.skip_steps={m.skip_steps} must be >= 0")
+    if cfg.device not in ("auto", "cpu") and not str(cfg.device).startswith("cuda"):
+        problems.append(f"device={cfg.device} is not one of auto, cpu, cuda, cuda:N")
+    if problems:
+        raise UserError("; ".join(problems))

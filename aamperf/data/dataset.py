@@ -1,0 +1,249 @@
+"""Samples as unpadded ASV lists, the collate that pads them and slices UniFrac, the split and the loaders."""
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from aamperf.data.tables import (
+    observation_sequences,
+    rarefy,
+    read_table,
+    read_target,
+    read_unifrac,
+    resolve_files,
+)
+from aamperf.data.tokenize import TOKENS_PER_ASV, count_real_tokens, tokenize_sequences
+from aamperf.data.unifrac import cached_unifrac, select_unifrac
+from aamperf.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class SampleDataset(Dataset):
+    """One item per sample: indices into the ASV token table, their counts, and the sample's index.
+
+    Items are not padded: `Collate(pad_to=...)` decides the padded length, so a padding-aware
+    batching phase can change it without touching the data.
+    """
+
+    def __init__(
+        self,
+        asv_idx: list[torch.Tensor],
+        counts: list[torch.Tensor],
+        n_tokens: list[int],
+        target: torch.Tensor | None = None,
+    ) -> None:
+        assert len(asv_idx) == len(counts) == len(n_tokens)
+        self.asv_idx, self.counts, self.n_tokens, self.target = asv_idx, counts, n_tokens, target
+
+    def __len__(self) -> int:
+        return len(self.asv_idx)
+
+    def __getitem__(self, i: int) -> dict:
+        item = {
+            "asv_idx": self.asv_idx[i],
+            "counts": self.counts[i],
+            "sample_idx": i,
+            "n_tokens": self.n_tokens[i],
+        }
+        if self.target is not None:
+            item["target"] = self.target[i]
+        return item
+
+
+def top_asvs(
+    column_rows: np.ndarray, column_counts: np.ndarray, max_asvs: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The `max_asvs` most abundant ASVs of one sample, most abundant first; ties go to the lower row."""
+    order = np.lexsort((column_rows, -column_counts))[:max_asvs]
+    return column_rows[order], column_counts[order]
+
+
+@dataclass
+class Collate:
+    """Items -> batch: pads ASVs to `pad_to` (None: the longest sample of the batch), slices UniFrac.
+
+    Batch: tokens int64 [B, S, 151], counts float32 [B, S, 1], unifrac float32 [B, B],
+    sample_idx int64 [B], target float32 [B, 1] (when the data has one), n_tokens int.
+    Padding rows are all zero (START included), so `tokens[..., 0] == 0` marks padding.
+    """
+
+    tokens: torch.Tensor  # [n_asvs, 151] uint8, every distinct ASV tokenized once
+    unifrac: torch.Tensor  # [n_samples, n_samples] float32, the whole data set
+    pad_to: int | None
+
+    def __call__(self, items: list[dict]) -> dict:
+        lengths = torch.tensor([len(item["asv_idx"]) for item in items])
+        width = int(lengths.max()) if self.pad_to is None else self.pad_to
+        assert int(lengths.max()) <= width, "a sample has more ASVs than pad_to"
+        batch_pos = torch.repeat_interleave(torch.arange(len(items)), lengths)
+        asv_pos = torch.cat([torch.arange(n) for n in lengths.tolist()])
+        asv_idx = torch.cat([item["asv_idx"] for item in items])
+        tokens = torch.zeros(len(items), width, TOKENS_PER_ASV, dtype=torch.long)
+        tokens[batch_pos, asv_pos] = self.tokens[asv_idx].long()
+        counts = torch.zeros(len(items), width, 1)
+        counts[batch_pos, asv_pos, 0] = torch.cat([item["counts"] for item in items])
+        sample_idx = torch.tensor([item["sample_idx"] for item in items])
+        batch = {
+            "tokens": tokens,
+            "counts": counts,
+            "unifrac": self.unifrac[sample_idx][:, sample_idx],
+            "sample_idx": sample_idx,
+            # counted here, on the host, so the trainer's tokens/s needs no device sync
+            "n_tokens": sum(item["n_tokens"] for item in items),
+        }
+        if "target" in items[0]:
+            batch["target"] = torch.stack([item["target"] for item in items]).float().unsqueeze(1)
+        return batch
+
+
+def split_indices(n_samples: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded random split of sample indices into (train, val), each sorted."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise UserError(f"data.val_fraction must be in [0, 1) (got {val_fraction})")
+    perm = torch.randperm(n_samples, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_val = round(n_samples * val_fraction)
+    return sorted(perm[n_val:]), sorted(perm[:n_val])
+
+
+def make_loaders(
+    dataset: SampleDataset,
+    collate: Collate,
+    train_idx: list[int],
+    val_idx: list[int],
+    *,
+    batch_size: int,
+    seed: int,
+    loader: DictConfig,
+) -> tuple[DataLoader, DataLoader]:
+    """Train loader (seeded shuffle) and val loader; both drop the last partial batch (UniFrac: pairs)."""
+    if len(train_idx) < batch_size:
+        raise UserError(
+            f"only {len(train_idx)} training samples, fewer than trainer.batch_size={batch_size}; "
+            "lower trainer.batch_size or data.val_fraction, or give more samples"
+        )
+    if len(val_idx) < 2:
+        raise UserError(
+            f"only {len(val_idx)} validation samples (UniFrac needs >= 2 per batch); raise data.val_fraction"
+        )
+    kwargs = {
+        "collate_fn": collate,
+        "drop_last": True,
+        "num_workers": loader.num_workers,
+        "pin_memory": loader.pin_memory,
+    }
+    if loader.num_workers > 0:  # DataLoader refuses these without workers
+        kwargs["persistent_workers"] = loader.persistent_workers
+        if loader.prefetch_factor is not None:
+            kwargs["prefetch_factor"] = loader.prefetch_factor
+    train = DataLoader(
+        Subset(dataset, train_idx),
+        batch_size=batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+        **kwargs,
+    )
+    # a val set smaller than one batch is still used, as one batch of all of it
+    val = DataLoader(
+        Subset(dataset, val_idx), batch_size=min(batch_size, len(val_idx)), shuffle=False, **kwargs
+    )
+    return train, val
+
+
+@dataclass
+class Data:
+    """What `build_data` hands the trainer."""
+
+    train_loader: DataLoader
+    val_loader: DataLoader
+    n_train: int
+    n_val: int
+    n_asvs: int  # distinct ASVs kept (after rarefaction and the max_asvs cut)
+    max_asvs: int  # ASVs per sample after padding (the `S` of every batch)
+    has_target: bool
+    target_mean: float | None  # of the training samples' raw target, for later standardization
+    target_std: float | None
+    unifrac_cached: bool  # the UniFrac matrix came from `<cache_dir>/unifrac/`
+    files: dict[str, str | None]  # table / tree / unifrac / metadata / sequences actually read
+    sample_ids: list[str]  # index = the batch's `sample_idx`
+    dataset: SampleDataset
+    collate: Collate
+
+
+def build_data(cfg: DictConfig, *, batch_size: int, seed: int, loader: DictConfig) -> Data:
+    """data config -> loaders: read (or simulate), rarefy, UniFrac (cached), tokenize, split.
+
+    `cfg` is the `data` node, `loader` the `dataloader` node; `seed` drives rarefaction, split and shuffle.
+    """
+    if batch_size < 2:
+        raise UserError("trainer.batch_size must be >= 2 (UniFrac compares pairs of samples)")
+    if cfg.max_asvs < 1:
+        raise UserError(f"data.max_asvs must be >= 1 (got {cfg.max_asvs})")
+    files = resolve_files(cfg)
+    table = read_table(files["table"])
+    targets = None
+    if cfg.target is not None:
+        targets = read_target(files["metadata"], cfg.target)
+        keep = [sid for sid in table.ids() if sid in targets]
+        if not keep:
+            raise UserError(f"data.metadata: no sample of data.table has a value of {cfg.target!r}")
+        if len(keep) < len(table.ids()):
+            log.warning(
+                "%d samples without %r in data.metadata dropped", len(table.ids()) - len(keep), cfg.target
+            )
+            table = table.filter(keep, inplace=False)
+    sequences = observation_sequences(list(table.ids(axis="observation")), files["sequences"])
+    sequence_of = dict(zip(table.ids(axis="observation"), sequences, strict=True))
+    table = rarefy(table, cfg.rarefy_depth, seed)
+    sample_ids = [str(sid) for sid in table.ids()]
+    if files["unifrac"] is not None:
+        unifrac, cached = select_unifrac(*read_unifrac(files["unifrac"]), sample_ids), False
+    else:
+        unifrac, cached = cached_unifrac(table, files["tree"], Path(cfg.cache_dir).expanduser())
+
+    # keep the most abundant max_asvs ASVs of each sample, then number the ASVs still in use
+    matrix = table.matrix_data.tocsc(copy=True)
+    matrix.eliminate_zeros()  # subsampling leaves explicit zeros: they are not ASVs of the sample
+    kept = [
+        top_asvs(matrix.indices[a:b], matrix.data[a:b], cfg.max_asvs)
+        for a, b in zip(matrix.indptr[:-1], matrix.indptr[1:], strict=True)
+    ]
+    used = np.unique(np.concatenate([rows for rows, _ in kept]))
+    new_index = np.full(matrix.shape[0], -1)
+    new_index[used] = np.arange(len(used))
+    obs_ids = table.ids(axis="observation")
+    tokens = tokenize_sequences([sequence_of[obs_ids[row]] for row in used])  # validated when read
+    real_per_asv = count_real_tokens(tokens)
+    asv_idx = [torch.from_numpy(new_index[rows]) for rows, _ in kept]
+    counts = [torch.from_numpy(vals.astype(np.float32)) for _, vals in kept]
+    n_tokens = [int(real_per_asv[idx].sum()) for idx in asv_idx]
+    target = None if targets is None else torch.tensor([targets[sid] for sid in sample_ids])
+    dataset = SampleDataset(asv_idx, counts, n_tokens, target)
+
+    train_idx, val_idx = split_indices(len(sample_ids), cfg.val_fraction, seed)
+    collate = Collate(tokens, torch.from_numpy(unifrac).float(), pad_to=cfg.max_asvs)
+    train_loader, val_loader = make_loaders(
+        dataset, collate, train_idx, val_idx, batch_size=batch_size, seed=seed, loader=loader
+    )
+    train_target = None if target is None else target[train_idx]
+    return Data(
+        train_loader=train_loader,
+        val_loader=val_loader,
+        n_train=len(train_idx),
+        n_val=len(val_idx),
+        n_asvs=len(used),
+        max_asvs=cfg.max_asvs,
+        has_target=target is not None,
+        target_mean=None if train_target is None else float(train_target.mean()),
+        target_std=None if train_target is None else float(train_target.std()),
+        unifrac_cached=cached,
+        files={k: None if v is None else str(v) for k, v in files.items()},
+        sample_ids=sample_ids,
+        dataset=dataset,
+        collate=collate,
+    )

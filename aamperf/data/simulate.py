@@ -1,0 +1,160 @@
+"""Deterministic microbiome simulator: tree, evolved sequences, environment-structured counts, target."""
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import biom
+import h5py
+import numpy as np
+
+if TYPE_CHECKING:  # scikit-bio costs ~2 s to import; only a first run simulates
+    from skbio import TreeNode
+
+log = logging.getLogger(__name__)
+
+SIM_VERSION = 1  # bump when the simulator changes, so old cached data sets are not reused
+SEQUENCE_BP = 150
+MEAN_BRANCH_LENGTH = 0.03  # substitutions per site: sisters differ at ~5% of sites, random pairs ~40%
+FILES = {"table": "table.biom", "tree": "tree.nwk", "metadata": "metadata.tsv"}
+
+
+@dataclass(frozen=True)
+class SimParams:
+    """Everything the simulated data set depends on."""
+
+    n_samples: int
+    n_asvs: int
+    n_envs: int
+    mean_richness: int
+    depth: int
+    sim_seed: int
+
+    def digest(self) -> str:
+        text = json.dumps({"version": SIM_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def ensure_simulated(params: SimParams, cache_dir: Path) -> dict[str, Path]:
+    """Paths of the simulated files in `<cache_dir>/simulated/<digest>/`, written on first use.
+
+    Safe when several processes (e.g. torchrun ranks) start on an empty cache: each writes a temp
+    directory and renames it; the first rename wins and the others use its copy.
+    """
+    final = cache_dir / "simulated" / params.digest()
+    paths = {key: final / name for key, name in FILES.items()}
+    if all(path.is_file() for path in paths.values()):
+        return paths
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+    try:
+        write_simulated(params, tmp)
+        if all(path.is_file() for path in paths.values()):  # another process renamed its copy meanwhile
+            return paths
+        if final.is_dir():  # incomplete: files deleted by hand (a rename never leaves half a directory)
+            shutil.rmtree(final)
+        os.rename(tmp, final)  # atomic: readers see no directory or a whole one
+        log.info("simulated data set written to %s", final)
+    except OSError:
+        if not all(path.is_file() for path in paths.values()):  # no other process won the race
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return paths
+
+
+def random_tree(n_tips: int, rng: np.random.Generator) -> "TreeNode":
+    """Random bifurcating tree (uniform random joining) with exponential branch lengths."""
+    from skbio import TreeNode
+
+    nodes = [TreeNode(name=f"t{i}") for i in range(n_tips)]
+    for node in nodes:
+        node.length = float(rng.exponential(MEAN_BRANCH_LENGTH))
+    while len(nodes) > 1:
+        i, j = sorted(rng.choice(len(nodes), size=2, replace=False), reverse=True)
+        left, right = nodes.pop(i), nodes.pop(j)
+        parent = TreeNode(children=[left, right], length=float(rng.exponential(MEAN_BRANCH_LENGTH)))
+        nodes.append(parent)
+    root = nodes[0]
+    root.length = None
+    return root
+
+
+def evolve(tree: "TreeNode", rng: np.random.Generator) -> dict[int, np.ndarray]:
+    """Jukes-Cantor evolution of a random root sequence: node id -> bases (0-3)."""
+    seqs = {id(tree): rng.integers(0, 4, size=SEQUENCE_BP)}
+    for node in tree.preorder(include_self=False):
+        parent = seqs[id(node.parent)]
+        p_change = 0.75 * (1.0 - np.exp(-4.0 * node.length / 3.0))
+        changed = rng.random(SEQUENCE_BP) < p_change
+        shift = rng.integers(1, 4, size=SEQUENCE_BP)  # to one of the 3 other bases, uniformly
+        seqs[id(node)] = np.where(changed, (parent + shift) % 4, parent)
+    return seqs
+
+
+def simulate(params: SimParams) -> tuple[biom.Table, "TreeNode", list[tuple[str, str, float]]]:
+    """The whole data set in memory: table (ids = sequences), tree (tips = sequences), metadata rows."""
+    rng = np.random.default_rng(params.sim_seed)
+    n_asvs, n_samples = params.n_asvs, params.n_samples
+    tree = random_tree(n_asvs, rng)
+    seqs = evolve(tree, rng)
+    tips = list(tree.tips())  # postorder: members of a clade are neighbours in this order
+    names, seen = [], set()
+    for tip in tips:
+        bases = seqs[id(tip)].copy()
+        while (name := "".join("ACGT"[b] for b in bases)) in seen:  # identical sisters: one mutation
+            site = rng.integers(SEQUENCE_BP)
+            bases[site] = (bases[site] + 1) % 4
+        seen.add(name)
+        tip.name = name
+        names.append(name)
+    # a trait evolved along the tree (Brownian motion): the target is its abundance-weighted mean
+    trait = {id(tree): 0.0}
+    for node in tree.preorder(include_self=False):
+        trait[id(node)] = trait[id(node.parent)] + rng.normal(0.0, np.sqrt(node.length))
+    tip_trait = np.array([trait[id(tip)] for tip in tips])
+
+    # each environment favours a few clades: Gaussian bumps over the tip order (circular)
+    position = np.arange(n_asvs)
+    env_pref = np.empty((params.n_envs, n_asvs))
+    for env in range(params.n_envs):
+        centers = rng.integers(0, n_asvs, size=3)
+        dist = np.abs(position[None, :] - centers[:, None])
+        dist = np.minimum(dist, n_asvs - dist)
+        env_pref[env] = np.exp(-0.5 * (dist / (0.05 * n_asvs)) ** 2).sum(0) + 0.05
+    prevalence = rng.lognormal(0.0, 1.0, size=n_asvs)  # some ASVs are common everywhere
+
+    counts = np.zeros((n_asvs, n_samples), dtype=np.int64)
+    envs = rng.integers(0, params.n_envs, size=n_samples)
+    for s in range(n_samples):
+        weights = env_pref[envs[s]] * prevalence
+        richness = int(np.clip(rng.lognormal(np.log(params.mean_richness), 0.4), 5, n_asvs))
+        present = rng.choice(n_asvs, size=richness, replace=False, p=weights / weights.sum())
+        abundance = rng.lognormal(0.0, 1.5, size=richness) * weights[present]  # heavy-tailed
+        depth = max(1, int(params.depth * rng.lognormal(0.0, 0.3)))
+        counts[present, s] = rng.multinomial(depth, abundance / abundance.sum())
+    relative = counts / counts.sum(0, keepdims=True)
+    score = tip_trait @ relative
+    target = score + rng.normal(0.0, 0.1 * score.std() + 1e-6, size=n_samples)
+
+    width = max(4, len(str(n_samples)))
+    sample_ids = [f"S{i + 1:0{width}d}" for i in range(n_samples)]
+    table = biom.Table(counts, observation_ids=names, sample_ids=sample_ids)
+    rows = [(sid, f"env{envs[s]}", float(target[s])) for s, sid in enumerate(sample_ids)]
+    return table, tree, rows
+
+
+def write_simulated(params: SimParams, directory: Path) -> None:
+    """Write table.biom (HDF5), tree.nwk and metadata.tsv into `directory`."""
+    table, tree, rows = simulate(params)
+    with h5py.File(directory / FILES["table"], "w") as f:
+        table.to_hdf5(f, generated_by="aamperf.data.simulate")
+    tree.write(str(directory / FILES["tree"]), format="newick")
+    lines = ["sample_id\tenvironment\ttarget"] + [f"{sid}\t{env}\t{y!r}" for sid, env, y in rows]
+    (directory / FILES["metadata"]).write_text("\n".join(lines) + "\n")

@@ -1,0 +1,203 @@
+"""Read the user's files (BIOM, Newick, UniFrac matrix, FASTA, metadata) with errors that name the option."""
+
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import biom
+import h5py
+import numpy as np
+import pandas as pd
+from hydra.utils import to_absolute_path
+from omegaconf import DictConfig
+
+from aamperf.data.simulate import SimParams, ensure_simulated
+from aamperf.data.tokenize import is_nucleotide_sequence, looks_like_sequence
+from aamperf.errors import UserError
+
+if TYPE_CHECKING:  # scikit-bio costs ~2 s to import: the readers that need it import it
+    from skbio import TreeNode
+
+
+def existing_file(value: str | Path, option: str) -> Path:
+    """`value` as an absolute path (relative to the launch directory); UserError if it is not a file."""
+    path = Path(to_absolute_path(str(Path(value).expanduser())))
+    if not path.is_file():
+        raise UserError(f"{option}: no such file: {value}")
+    return path
+
+
+def read_table(path: Path) -> biom.Table:
+    """BIOM table (HDF5 or JSON) with integer counts."""
+    try:
+        table = biom.load_table(str(path))
+    except Exception as e:  # biom raises many types (OSError, ValueError, KeyError, TypeError)
+        raise UserError(f"data.table: cannot read {path} as a BIOM table ({type(e).__name__}: {e})") from e
+    if table.is_empty():
+        raise UserError(f"data.table: cannot read {path} as a BIOM table (no samples or observations in it)")
+    data = table.matrix_data.data
+    if (data < 0).any() or not np.array_equal(data, np.round(data)):
+        raise UserError(f"data.table: {path} must hold non-negative integer counts (rarefaction needs reads)")
+    return table
+
+
+def read_tree(path: Path) -> "TreeNode":
+    """Newick tree; tips are the table's observation ids."""
+    from skbio import TreeNode
+
+    try:
+        with warnings.catch_warnings():  # skbio warns "does not look like a newick file", then raises
+            warnings.simplefilter("ignore")
+            return TreeNode.read(str(path), format="newick")
+    except Exception as e:  # skbio's NewickFormatError and friends
+        raise UserError(f"data.tree: cannot read {path} as Newick ({type(e).__name__}: {e})") from e
+
+
+def read_sequences(path: Path) -> dict[str, str]:
+    """FASTA id -> upper-case sequence."""
+    import skbio
+
+    try:
+        records = skbio.io.read(str(path), format="fasta", constructor=skbio.Sequence)
+        sequences = {rec.metadata["id"]: str(rec).upper() for rec in records}
+    except Exception as e:
+        raise UserError(f"data.sequences: cannot read {path} as FASTA ({type(e).__name__}: {e})") from e
+    bad = [key for key, seq in sequences.items() if not is_nucleotide_sequence(seq)]
+    if bad:
+        raise UserError(
+            f"data.sequences: {len(bad)} records of {path} are not nucleotide sequences "
+            f"(first: {bad[0]!r}); letters A/C/G/T and IUPAC codes only"
+        )
+    return sequences
+
+
+def observation_sequences(obs_ids: list[str], sequences_path: Path | None) -> list[str]:
+    """The sequence of each observation: the id itself, or its FASTA record from `data.sequences`."""
+    if sequences_path is None:
+        not_seq = [obs for obs in obs_ids if not looks_like_sequence(obs)]
+        if not_seq:
+            raise UserError(
+                f"data.sequences: {len(not_seq)} observation ids of data.table are not DNA "
+                f"sequences (e.g. {not_seq[0]!r}); set data.sequences=<FASTA id -> sequence>"
+            )
+        return [obs.upper() for obs in obs_ids]
+    sequences = read_sequences(sequences_path)
+    missing = [obs for obs in obs_ids if obs not in sequences]
+    if missing:
+        raise UserError(
+            f"data.sequences: {len(missing)} of {len(obs_ids)} observation ids of data.table "
+            f"have no record in {sequences_path} (e.g. {missing[0]!r})"
+        )
+    return [sequences[obs] for obs in obs_ids]
+
+
+def read_target(path: Path, column: str) -> dict[str, float]:
+    """Sample id -> numeric value of `column` in a TSV whose first column is the sample id."""
+    try:
+        frame = pd.read_csv(path, sep="\t", index_col=0, dtype=str, comment=None)
+    except Exception as e:
+        raise UserError(f"data.metadata: cannot read {path} as TSV ({type(e).__name__}: {e})") from e
+    frame = frame[~frame.index.astype(str).str.startswith("#")]  # QIIME 2 '#q2:types' directive rows
+    if column not in frame.columns:
+        raise UserError(f"data.target: no column {column!r} in {path} (columns: {', '.join(frame.columns)})")
+    values = pd.to_numeric(frame[column], errors="coerce")
+    bad = values.isna() & frame[column].notna()
+    if bad.any():
+        raise UserError(
+            f"data.target: column {column!r} of {path} is not numeric "
+            f"(sample {bad.idxmax()!r}: {frame[column][bad].iloc[0]!r})"
+        )
+    return {str(sid): float(v) for sid, v in values.dropna().items()}
+
+
+def read_unifrac(path: Path) -> tuple[np.ndarray, list[str]]:
+    """A precomputed distance matrix and its sample ids, by file type.
+
+    .npy: the matrix, with the ids one per line in `<name>.ids.txt` (or `<name>.npy.ids.txt`) beside it;
+    .h5/.hdf5: datasets `matrix` and `ids`; .csv/.tsv: square, sample ids as header row and first column
+    (the layout of scikit-bio's DistanceMatrix.write and of QIIME 2's exported distance-matrix.tsv).
+    """
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".npy":
+            sidecars = [path.with_suffix(".ids.txt"), path.with_name(path.name + ".ids.txt")]
+            ids_file = next((p for p in sidecars if p.is_file()), None)
+            if ids_file is None:
+                raise UserError(
+                    f"data.unifrac: {path} needs its sample ids, one per line, in "
+                    f"{sidecars[0].name} or {sidecars[1].name} beside it"
+                )
+            matrix = np.load(path)
+            ids = [line.strip() for line in ids_file.read_text().splitlines() if line.strip()]
+        elif suffix in (".h5", ".hdf5"):
+            with h5py.File(path, "r") as f:
+                matrix = f["matrix"][()]
+                ids = [i.decode() if isinstance(i, bytes) else str(i) for i in f["ids"][()]]
+        elif suffix in (".csv", ".tsv", ".txt"):
+            frame = pd.read_csv(path, sep="," if suffix == ".csv" else "\t", index_col=0, dtype={0: str})
+            if list(frame.columns.astype(str)) != list(frame.index.astype(str)):
+                raise UserError(
+                    f"data.unifrac: the header row of {path} must list the same sample ids, "
+                    "in the same order, as its first column"
+                )
+            matrix, ids = frame.to_numpy(dtype=np.float64), [str(i) for i in frame.index]
+        else:
+            raise UserError(f"data.unifrac: unknown file type {suffix!r} of {path} (.npy, .h5, .csv, .tsv)")
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"data.unifrac: cannot read {path} ({type(e).__name__}: {e})") from e
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or matrix.shape[0] != len(ids):
+        raise UserError(
+            f"data.unifrac: {path} holds a {matrix.shape} matrix for {len(ids)} ids; "
+            "it must be square with one id per row"
+        )
+    if len(set(ids)) != len(ids) or not np.isfinite(matrix).all():
+        raise UserError(f"data.unifrac: {path} has duplicate sample ids or non-finite distances")
+    return matrix.astype(np.float64), ids
+
+
+def rarefy(table: biom.Table, depth: int, seed: int) -> biom.Table:
+    """Subsample every sample to `depth` reads without replacement; shallower samples are dropped."""
+    if depth < 1:
+        raise UserError(f"data.rarefy_depth must be >= 1 (got {depth})")
+    rarefied = table.subsample(depth, seed=seed)
+    if rarefied.is_empty():
+        deepest = int(table.sum(axis="sample").max())
+        raise UserError(
+            f"data.rarefy_depth={depth}: no sample has that many reads "
+            f"(deepest: {deepest}); lower data.rarefy_depth"
+        )
+    return rarefied
+
+
+def resolve_files(cfg: DictConfig) -> dict[str, Path | None]:
+    """The files the `data` config points at (simulating them first for data=simulated)."""
+    biom_options = ("table", "tree", "unifrac", "metadata", "sequences")
+    if cfg.source == "simulated":
+        stray = [name for name in biom_options if cfg[name] is not None]
+        if stray:
+            raise UserError(f"data.{stray[0]} is set but data.source=simulated ignores it; add data=biom")
+        for name in ("n_samples", "n_asvs", "n_envs", "mean_richness", "depth"):
+            if cfg[name] < 1:
+                raise UserError(f"data.{name} must be >= 1 (got {cfg[name]})")
+        params = SimParams(cfg.n_samples, cfg.n_asvs, cfg.n_envs, cfg.mean_richness, cfg.depth, cfg.sim_seed)
+        return {
+            **ensure_simulated(params, Path(cfg.cache_dir).expanduser()),
+            "unifrac": None,
+            "sequences": None,
+        }
+    if cfg.source != "biom":
+        raise UserError(f"data.source must be simulated or biom (got {cfg.source!r})")
+    if cfg.table is None:
+        raise UserError("data.source=biom needs data.table=<file.biom>")
+    if (cfg.tree is None) == (cfg.unifrac is None):
+        raise UserError(
+            "data=biom needs exactly one of data.tree=<tree.nwk> (UniFrac computed from it) "
+            "or data.unifrac=<matrix> (precomputed)"
+        )
+    if cfg.target is not None and cfg.metadata is None:
+        raise UserError(f"data.target={cfg.target} needs data.metadata=<samples.tsv>")
+    return {
+        name: None if cfg[name] is None else existing_file(cfg[name], f"data.{name}") for name in biom_options
+    }

@@ -1,0 +1,96 @@
+"""Unweighted UniFrac between samples: computed with scikit-bio and cached on disk, or precomputed."""
+
+import hashlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import biom
+import numpy as np
+
+from aamperf.data.tables import read_tree
+from aamperf.errors import UserError
+
+if TYPE_CHECKING:  # scikit-bio costs ~2 s to import; a cache hit never needs it
+    from skbio import TreeNode
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1  # part of the cache key: bump when the computation changes
+METRIC = "unweighted_unifrac"
+
+
+def cache_key(table: biom.Table, tree_text: bytes) -> str:
+    """sha256 of the table's content (ids and counts), the tree's text and the options."""
+    h = hashlib.sha256(f"{METRIC}|v{CACHE_VERSION}|".encode())
+    for axis in ("sample", "observation"):
+        h.update("\t".join(table.ids(axis=axis)).encode() + b"\n")
+    data = table.matrix_data.tocsr(copy=True)
+    data.eliminate_zeros()
+    data.sort_indices()
+    h.update(np.ascontiguousarray(data.indptr, dtype=np.int64))
+    h.update(np.ascontiguousarray(data.indices, dtype=np.int64))
+    h.update(np.ascontiguousarray(data.data, dtype=np.float64))
+    h.update(tree_text)
+    return h.hexdigest()
+
+
+def compute_unifrac(table: biom.Table, tree: "TreeNode") -> np.ndarray:
+    """Unweighted UniFrac [n_samples, n_samples] in the table's sample order (scikit-bio)."""
+    from skbio.diversity import beta_diversity
+
+    obs_ids = list(table.ids(axis="observation"))
+    tips = {tip.name for tip in tree.tips()}
+    missing = [obs for obs in obs_ids if obs not in tips]
+    if missing:
+        raise UserError(
+            f"data.tree: {len(missing)} of {len(obs_ids)} ASVs of the table are not tips of the "
+            f"tree (e.g. {missing[0][:40]!r}); give a tree that covers every ASV of data.table"
+        )
+    counts = table.matrix_data.T.toarray().astype(np.int64)  # samples x ASVs
+    try:
+        dm = beta_diversity(METRIC, counts, ids=list(table.ids()), taxa=obs_ids, tree=tree)
+    except ValueError as e:  # e.g. missing branch lengths
+        raise UserError(f"data.tree: scikit-bio cannot compute UniFrac with this tree ({e})") from e
+    return dm.data
+
+
+def cached_unifrac(table: biom.Table, tree_path: Path, cache_dir: Path) -> tuple[np.ndarray, bool]:
+    """UniFrac of `table` with the tree in `tree_path`: (matrix, served from the cache).
+
+    The cache is `<cache_dir>/unifrac/<key>.npz`; on a hit the tree is not even parsed.
+    """
+    path = cache_dir / "unifrac" / f"{cache_key(table, tree_path.read_bytes())}.npz"
+    sample_ids = np.asarray(table.ids(), dtype=str)
+    if path.is_file():
+        with np.load(path) as cached:
+            if np.array_equal(cached["ids"], sample_ids):  # guards against a hash collision or a bad file
+                return cached["matrix"], True
+        log.warning("UniFrac cache %s does not match the table; recomputing", path)
+    matrix = compute_unifrac(table, read_tree(tree_path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, matrix=matrix, ids=sample_ids)
+        os.replace(tmp, path)  # atomic: a reader sees the old file, no file, or the whole new one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("UniFrac for %d samples cached in %s", len(sample_ids), path)
+    return matrix, False
+
+
+def select_unifrac(matrix: np.ndarray, ids: list[str], sample_ids: list[str]) -> np.ndarray:
+    """Rows/columns of a precomputed matrix for `sample_ids`, in that order."""
+    position = {sid: i for i, sid in enumerate(ids)}
+    missing = [sid for sid in sample_ids if sid not in position]
+    if missing:
+        raise UserError(
+            f"data.unifrac: {len(missing)} of {len(sample_ids)} samples of data.table are not in "
+            f"the UniFrac matrix (e.g. {missing[0]!r}); give a matrix that covers every sample"
+        )
+    order = np.array([position[sid] for sid in sample_ids])
+    return matrix[np.ix_(order, order)]

@@ -1,0 +1,120 @@
+"""Background sampling of the process tree (psutil) and of the GPU (pynvml) around the loop."""
+
+import resource
+import sys
+import threading
+from typing import Any
+
+import psutil
+import torch
+
+
+class _GPU:
+    """pynvml handle of the run's CUDA device; absent without a GPU or without the NVML library."""
+
+    def __init__(self, index: int):
+        import pynvml  # imported only where a GPU exists
+
+        pynvml.nvmlInit()
+        self.nvml = pynvml
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+
+    def sample(self) -> tuple[float, int]:
+        util = self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu
+        used = self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used
+        return float(util), int(used)
+
+    def close(self) -> None:
+        self.nvml.nvmlShutdown()
+
+
+def _open_gpu(device: torch.device) -> _GPU | None:
+    if device.type != "cuda":
+        return None
+    try:
+        return _GPU(device.index if device.index is not None else torch.cuda.current_device())
+    except Exception as exc:  # NVML missing or driver too old: utilisation stays null, training goes on
+        print(f"aamperf: GPU utilisation not monitored ({exc})", file=sys.stderr)
+        return None
+
+
+class SystemMonitor:
+    """Samples RSS and CPU % of this process and its children (dataloader workers) every interval.
+
+    Runs in a daemon thread so the training loop itself never waits on psutil or NVML.
+    """
+
+    def __init__(self, device: torch.device, interval_s: float = 0.2):
+        self.interval_s = interval_s
+        self.device = device
+        self._procs: dict[int, psutil.Process] = {}
+        self._root = psutil.Process()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="aamperf-monitor", daemon=True)
+        self._gpu = _open_gpu(device)
+        self.peak_rss_bytes = 0
+        self.rss_bytes = 0
+        self.cpu_percent = 0.0
+        self._cpu_sum = 0.0
+        self._gpu_util_sum = 0.0
+        self.peak_gpu_used_bytes: int | None = None
+        self._samples = 0
+
+    def _tree(self) -> list[psutil.Process]:
+        live = [self._root, *self._root.children(recursive=True)]
+        # Keep Process objects across samples: cpu_percent() measures since the previous call.
+        self._procs = {p.pid: self._procs.get(p.pid, p) for p in live}
+        return list(self._procs.values())
+
+    def sample(self) -> None:
+        rss, cpu = 0, 0.0
+        for proc in self._tree():
+            try:
+                rss += proc.memory_info().rss
+                cpu += proc.cpu_percent()
+            except psutil.Error:  # a worker exited between listing and reading
+                continue
+        self.rss_bytes = rss
+        self.cpu_percent = cpu
+        self.peak_rss_bytes = max(self.peak_rss_bytes, rss)
+        self._cpu_sum += cpu
+        self._samples += 1
+        if self._gpu is not None:
+            util, used = self._gpu.sample()
+            self._gpu_util_sum += util
+            self.peak_gpu_used_bytes = max(self.peak_gpu_used_bytes or 0, used)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> "SystemMonitor":
+        self.sample()  # primes cpu_percent; the first reading of each process is 0 by psutil's design
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        if self._gpu is not None:
+            self._gpu.close()
+
+    def summary(self) -> dict[str, Any]:
+        # ru_maxrss (KiB on Linux) catches a peak of this process that fell between two samples.
+        self_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        n = max(self._samples - 1, 1)  # the priming sample carries no CPU reading
+        out: dict[str, Any] = {
+            "peak_rss_bytes": max(self.peak_rss_bytes, self_peak),
+            "cpu_percent": self._cpu_sum / n,
+            "gpu_util_percent": None,
+            "peak_gpu_used_bytes": self.peak_gpu_used_bytes,
+            "peak_device_bytes": None,
+        }
+        if self._gpu is not None:
+            out["gpu_util_percent"] = self._gpu_util_sum / max(self._samples, 1)
+        if self.device.type == "cuda":
+            out["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            out["peak_device_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
+            out["alloc_retries"] = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+        return out

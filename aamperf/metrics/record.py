@@ -1,0 +1,54 @@
+"""The run record: metrics.jsonl (one line per logged step, flushed) and summary.json (atomic)."""
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/inf: a non-finite float is written as null (a bad value is never hidden as 0)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write to a temp file, fsync, rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(_clean(obj), f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class RunRecord:
+    """Files of one run directory that the checks and `aamperf.compare` read."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.summary_path = self.run_dir / "summary.json"
+        self._metrics = None
+
+    def log(self, row: dict[str, Any]) -> None:
+        if self._metrics is None:
+            self._metrics = open(self.metrics_path, "a")
+        self._metrics.write(json.dumps(_clean(row)) + "\n")
+        self._metrics.flush()  # a crash loses at most the line being written
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        write_json_atomic(self.summary_path, summary)
+
+    def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None

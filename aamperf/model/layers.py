@@ -1,0 +1,110 @@
+"""Transformer building blocks: swappable attention, pre-LN blocks and stacks, attention pooling."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def key_padding_mask(real: Tensor) -> Tensor:
+    """[N, L] bool (True = real position) -> [N, 1, 1, L] bool mask for `attend` (True = may attend).
+
+    A row with no real position (a padding ASV, which the baseline still encodes) is left fully
+    unmasked, so every attention implementation (math or SDPA) stays finite on it; the caller
+    zeroes that row's output afterwards.
+    """
+    keep = real | ~real.any(dim=-1, keepdim=True)
+    return keep[:, None, None, :]
+
+
+class MathAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + mask) v, written out. The attention phase swaps this module.
+
+    Takes q, k, v as [N, heads, L, head_dim] and a bool mask broadcastable to [N, heads, L, L]
+    (True = may attend), the convention of `F.scaled_dot_product_attention`.
+    """
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.dropout_p = dropout  # read by replacements (e.g. SDPA's dropout_p)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+        if mask is not None:
+            # a large finite negative, not -inf: a fully masked row gives a uniform softmax, not NaN
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        weights = self.dropout(F.softmax(scores, dim=-1))
+        return weights @ v
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention: one fused qkv projection, `self.attend`, one output projection."""
+
+    def __init__(self, dim: int, num_heads: int, dropout: float):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embedding_dim={dim} is not divisible by num_heads={num_heads}: fix model.*")
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.attend = MathAttention(dropout)
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        n, length, dim = x.shape
+        # [N, L, 3D] -> three [N, heads, L, head_dim]
+        q, k, v = self.qkv(x).view(n, length, 3, self.num_heads, dim // self.num_heads).permute(2, 0, 3, 1, 4)
+        y = self.attend(q, k, v, mask)
+        return self.out(y.transpose(1, 2).reshape(n, length, dim))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(LN(x)), then x + FFN(LN(x)) with a GELU FFN."""
+
+    def __init__(self, dim: int, num_heads: int, ffn_mult: int, dropout: float):
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(dim)
+        self.attn = SelfAttention(dim, num_heads, dropout)
+        self.ln_ffn = nn.LayerNorm(dim)
+        self.ffn = nn.Sequential(
+            nn.Linear(dim, ffn_mult * dim), nn.GELU(), nn.Linear(ffn_mult * dim, dim), nn.Dropout(dropout)
+        )
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        x = x + self.dropout(self.attn(self.ln_attn(x), mask))
+        return x + self.ffn(self.ln_ffn(x))
+
+
+class Transformer(nn.Module):
+    """A stack of pre-LN blocks and a final LayerNorm. `blocks` is where checkpointing wraps."""
+
+    def __init__(self, dim: int, num_heads: int, num_layers: int, ffn_mult: int, dropout: float):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim, num_heads, ffn_mult, dropout) for _ in range(num_layers))
+        self.ln_f = nn.LayerNorm(dim)
+
+    def forward(self, x: Tensor, real: Tensor) -> Tensor:
+        """x: [N, L, D]; real: [N, L] bool, False on padding positions (masked as keys)."""
+        mask = key_padding_mask(real)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.ln_f(x)
+
+
+class AttentionPooling(nn.Module):
+    """Softmax over real positions of a learned score (Linear(D, 1) / sqrt(D)), weighted sum, LayerNorm."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.score = nn.Linear(dim, 1)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: Tensor, real: Tensor) -> Tensor:
+        """x: [N, L, D]; real: [N, L] bool -> [N, D]. A row with no real position gives a finite
+        (meaningless) vector; the caller zeroes it."""
+        scores = self.score(x).squeeze(-1) / math.sqrt(x.size(-1))
+        scores = scores.masked_fill(~real, torch.finfo(scores.dtype).min)
+        weights = F.softmax(scores, dim=-1)
+        return self.norm((weights.unsqueeze(1) @ x).squeeze(1))

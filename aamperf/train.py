@@ -1,0 +1,43 @@
+"""Entry point: `python -m aamperf.train [overrides]` (Hydra composes conf/ into one run)."""
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from aamperf.config import register_configs
+from aamperf.errors import UserError
+from aamperf.run import train
+
+register_configs()
+
+
+def _print_result(summary: dict, run_dir: Path) -> None:
+    def fmt(key: str, unit: str = "", scale: float = 1.0) -> str:
+        value = summary.get(key)
+        return "n/a" if value is None else f"{value / scale:.4g}{unit}"
+
+    print(f"run directory: {run_dir}")
+    print(
+        f"  {fmt('samples_per_s', ' samples/s')} | step {fmt('step_time_s', ' s')} | "
+        f"MFU {fmt('mfu')} | peak RSS {fmt('peak_rss_bytes', ' GiB', 2**30)} | "
+        f"train loss {fmt('train_loss')} | val loss {fmt('val_loss')}"
+    )
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        summary = train(cfg, run_dir)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    _print_result(summary, run_dir)
+    return summary["samples_per_s"]  # the objective a sweeper maximizes
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The training loop: fetch -> forward/backward -> step, with timers and monitors around it."""
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from aamperf.metrics import RunRecord, StepMeter, SystemMonitor
+
+LossFn = Callable[[torch.nn.Module, dict[str, Any], int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def warmup_cosine(cfg: DictConfig) -> Callable[[int], float]:
+    """LR multiplier: linear warm-up, then cosine decay to `min_lr_ratio` at `max_steps`."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine
+
+    return factor
+
+
+def forever(loader: torch.utils.data.DataLoader) -> Iterator[dict[str, Any]]:
+    """Endless batches; each pass re-shuffles through the loader's own seeded generator."""
+    while True:
+        yield from loader
+
+
+def to_device(batch: dict[str, Any], device: torch.device, non_blocking: bool) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so a wall-clock step time is the step's real time (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def validate(model: torch.nn.Module, loss_fn: LossFn, loader, n_batches: int, device, non_blocking) -> dict:
+    """Mean loss and parts over at most `n_batches` batches, so its cost does not grow with the data."""
+    model.eval()
+    sums: dict[str, torch.Tensor] = {}
+    n = 0
+    for batch in loader:
+        # step=0: the same nucleotide masks at every validation, so val losses are comparable over time.
+        loss, parts = loss_fn(model, to_device(batch, device, non_blocking), 0)
+        for name, value in {"loss": loss, **parts}.items():
+            sums[name] = sums.get(name, 0) + value.detach().float()
+        n += 1
+        if n == n_batches:
+            break
+    model.train()
+    return {
+        f"val_{name}": (total / n).item() for name, total in sums.items()
+    }  # host sync: once per validation
+
+
+@dataclass
+class FitResult:
+    meter: StepMeter
+    train_loss: float | None = None
+    val: dict[str, float] = field(default_factory=dict)
+    nonfinite_steps: int = 0
+    steps: int = 0
+
+
+def fit(
+    model,
+    loss_fn: LossFn,
+    data,
+    cfg: DictConfig,
+    device: torch.device,
+    record: RunRecord,
+    monitor: SystemMonitor,
+    meter: StepMeter,
+) -> FitResult:
+    """Train for `trainer.max_steps` optimizer steps; log every `metrics.log_every` steps."""
+    tc, non_blocking = cfg.trainer, cfg.dataloader.non_blocking
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(tc))
+    max_norm = (
+        tc.grad_clip if tc.grad_clip > 0 else math.inf
+    )  # inf: the norm is still measured, nothing clipped
+    batches = forever(data.train_loader)
+    result = FitResult(meter=meter)
+    # Loss sums stay on the device between log lines: reading them is a host sync, done once per line.
+    loss_sum = torch.zeros((), device=device)
+    nonfinite = torch.zeros((), device=device, dtype=torch.long)
+    interval: dict[str, float] = {"time_s": 0.0, "wait_s": 0.0, "samples": 0, "tokens": 0, "steps": 0}
+    bar = tqdm(total=tc.max_steps, desc="train", unit="step", disable=not tc.progress, dynamic_ncols=True)
+    model.train()
+    for step in range(1, tc.max_steps + 1):
+        start = time.perf_counter()
+        wait_s, samples, tokens = 0.0, 0, 0
+        step_loss = torch.zeros((), device=device)
+        for _ in range(tc.grad_accum_steps):
+            fetch = time.perf_counter()
+            batch = to_device(next(batches), device, non_blocking)
+            wait_s += time.perf_counter() - fetch
+            loss, parts = loss_fn(model, batch, step)
+            (loss / tc.grad_accum_steps).backward()
+            step_loss += loss.detach() / tc.grad_accum_steps
+            samples += batch["tokens"].shape[0]
+            tokens += batch["n_tokens"]
+        loss_sum += step_loss
+        nonfinite += (~torch.isfinite(step_loss)).long()  # a device-side count: no sync here
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        step_time_s = time.perf_counter() - start
+        meter.add(step_time_s, wait_s, samples, tokens)
+        for key, value in (
+            ("time_s", step_time_s),
+            ("wait_s", wait_s),
+            ("samples", samples),
+            ("tokens", tokens),
+            ("steps", 1),
+        ):
+            interval[key] += value
+        bar.update()
+
+        val_due = step % tc.val_every == 0 or step == tc.max_steps
+        if step % cfg.metrics.log_every and not val_due:
+            continue
+        row: dict[str, Any] = {"step": step, "loss": loss_sum.item() / interval["steps"]}  # host sync
+        row.update({f"loss_{k}": v.detach().float().item() for k, v in parts.items()})
+        row.update(
+            {
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm.item(),
+                "step_time_s": interval["time_s"] / interval["steps"],
+                "samples_per_s": interval["samples"] / interval["time_s"],
+                "tokens_per_s": interval["tokens"] / interval["time_s"],
+                "data_wait_frac": interval["wait_s"] / interval["time_s"],
+                "rss_bytes": monitor.rss_bytes,
+                "cpu_percent": monitor.cpu_percent,
+                "elapsed_s": time.perf_counter() - meter.start_time,
+            }
+        )
+        if val_due:
+            result.val = validate(model, loss_fn, data.val_loader, tc.val_batches, device, non_blocking)
+            row.update(result.val)
+        record.log(row)
+        bar.set_postfix(loss=f"{row['loss']:.4f}", samples_s=f"{row['samples_per_s']:.1f}")
+        result.train_loss = row["loss"]
+        loss_sum.zero_()
+        interval = dict.fromkeys(interval, 0)
+    bar.close()
+    result.nonfinite_steps = int(nonfinite.item())
+    result.steps = tc.max_steps
+    return result

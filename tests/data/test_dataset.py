@@ -1,0 +1,192 @@
+"""build_data end to end: batch layout, max_asvs, rarefaction, split, loaders, data=biom, errors."""
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from skbio import TreeNode
+
+from aamperf.config import DataConfig, DataloaderConfig
+from aamperf.data import build_data
+from aamperf.data.dataset import Collate, top_asvs
+from aamperf.data.tables import rarefy, read_table, read_target
+from aamperf.data.unifrac import compute_unifrac
+from aamperf.errors import UserError
+
+SIM = {"n_samples": 40, "n_asvs": 64, "n_envs": 2, "mean_richness": 20, "depth": 2000, "rarefy_depth": 500}
+LOADER = OmegaConf.structured(DataloaderConfig)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def data_cfg(cache_dir, **overrides):
+    base = {"cache_dir": str(cache_dir), "max_asvs": 32, "target": "target", **SIM, **overrides}
+    return OmegaConf.merge(OmegaConf.structured(DataConfig), base)
+
+
+def decode(row: torch.Tensor) -> str:
+    return "".join("?ACGT"[t] for t in row[1:].tolist() if t)
+
+
+def test_batch_layout(cache_dir):
+    data = build_data(data_cfg(cache_dir), batch_size=8, seed=0, loader=LOADER)
+    batch = next(iter(data.train_loader))
+    assert set(batch) == {"tokens", "counts", "unifrac", "target", "sample_idx", "n_tokens"}
+    assert batch["tokens"].shape == (8, 32, 151) and batch["tokens"].dtype == torch.int64
+    assert batch["counts"].shape == (8, 32, 1) and batch["counts"].dtype == torch.float32
+    assert batch["unifrac"].shape == (8, 8) and batch["unifrac"].dtype == torch.float32
+    assert batch["target"].shape == (8, 1) and batch["target"].dtype == torch.float32
+    assert batch["sample_idx"].shape == (8,) and batch["sample_idx"].dtype == torch.int64
+    tokens, counts = batch["tokens"], batch["counts"]
+    real = tokens[..., 0] != 0
+    assert (tokens[real][:, 0] == 5).all() and (tokens[~real] == 0).all()  # padding rows are all zero
+    assert ((counts[..., 0] > 0) == real).all()  # counts are 0 exactly on padding
+    assert batch["n_tokens"] == int(((tokens >= 1) & (tokens <= 4)).sum())
+    assert isinstance(batch["n_tokens"], int)
+    # UniFrac: the sub-matrix of the whole rarefied data set's matrix for these samples
+    table = rarefy(read_table(data.files["table"]), 500, seed=0)
+    full = compute_unifrac(table, TreeNode.read(data.files["tree"]))
+    idx = batch["sample_idx"].numpy()
+    np.testing.assert_allclose(batch["unifrac"].numpy(), full[np.ix_(idx, idx)], atol=1e-6)
+    targets = read_target(data.files["metadata"], "target")
+    expected = [targets[data.sample_ids[i]] for i in idx]
+    np.testing.assert_allclose(batch["target"][:, 0].numpy(), expected, rtol=1e-6)
+    train_targets = [targets[data.sample_ids[i]] for i in data.train_loader.dataset.indices]
+    assert data.target_mean == pytest.approx(np.mean(train_targets), rel=1e-5)
+    assert data.has_target and data.n_train + data.n_val == len(table.ids())
+
+
+def test_max_asvs_keeps_the_most_abundant(cache_dir):
+    data = build_data(data_cfg(cache_dir, max_asvs=5), batch_size=4, seed=0, loader=LOADER)
+    table = rarefy(read_table(data.files["table"]), 500, seed=0)
+    batch = next(iter(data.val_loader))
+    for b, s in enumerate(batch["sample_idx"].tolist()):
+        column = table.data(data.sample_ids[s])
+        kept = batch["counts"][b, :, 0]
+        assert kept.tolist() == sorted(column, reverse=True)[:5]  # most abundant first
+        for row, count in zip(batch["tokens"][b], kept.tolist(), strict=True):  # the right ASVs
+            assert table.get_value_by_ids(decode(row), data.sample_ids[s]) == count
+    used = torch.cat([item["asv_idx"] for item in data.dataset]).unique()
+    assert data.n_asvs == len(used) == data.collate.tokens.shape[0]
+    assert data.n_asvs < len(table.ids(axis="observation"))  # ASVs only in the cut tail are not kept
+
+
+def test_ties_are_broken_by_table_order():
+    rows, counts = top_asvs(np.array([3, 1, 2, 0]), np.array([5, 5, 7, 1]), 3)
+    assert rows.tolist() == [2, 1, 3] and counts.tolist() == [7, 5, 5]
+
+
+def test_rarefaction_depth_respected_and_shallow_samples_dropped(cache_dir):
+    data = build_data(
+        data_cfg(cache_dir, max_asvs=200, rarefy_depth=2000), batch_size=4, seed=0, loader=LOADER
+    )
+    depths = read_table(data.files["table"]).sum(axis="sample")
+    assert 0 < data.n_train + data.n_val == (depths >= 2000).sum() < len(depths)
+    assert all(item["counts"].sum() == 2000 for item in data.dataset)
+
+
+def test_split_and_shuffle_are_seeded(cache_dir):
+    def first_batches(seed):
+        data = build_data(data_cfg(cache_dir), batch_size=8, seed=seed, loader=LOADER)
+        train = set(data.train_loader.dataset.indices)
+        val = set(data.val_loader.dataset.indices)
+        assert not train & val and len(train | val) == len(data.sample_ids)
+        return [b["sample_idx"].tolist() for b in data.train_loader][:2], sorted(val)
+
+    assert first_batches(0) == first_batches(0)
+    assert first_batches(0)[0] != first_batches(1)[0]
+
+
+def test_small_val_set_is_one_batch_and_too_small_is_an_error(cache_dir):
+    data = build_data(data_cfg(cache_dir, val_fraction=0.1), batch_size=16, seed=0, loader=LOADER)
+    assert data.n_val < 16
+    assert [len(b["sample_idx"]) for b in data.val_loader] == [data.n_val]
+    assert len(data.train_loader) == data.n_train // 16  # drop_last
+    with pytest.raises(UserError, match=r"only 0 validation samples .* raise data\.val_fraction"):
+        build_data(data_cfg(cache_dir, val_fraction=0.0), batch_size=4, seed=0, loader=LOADER)
+
+
+def test_collate_pad_to_none_pads_to_the_longest_sample():
+    collate = Collate(torch.full((3, 151), 5, dtype=torch.uint8), torch.eye(2), pad_to=None)
+    items = [
+        {"asv_idx": torch.tensor([0, 2]), "counts": torch.tensor([4.0, 1.0]), "sample_idx": 1, "n_tokens": 7},
+        {"asv_idx": torch.tensor([1]), "counts": torch.tensor([9.0]), "sample_idx": 0, "n_tokens": 3},
+    ]
+    batch = collate(items)
+    assert batch["tokens"].shape == (2, 2, 151)
+    assert batch["counts"][:, :, 0].tolist() == [[4.0, 1.0], [9.0, 0.0]]
+    assert batch["unifrac"].tolist() == [[1.0, 0.0], [0.0, 1.0]] and batch["n_tokens"] == 10
+
+
+def test_worker_options_reach_the_loader(cache_dir):
+    loader = OmegaConf.merge(LOADER, {"num_workers": 1, "prefetch_factor": 3, "persistent_workers": True})
+    data = build_data(data_cfg(cache_dir), batch_size=8, seed=0, loader=loader)
+    assert (data.train_loader.num_workers, data.train_loader.prefetch_factor) == (1, 3)
+    assert data.train_loader.persistent_workers and data.train_loader.drop_last
+    assert next(iter(data.val_loader))["tokens"].shape == (8, 32, 151)
+
+
+def test_biom_source_with_fasta_and_precomputed_unifrac(cache_dir, tmp_path):
+    sim = build_data(data_cfg(cache_dir), batch_size=4, seed=0, loader=LOADER)
+    table = read_table(sim.files["table"])
+    seqs = list(table.ids(axis="observation"))
+    renamed = table.update_ids({s: f"asv{i}" for i, s in enumerate(seqs)}, axis="observation", inplace=False)
+    with h5py.File(tmp_path / "t.biom", "w") as f:
+        renamed.to_hdf5(f, "test")
+    (tmp_path / "s.fasta").write_text("".join(f">asv{i}\n{s}\n" for i, s in enumerate(seqs)))
+    ids = sim.sample_ids[::-1]  # another order than the table's; a subset is enough for the kept samples
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["matrix"] = sim.collate.unifrac.numpy()[::-1, ::-1].astype(np.float64)
+        f["ids"] = np.array(ids, dtype="S")
+    cfg = data_cfg(
+        cache_dir,
+        source="biom",
+        table=str(tmp_path / "t.biom"),
+        unifrac=str(tmp_path / "d.h5"),
+        sequences=str(tmp_path / "s.fasta"),
+        target=None,
+    )
+    data = build_data(cfg, batch_size=4, seed=0, loader=LOADER)
+    assert not data.has_target and not data.unifrac_cached and data.files["sequences"].endswith("s.fasta")
+    assert data.sample_ids == sim.sample_ids
+    assert data.collate.unifrac.equal(sim.collate.unifrac)
+    assert data.collate.tokens.equal(sim.collate.tokens)
+    assert "target" not in next(iter(data.train_loader))
+    (tmp_path / "d.h5").unlink()
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["matrix"], f["ids"] = np.zeros((2, 2)), np.array(sim.sample_ids[:2], dtype="S")
+    with pytest.raises(UserError, match=r"^data\.unifrac: \d+ of \d+ samples of data\.table are not in"):
+        build_data(cfg, batch_size=4, seed=0, loader=LOADER)
+    with pytest.raises(UserError, match=r"^data\.sequences: \d+ observation ids of data\.table are not DNA"):
+        build_data(OmegaConf.merge(cfg, {"sequences": None}), batch_size=4, seed=0, loader=LOADER)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "batch_size", "message"),
+    [
+        ({}, 1, r"^trainer\.batch_size must be >= 2 \(UniFrac compares pairs of samples\)$"),
+        ({"source": "biom"}, 4, r"^data\.source=biom needs data\.table"),
+        (
+            {"source": "biom", "table": "x.biom", "tree": "t.nwk", "target": None},
+            4,
+            r"^data\.table: no such file: x\.biom$",
+        ),
+        ({"source": "biom", "table": "x.biom"}, 4, r"exactly one of data\.tree=.* or data\.unifrac="),
+        (
+            {"source": "biom", "table": "x.biom", "tree": "t.nwk"},
+            4,
+            r"^data\.target=target needs data\.metadata",
+        ),
+        ({"table": "x.biom"}, 4, r"^data\.table is set but data\.source=simulated"),
+        ({"rarefy_depth": 10**6}, 4, r"^data\.rarefy_depth=1000000: no sample"),
+        ({"val_fraction": 0.98}, 4, r"training samples, fewer than trainer\.batch_size=4"),
+        ({"source": "other"}, 4, r"^data\.source must be simulated or biom"),
+    ],
+)
+def test_errors_name_the_fix(cache_dir, overrides, batch_size, message):
+    with pytest.raises(UserError, match=message):
+        build_data(data_cfg(cache_dir, **overrides), batch_size=batch_size, seed=0, loader=LOADER)

@@ -1,0 +1,137 @@
+"""Readers of the user's files, tokenization and rarefaction, with the errors that name the fix."""
+
+import biom
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from aamperf.data.tables import (
+    existing_file,
+    observation_sequences,
+    rarefy,
+    read_table,
+    read_target,
+    read_tree,
+    read_unifrac,
+)
+from aamperf.data.tokenize import START, count_real_tokens, tokenize_sequences
+from aamperf.errors import UserError
+
+IDS = ["s1", "s2", "s3"]
+MATRIX = np.array([[0.0, 0.25, 0.5], [0.25, 0.0, 0.75], [0.5, 0.75, 0.0]])
+
+
+def small_table() -> biom.Table:
+    counts = np.array([[5, 0, 3], [1, 2, 0], [0, 7, 9], [4, 1, 1]])
+    return biom.Table(counts, observation_ids=["AC", "GT", "ACGT", "TTGA"], sample_ids=IDS)
+
+
+def test_biom_round_trip_hdf5_and_json(tmp_path):
+    table = small_table()
+    with h5py.File(tmp_path / "t.biom", "w") as f:
+        table.to_hdf5(f, generated_by="test")
+    (tmp_path / "t.json").write_text(table.to_json("test"))
+    for name in ("t.biom", "t.json"):
+        back = read_table(tmp_path / name)
+        assert list(back.ids()) == IDS
+        assert list(back.ids(axis="observation")) == ["AC", "GT", "ACGT", "TTGA"]
+        np.testing.assert_array_equal(back.matrix_data.toarray(), table.matrix_data.toarray())
+
+
+def test_unreadable_or_missing_files_name_the_option(tmp_path):
+    (tmp_path / "bad.biom").write_text("not a biom table")
+    with pytest.raises(UserError, match=r"^data\.table: cannot read .*bad\.biom as a BIOM table"):
+        read_table(tmp_path / "bad.biom")
+    with pytest.raises(UserError, match=r"^data\.table: no such file: x\.biom$"):
+        existing_file("x.biom", "data.table")
+    (tmp_path / "bad.nwk").write_text("((a,b);")
+    with pytest.raises(UserError, match=r"^data\.tree: cannot read"):
+        read_tree(tmp_path / "bad.nwk")
+
+
+def test_fractional_counts_are_refused(tmp_path):
+    with h5py.File(tmp_path / "rel.biom", "w") as f:
+        biom.Table(np.array([[0.5, 1.0], [0.5, 0.0]]), ["A", "C"], ["s1", "s2"]).to_hdf5(f, "test")
+    with pytest.raises(UserError, match="non-negative integer counts"):
+        read_table(tmp_path / "rel.biom")
+
+
+def test_tokens_follow_the_aam_vocabulary():
+    tokens = tokenize_sequences(["ACGT", "acgtn", "G" * 160, "ARYN"])
+    assert tokens.shape == (4, 151) and tokens.dtype == torch.uint8
+    assert tokens[0, :6].tolist() == [START, 1, 2, 3, 4, 0]
+    assert tokens[1, :6].tolist() == [START, 1, 2, 3, 4, 0]  # lower case read, N -> pad
+    assert tokens[2, 1:].tolist() == [3] * 150  # truncated to 150 bp
+    assert tokens[3, :5].tolist() == [START, 1, 0, 0, 0]  # ambiguous IUPAC letters -> pad
+    assert count_real_tokens(tokens).tolist() == [4, 4, 150, 1]
+    with pytest.raises(ValueError, match="'-'"):
+        tokenize_sequences(["AC-GT"])
+
+
+def test_observation_ids_that_are_not_sequences_need_a_fasta(tmp_path):
+    assert observation_sequences(["acgt", "NACG"], None) == ["ACGT", "NACG"]
+    with pytest.raises(UserError, match=r"^data\.sequences: 1 observation ids .* \(e\.g\. 'feat1'\)"):
+        observation_sequences(["ACGT", "feat1"], None)
+    fasta = tmp_path / "seqs.fasta"
+    fasta.write_text(">feat1 some description\nACGTR\nacgt\n>feat2\nTTTT\n")
+    assert observation_sequences(["feat2", "feat1"], fasta) == ["TTTT", "ACGTRACGT"]
+    with pytest.raises(UserError, match=r"^data\.sequences: 1 of 2 .* \(e\.g\. 'feat3'\)"):
+        observation_sequences(["feat1", "feat3"], fasta)
+    fasta.write_text(">feat1\nAC12\n")
+    with pytest.raises(UserError, match=r"^data\.sequences: 1 records .* not nucleotide"):
+        observation_sequences(["feat1"], fasta)
+
+
+def test_target_column_is_read_as_numbers(tmp_path):
+    path = tmp_path / "meta.tsv"
+    path.write_text("#SampleID\tage\tsite\n#q2:types\tnumeric\tcategorical\ns1\t3.5\tgut\ns2\t\tgut\n")
+    assert read_target(path, "age") == {"s1": 3.5}  # s2 has no value
+    with pytest.raises(UserError, match=r"^data\.target: no column 'bmi' .*columns: age, site"):
+        read_target(path, "bmi")
+    with pytest.raises(UserError, match=r"^data\.target: column 'site' .* not numeric"):
+        read_target(path, "site")
+
+
+@pytest.mark.parametrize("layout", ["npy", "npy.ids", "h5", "csv", "tsv"])
+def test_precomputed_unifrac_formats(tmp_path, layout):
+    if layout.startswith("npy"):
+        path = tmp_path / "dist.npy"
+        np.save(path, MATRIX)
+        sidecar = tmp_path / ("dist.ids.txt" if layout == "npy" else "dist.npy.ids.txt")
+        sidecar.write_text("\n".join(IDS) + "\n")
+    elif layout == "h5":
+        path = tmp_path / "dist.h5"
+        with h5py.File(path, "w") as f:
+            f["matrix"], f["ids"] = MATRIX, np.array(IDS, dtype="S")
+    else:
+        sep = "," if layout == "csv" else "\t"
+        path = tmp_path / f"dist.{layout}"
+        lines = [sep.join(["", *IDS])] + [
+            sep.join([i, *map(str, row)]) for i, row in zip(IDS, MATRIX, strict=True)
+        ]
+        path.write_text("\n".join(lines) + "\n")
+    matrix, ids = read_unifrac(path)
+    assert ids == IDS
+    np.testing.assert_array_equal(matrix, MATRIX)
+
+
+def test_precomputed_unifrac_errors(tmp_path):
+    np.save(tmp_path / "dist.npy", MATRIX)
+    with pytest.raises(UserError, match=r"^data\.unifrac: .* dist\.ids\.txt or dist\.npy\.ids\.txt"):
+        read_unifrac(tmp_path / "dist.npy")
+    (tmp_path / "dist.ids.txt").write_text("s1\ns2\n")
+    with pytest.raises(UserError, match=r"^data\.unifrac: .* \(3, 3\) matrix for 2 ids"):
+        read_unifrac(tmp_path / "dist.npy")
+
+
+def test_rarefaction_depth_is_respected_and_shallow_samples_dropped():
+    table = small_table()  # sample depths: 10, 10, 13
+    rarefied = rarefy(table, 11, seed=0)
+    assert list(rarefied.ids()) == ["s3"]
+    rarefied = rarefy(table, 6, seed=0)
+    assert rarefied.sum(axis="sample").tolist() == [6, 6, 6]
+    assert (rarefied.matrix_data.toarray() <= table.matrix_data.toarray()).all()
+    assert rarefy(table, 6, seed=0) == rarefied  # seeded
+    with pytest.raises(UserError, match=r"^data\.rarefy_depth=14: no sample .* \(deepest: 13\)"):
+        rarefy(table, 14, seed=0)

@@ -1,0 +1,102 @@
+"""UniFrac: equal to scikit-bio and to a hand computation, cached on disk, errors that name the fix."""
+
+import io
+
+import biom
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+from skbio import TreeNode
+from skbio.diversity import beta_diversity
+
+from aamperf.config import DataConfig, DataloaderConfig
+from aamperf.data import build_data
+from aamperf.data.unifrac import cached_unifrac, compute_unifrac, select_unifrac
+from aamperf.errors import UserError
+
+NEWICK = "((a:1,b:2)ab:0.5,(c:3,d:4)cd:1.5)root;\n"
+# S1 = {a, b}, S2 = {a, c}, S3 = {d}; counts do not matter to unweighted UniFrac
+TABLE = biom.Table(
+    np.array([[3, 1, 0], [2, 0, 0], [0, 5, 0], [0, 0, 7]]), ["a", "b", "c", "d"], ["S1", "S2", "S3"]
+)
+# unique branch length / branch length observed in either sample:
+# S1-S2: (a+b+ab+c+cd - a-ab) / 8 = 6.5/8; S1-S3: all unique = 1; S2-S3: (10 - cd) / 10 = 8.5/10
+HAND = np.array([[0.0, 0.8125, 1.0], [0.8125, 0.0, 0.85], [1.0, 0.85, 0.0]])
+
+
+def tree() -> TreeNode:
+    return TreeNode.read(io.StringIO(NEWICK))
+
+
+def test_unifrac_equals_hand_computation_and_scikit_bio():
+    matrix = compute_unifrac(TABLE, tree())
+    np.testing.assert_allclose(matrix, HAND, atol=1e-12)
+    direct = beta_diversity(
+        "unweighted_unifrac",
+        TABLE.matrix_data.T.toarray(),
+        ids=["S1", "S2", "S3"],
+        taxa=["a", "b", "c", "d"],
+        tree=tree(),
+    )
+    np.testing.assert_allclose(matrix, direct.data, atol=1e-12)
+
+
+def test_second_call_is_served_from_the_cache_file(tmp_path):
+    (tmp_path / "t.nwk").write_text(NEWICK)
+    matrix, cached = cached_unifrac(TABLE, tmp_path / "t.nwk", tmp_path)
+    assert not cached
+    (cache_file,) = (tmp_path / "unifrac").glob("*.npz")
+    assert len(cache_file.stem) == 64  # sha256
+    # plant a different matrix in the cache file: the second call must return it, not recompute
+    np.savez(cache_file, matrix=matrix * 0.5, ids=np.array(["S1", "S2", "S3"]))
+    again, cached = cached_unifrac(TABLE, tmp_path / "t.nwk", tmp_path)
+    assert cached
+    np.testing.assert_allclose(again, HAND * 0.5)
+    # another tree text (one branch longer) is another cache entry
+    (tmp_path / "t.nwk").write_text(NEWICK.replace("d:4", "d:5"))
+    other, cached = cached_unifrac(TABLE, tmp_path / "t.nwk", tmp_path)
+    assert not cached
+    assert other[1, 2] == pytest.approx(9.5 / 11)
+    assert len(list((tmp_path / "unifrac").iterdir())) == 2  # no temp file left behind
+
+
+def test_build_twice_serves_unifrac_from_cache(tmp_path):
+    cfg = OmegaConf.structured(DataConfig)
+    overrides = {
+        "cache_dir": str(tmp_path),
+        "max_asvs": 16,
+        "n_samples": 24,
+        "n_asvs": 48,
+        "mean_richness": 12,
+        "depth": 1500,
+        "rarefy_depth": 500,
+    }
+    cfg = OmegaConf.merge(cfg, overrides)
+    loader = OmegaConf.structured(DataloaderConfig)
+    first = build_data(cfg, batch_size=4, seed=0, loader=loader)
+    (cache_file,) = (tmp_path / "unifrac").glob("*.npz")
+    mtime = cache_file.stat().st_mtime_ns
+    second = build_data(cfg, batch_size=4, seed=0, loader=loader)
+    assert (first.unifrac_cached, second.unifrac_cached) == (False, True)
+    assert cache_file.stat().st_mtime_ns == mtime
+    assert second.collate.unifrac.equal(first.collate.unifrac)
+    third = build_data(cfg, batch_size=4, seed=1, loader=loader)  # another rarefaction: another entry
+    assert not third.unifrac_cached
+    assert len(list((tmp_path / "unifrac").glob("*.npz"))) == 2
+
+
+def test_tree_must_cover_every_asv():
+    partial = TreeNode.read(io.StringIO("((a:1,b:2):0.5,c:3);"))
+    with pytest.raises(
+        UserError, match=r"^data\.tree: 1 of 4 ASVs of the table are not tips .* \(e\.g\. 'd'\)"
+    ):
+        compute_unifrac(TABLE, partial)
+
+
+def test_precomputed_matrix_is_reordered_and_must_cover_samples():
+    ids = ["S3", "S1", "S2"]
+    order = [2, 0, 1]
+    shuffled = HAND[np.ix_(order, order)]
+    np.testing.assert_array_equal(select_unifrac(shuffled, ids, ["S1", "S2", "S3"]), HAND)
+    with pytest.raises(UserError, match=r"^data\.unifrac: 1 of 3 samples .* \(e\.g\. 'S4'\)"):
+        select_unifrac(shuffled, ids, ["S1", "S2", "S4"])

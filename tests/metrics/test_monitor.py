@@ -1,0 +1,30 @@
+import subprocess
+import sys
+import time
+
+import torch
+
+from aamperf.metrics import SystemMonitor
+
+
+def test_monitor_counts_child_processes_memory():
+    """Dataloader workers are children: their RSS must be in the peak of the process tree."""
+    size = 300 * 2**20
+    code = f"import time; b = bytearray({size}); b[::4096] = b'x' * len(b[::4096]); time.sleep(3)"
+    with SystemMonitor(torch.device("cpu"), interval_s=0.05) as monitor:
+        before = monitor.rss_bytes
+        child = subprocess.Popen([sys.executable, "-c", code])
+        time.sleep(1.5)
+        child.kill()
+        child.wait()
+    s = monitor.summary()
+    assert s["peak_rss_bytes"] >= before + size * 0.9
+    assert s["peak_device_bytes"] is None and s["gpu_util_percent"] is None
+
+
+def test_monitor_measures_cpu_use_of_busy_thread():
+    with SystemMonitor(torch.device("cpu"), interval_s=0.05) as monitor:
+        end = time.perf_counter() + 0.6
+        while time.perf_counter() < end:
+            pass
+    assert monitor.summary()["cpu_percent"] > 30

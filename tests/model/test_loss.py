@@ -1,0 +1,125 @@
+"""AAMLoss: the deterministic nucleotide mask and each loss part against hand-computed values."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from aamperf.model import AAMLoss, nucleotide_mask
+
+CONF = Path(__file__).parents[2] / "conf"
+
+
+def random_tokens(batch: int, n_asvs: int, seed: int) -> torch.Tensor:
+    """Real ASVs (START + bases) with the last ASV of every sample and the tail of every ASV padded."""
+    tokens = torch.randint(1, 5, (batch, n_asvs, 151), generator=torch.Generator().manual_seed(seed))
+    tokens[..., 0] = 5
+    tokens[..., 140:] = 0
+    tokens[:, -1] = 0
+    return tokens
+
+
+def test_mask_of_a_sample_depends_only_on_seed_step_and_sample_id():
+    a = random_tokens(3, 8, seed=0)
+    b = random_tokens(4, 16, seed=1)
+    b[2, :8], b[2, 8:] = a[0], 0  # sample 7: first in batch a, third in batch b (more padding ASVs there)
+    mask_a = nucleotide_mask(a, torch.tensor([7, 1, 2]), step=3, seed=0, fraction=0.15)
+    mask_b = nucleotide_mask(b, torch.tensor([4, 5, 7, 9]), step=3, seed=0, fraction=0.15)
+    assert mask_a[0].sum() > 50  # ~0.15 * 7 ASVs * 139 bases
+    assert torch.equal(mask_b[2, :8], mask_a[0])
+    assert not mask_b[2, 8:].any()
+    # another step, seed or sample id draws another mask
+    assert not torch.equal(nucleotide_mask(a, torch.tensor([7, 1, 2]), 4, 0, 0.15)[0], mask_a[0])
+    assert not torch.equal(nucleotide_mask(a, torch.tensor([7, 1, 2]), 3, 1, 0.15)[0], mask_a[0])
+    assert not torch.equal(nucleotide_mask(a, torch.tensor([8, 1, 2]), 3, 0, 0.15)[0], mask_a[0])
+
+
+def test_mask_hides_the_fraction_of_real_bases_and_nothing_else():
+    tokens = random_tokens(8, 32, seed=2)
+    mask = nucleotide_mask(tokens, torch.arange(8), step=0, seed=0, fraction=0.15)
+    real_bases = (tokens >= 1) & (tokens <= 4)
+    assert not (mask & ~real_bases).any()  # never START, never padding
+    assert abs(mask.sum() / real_bases.sum() - 0.15) < 0.01  # 34k bases: sd of the fraction ~0.002
+    assert nucleotide_mask(tokens, torch.arange(8), 0, 0, 0.0).sum() == 0
+
+
+class Stub(torch.nn.Module):
+    """A model with fixed outputs, to check the loss by hand."""
+
+    def __init__(self, **outputs):
+        super().__init__()
+        self.outputs = outputs
+        self.seen_tokens = None
+
+    def forward(self, tokens, counts):
+        self.seen_tokens = tokens
+        return dict(self.outputs)
+
+
+def stub_batch(**extra) -> dict:
+    tokens = random_tokens(3, 4, seed=3)
+    return {
+        "tokens": tokens,
+        "counts": torch.ones(3, 4, 1),
+        "sample_idx": torch.tensor([0, 1, 2]),
+        "unifrac": torch.tensor([[0.0, 0.5, 0.7], [0.5, 0.0, 0.4], [0.7, 0.4, 0.0]]),
+        **extra,
+    }
+
+
+def test_unifrac_loss_on_a_hand_case():
+    # distances: |e0-e1| = 5, |e0-e2| = 10, |e1-e2| = 5
+    stub = Stub(sample_embedding=torch.tensor([[0.0, 0.0], [3.0, 4.0], [6.0, 8.0]]))
+    total, parts = AAMLoss(unifrac_weight=2.0)(stub, stub_batch(), step=0)
+    expected = ((math.tanh(0.5) - 0.5) ** 2 + (math.tanh(1.0) - 0.7) ** 2 + (math.tanh(0.5) - 0.4) ** 2) / 3
+    assert set(parts) == {"unifrac"}  # the stub has no nucleotide logits and no target
+    assert parts["unifrac"].item() == pytest.approx(expected, rel=1e-6)
+    assert total.item() == pytest.approx(2.0 * expected, rel=1e-6)
+
+
+def test_nucleotide_loss_is_cross_entropy_on_the_hidden_bases_only():
+    batch = stub_batch()
+    stub = Stub()
+    loss = AAMLoss(mask_fraction=0.15)
+    with pytest.raises(ValueError, match="nothing to train"):
+        loss(stub, batch, step=5)  # no outputs at all; the stub still records the tokens it saw
+    seen = stub.seen_tokens
+    hidden = nucleotide_mask(batch["tokens"], batch["sample_idx"], 5, 0, 0.15)
+    assert torch.equal(seen == 6, hidden)
+    assert torch.equal(seen[~hidden], batch["tokens"][~hidden])
+    # logits 10 on the token the model sees: right where visible, "MASK" (wrong) where hidden
+    stub.outputs = {"nuc_logits": 10.0 * torch.nn.functional.one_hot(seen, 7).float()}
+    total, parts = loss(stub, batch, step=5)
+    assert set(parts) == {"nucleotide"}
+    assert parts["nucleotide"].item() == pytest.approx(math.log(math.exp(10) + 6), rel=1e-5)
+
+
+def test_target_part_and_weighted_total():
+    stub = Stub(
+        sample_embedding=torch.tensor([[0.0, 0.0], [3.0, 4.0], [6.0, 8.0]]),
+        target=torch.tensor([[1.0], [2.0], [4.0]]),
+    )
+    loss = AAMLoss(unifrac_weight=0.5, target_weight=3.0)
+    total, parts = loss(stub, stub_batch(target=torch.tensor([[1.0], [0.0], [1.0]])), step=0)
+    assert parts["target"].item() == pytest.approx((0 + 4 + 9) / 3)
+    assert total.item() == pytest.approx(0.5 * parts["unifrac"].item() + 3.0 * 13 / 3, rel=1e-6)
+    _, parts = loss(stub, stub_batch(), step=0)  # no target in the batch: no target part
+    assert set(parts) == {"unifrac"}
+
+
+def test_unifrac_loss_needs_two_samples():
+    stub = Stub(sample_embedding=torch.zeros(1, 2))
+    batch = stub_batch()
+    batch = {k: v[:1] for k, v in batch.items()}
+    with pytest.raises(ValueError, match="batch_size >= 2"):
+        AAMLoss()(stub, batch, step=0)
+
+
+def test_loss_config_instantiates_with_the_run_seed():
+    cfg = OmegaConf.merge({"seed": 4}, {"loss": OmegaConf.load(CONF / "loss" / "aam.yaml")})
+    loss = instantiate(cfg.loss)
+    assert isinstance(loss, AAMLoss)
+    assert (loss.seed, loss.mask_fraction) == (4, 0.15)

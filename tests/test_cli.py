@@ -1,0 +1,51 @@
+"""The entry point as a user runs it: exit codes, one-line errors, the run directory."""
+
+import json
+import subprocess
+import sys
+
+from conftest import TINY
+
+
+def run_cli(tmp_path, cache_dir, *overrides):
+    cmd = [
+        sys.executable,
+        "-m",
+        "aamperf.train",
+        *TINY,
+        f"data.cache_dir={cache_dir}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        *overrides,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_main_job_writes_run_directory(tmp_path, cache_dir):
+    proc = run_cli(tmp_path, cache_dir, "trainer.max_steps=5")
+    assert proc.returncode == 0, proc.stderr
+    assert f"run directory: {tmp_path / 'run'}" in proc.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 5
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()  # the resolved config beside the record
+
+
+def test_bad_input_is_one_line_exit_2_and_recorded(tmp_path, cache_dir):
+    proc = run_cli(tmp_path, cache_dir, "trainer.batch_size=1")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: trainer.batch_size=1 must be >= 2")
+    assert "Traceback" not in proc.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "trainer.batch_size" in summary["error"]
+
+
+def test_missing_user_table_names_the_option(tmp_path, cache_dir):
+    proc = run_cli(
+        tmp_path,
+        cache_dir,
+        "data=biom",
+        f"data.table={tmp_path / 'nope.biom'}",
+        f"data.tree={tmp_path / 'nope.nwk'}",
+    )
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and "data.table" in last and "nope.biom" in last
