@@ -33,7 +33,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         summary = train(cfg, run_dir)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print("error: " + " ".join(str(exc).split()), file=sys.stderr)  # one line, always
         sys.exit(2)
     _print_result(summary, run_dir)
     return summary["samples_per_s"]  # the objective a sweeper maximizes
