@@ -29,5 +29,11 @@ def check_config(cfg: DictConfig) -> None:
         problems.append(f"metrics.skip_steps={m.skip_steps} must be >= 0")
     if cfg.device not in ("auto", "cpu") and not str(cfg.device).startswith("cuda"):
         problems.append(f"device={cfg.device} is not one of auto, cpu, cuda, cuda:N")
+    model_asvs = cfg.model.get("max_asvs")
+    if model_asvs is not None and cfg.data.max_asvs > model_asvs:
+        problems.append(
+            f"data.max_asvs={cfg.data.max_asvs} exceeds model.max_asvs={model_asvs}: the model has no "
+            "position for the extra ASVs; lower data.max_asvs or raise model.max_asvs"
+        )
     if problems:
         raise UserError("; ".join(problems))

@@ -80,6 +80,14 @@ def test_failed_run_still_writes_summary_with_error(make_cfg, tmp_path):
     assert summary["status"] == "failed" and "trainer.batch_size" in summary["error"]
 
 
+def test_config_problems_are_reported_together(make_cfg, tmp_path):
+    with pytest.raises(UserError) as err:
+        train(make_cfg("trainer.max_steps=0", "trainer.lr=-1", "data.max_asvs=32"), tmp_path)
+    message = str(err.value)
+    assert "trainer.max_steps=0" in message and "trainer.lr=-1" in message and "data.max_asvs=32" in message
+    assert "\n" not in message
+
+
 def test_any_nn_module_trains_with_a_matching_loss(make_cfg, tmp_path):
     """model._target_ / loss._target_ plug in another model; its FLOPs are then counted by torch."""
     cfg = make_cfg(
