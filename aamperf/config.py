@@ -45,6 +45,71 @@ class DataloaderConfig:
 
 
 @dataclass
+class PrecisionConfig:
+    """Mixed precision (`aamperf/phases/precision.py`)."""
+
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 (fp16 needs CUDA: its GradScaler has no CPU use here)
+    matmul_precision: str = "highest"  # torch.set_float32_matmul_precision: highest | high (TF32) | medium
+
+
+@dataclass
+class CompileConfig:
+    """torch.compile (`aamperf/phases/compile.py`)."""
+
+    mode: str = "disabled"  # disabled | default | reduce-overhead | max-autotune
+    backend: str = "inductor"
+    dynamic: bool | None = None  # None: torch decides; True for shapes that change per batch
+    fullgraph: bool = False
+    per_block: bool = True  # compile each transformer block: no graph breaks at AAM's data-dependent ops
+
+
+@dataclass
+class AttentionConfig:
+    """Attention implementation (`aamperf/phases/attention.py`)."""
+
+    impl: str = "math"  # math (matmul + softmax, written out) | sdpa (F.scaled_dot_product_attention)
+    backends: list[str] = field(default_factory=list)  # sdpa kernels to allow: flash, efficient, cudnn, math
+
+
+@dataclass
+class MemoryConfig:
+    """Activation checkpointing and memory guards (`aamperf/phases/memory.py`)."""
+
+    checkpointing: str = "none"  # none | full (every transformer layer) | selective (every k-th layer)
+    checkpoint_every: int = 2  # selective: checkpoint layers 0, k, 2k, ...
+    warn_fraction: float = 0.90  # of system RAM (CPU) or device memory: gc + cache clearing, warning
+    cuda_memory_fraction: float | None = None  # cap this process's share of the GPU
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (GPU)
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW implementation (`aamperf/phases/optimizer.py`); lr and weight decay are trainer.*."""
+
+    impl: str = "for_loop"  # for_loop | foreach | fused
+
+
+@dataclass
+class AAMOpsConfig:
+    """AAM-specific work (`aamperf/phases/aam_ops.py`)."""
+
+    dedup: bool = False  # encode each distinct ASV of a batch once, scatter the vectors back
+    skip_padding: bool = False  # encode only real ASV rows, pad a batch to its longest sample
+
+
+@dataclass
+class SystemConfig:
+    """Process-level switches (`aamperf/phases/system.py`)."""
+
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    interop_threads: int | None = None
+    cpu_affinity: bool = False  # pin this process to the cores it may use (Linux)
+    cudnn_benchmark: bool = False
+    deterministic: bool = False  # torch.use_deterministic_algorithms
+    channels_last: bool = False  # only for models with 4-D activations
+
+
+@dataclass
 class TrainerConfig:
     """The training loop (`aamperf/trainer.py`)."""
 
@@ -69,6 +134,7 @@ class MetricsConfig:
 
     log_every: int = 10  # steps between metrics.jsonl lines (host syncs happen only here)
     skip_steps: int = 3  # warm-up steps excluded from timing
+    flop_batches: int = 8  # batches the FLOPs per step are averaged over (AAM's work varies per batch)
     monitor_interval_s: float = 0.2  # psutil / pynvml sampling period (background thread)
     peak_flops_cache: str = "${data.cache_dir}/peak_flops.json"
 
@@ -83,8 +149,14 @@ class Config:
     loss: Any = MISSING  # open like model: `_target_` + kwargs, called as loss(model, batch, step)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    aam_ops: AAMOpsConfig = field(default_factory=AAMOpsConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
     optim: str = "baseline"  # the level's name, set by conf/optim/*.yaml
-    precision: str = "fp32"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0
 

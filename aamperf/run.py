@@ -1,6 +1,7 @@
 """One run from a composed config: build data, model and loss, fit, and write the run record."""
 
 import datetime
+import itertools
 import os
 import platform
 import random
@@ -18,6 +19,7 @@ from aamperf.checks import check_config
 from aamperf.data import build_data
 from aamperf.errors import UserError
 from aamperf.metrics import RunRecord, StepMeter, SystemMonitor, count_flops, peak_flops
+from aamperf.phases import apply_phases, check_phases, setup_phases
 from aamperf.trainer import fit, to_device
 
 
@@ -48,16 +50,33 @@ def build(cfg: DictConfig, name: str, **kwargs: Any) -> Any:
         ) from exc
 
 
-def step_flops(model: torch.nn.Module, loss_fn, data, cfg: DictConfig, device: torch.device) -> float:
-    """FLOPs of one optimizer step: the model's analytic count, or counted once by torch."""
-    batch = next(iter(data.train_loader))
-    b, s = batch["tokens"].shape[:2]
-    if hasattr(model, "flops_per_step"):
-        return model.flops_per_step(b, s) * cfg.trainer.grad_accum_steps
-    batch = to_device(batch, device, False)
+def counted_flops(model: torch.nn.Module, loss_fn, batch: dict[str, Any]) -> float:
+    """FLOPs of one forward + backward of a model without an analytic count, as torch dispatches them."""
     flops = count_flops(lambda: loss_fn(model, batch, 0)[0].backward())
     model.zero_grad(set_to_none=True)
-    return flops * cfg.trainer.grad_accum_steps
+    return flops
+
+
+def analytic_flops(model: torch.nn.Module, host_batches: list[dict[str, Any]]) -> float:
+    """Mean analytic FLOPs of a forward + backward over `host_batches`, for the ASV rows the model's
+    encoder really runs on (all, real or distinct ones, as the AAM phase set it)."""
+    per_batch = [
+        model.flops_per_step(*b["tokens"].shape[:2], model.count_encoded_rows(b["tokens"], b["asv_ids"]))
+        for b in host_batches
+    ]
+    return sum(per_batch) / len(per_batch)
+
+
+def warmup_step(loss_fn, batch: dict[str, Any]):
+    """One forward + backward on `batch` (compilation happens here), leaving no gradients behind."""
+
+    def run(model: torch.nn.Module, autocast, scaler) -> None:
+        with autocast():
+            loss, _ = loss_fn(model, batch, 0)
+        scaler.scale(loss).backward()
+        model.zero_grad(set_to_none=True)
+
+    return run
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -67,7 +86,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "status": "running",
         "optim": cfg.optim,
-        "precision": cfg.precision,
+        "precision": cfg.precision.dtype,
         "device": None,
         "world_size": 1,
         "seed": cfg.seed,
@@ -81,12 +100,27 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         check_config(cfg)
         device = resolve_device(cfg.device)
         summary["device"] = str(device)
+        check_phases(cfg, device)
+        setup = setup_phases(cfg, device)
+        summary["phases"] = setup.records
         seed_everything(cfg.seed)
-        data = build_data(cfg.data, batch_size=cfg.trainer.batch_size, seed=cfg.seed, loader=cfg.dataloader)
+        data = build_data(
+            cfg.data,
+            batch_size=cfg.trainer.batch_size,
+            seed=cfg.seed,
+            loader=setup.loader,
+            pad_to=setup.pad_to,
+        )
         model = build(cfg, "model").to(device)
         loss_fn = build(cfg, "loss")
-        flops = step_flops(model, loss_fn, data, cfg, device)
-        peak = peak_flops(device, cfg.precision, cfg.metrics.peak_flops_cache)
+        host_batches = list(itertools.islice(data.train_loader, cfg.metrics.flop_batches))
+        first = to_device(host_batches[0], device, False)
+        # A model without an analytic count is counted by torch now, eager and before any phase
+        # (FlopCounterMode cannot see inside compiled kernels); AAM is counted after its phases.
+        counted = None if hasattr(model, "flops_per_step") else counted_flops(model, loss_fn, first)
+        plan = apply_phases(model, cfg, device, warmup_step(loss_fn, first), setup.records)
+        flops = cfg.trainer.grad_accum_steps * (counted or analytic_flops(model, host_batches))
+        peak = peak_flops(device, cfg.precision.dtype, cfg.metrics.peak_flops_cache)
         summary.update(
             flops_per_step=flops,
             peak_flops=peak,
@@ -96,10 +130,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             unifrac_cached=data.unifrac_cached,
         )
         with SystemMonitor(device, cfg.metrics.monitor_interval_s) as monitor:
-            result = fit(model, loss_fn, data, cfg, device, record, monitor, meter)
+            result = fit(plan, loss_fn, data, cfg, device, record, monitor, meter, setup.loader.non_blocking)
         timing = meter.summary()
         step_time = timing["step_time_s"]
-        summary.update(timing, **monitor.summary())
+        # Compilation done in the compile phase's warm-up counts too, not only the warm-up steps' excess.
+        if timing["compile_time_s"] is not None:
+            timing["compile_time_s"] += plan.records["compile"].get("compile_time_s", 0.0)
+        summary.update(timing, **monitor.summary(), memory_cleanups=plan.memory_guard.cleanups)
         summary.update(
             status="completed",
             steps=result.steps,

@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from aamperf.metrics import RunRecord, StepMeter, SystemMonitor
+from aamperf.phases import Plan
 
 LossFn = Callable[[torch.nn.Module, dict[str, Any], int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -74,7 +75,7 @@ class FitResult:
 
 
 def fit(
-    model,
+    plan: Plan,
     loss_fn: LossFn,
     data,
     cfg: DictConfig,
@@ -82,15 +83,14 @@ def fit(
     record: RunRecord,
     monitor: SystemMonitor,
     meter: StepMeter,
+    non_blocking: bool = False,
 ) -> FitResult:
     """Train for `trainer.max_steps` optimizer steps; log every `metrics.log_every` steps."""
-    tc, non_blocking = cfg.trainer, cfg.dataloader.non_blocking
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+    tc = cfg.trainer
+    model, optimizer, scaler, autocast = plan.model, plan.optimizer, plan.scaler, plan.autocast
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(tc))
-    max_norm = (
-        tc.grad_clip if tc.grad_clip > 0 else math.inf
-    )  # inf: the norm is still measured, nothing clipped
+    max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf  # inf: the norm is measured, nothing clipped
     batches = forever(data.train_loader)
     result = FitResult(meter=meter)
     # Loss sums stay on the device between log lines: reading them is a host sync, done once per line.
@@ -107,28 +107,28 @@ def fit(
             fetch = time.perf_counter()
             batch = to_device(next(batches), device, non_blocking)
             wait_s += time.perf_counter() - fetch
-            loss, parts = loss_fn(model, batch, step)
-            (loss / tc.grad_accum_steps).backward()
+            with autocast():
+                loss, parts = loss_fn(model, batch, step)
+            scaler.scale(loss / tc.grad_accum_steps).backward()
             step_loss += loss.detach() / tc.grad_accum_steps
             samples += batch["tokens"].shape[0]
             tokens += batch["n_tokens"]
         loss_sum += step_loss
         nonfinite += (~torch.isfinite(step_loss)).long()  # a device-side count: no sync here
+        scaler.unscale_(optimizer)  # clip the true gradients (identity without fp16)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         sync(device)
         step_time_s = time.perf_counter() - start
         meter.add(step_time_s, wait_s, samples, tokens)
-        for key, value in (
-            ("time_s", step_time_s),
-            ("wait_s", wait_s),
-            ("samples", samples),
-            ("tokens", tokens),
-            ("steps", 1),
-        ):
-            interval[key] += value
+        interval["time_s"] += step_time_s
+        interval["wait_s"] += wait_s
+        interval["samples"] += samples
+        interval["tokens"] += tokens
+        interval["steps"] += 1
         bar.update()
 
         val_due = step % tc.val_every == 0 or step == tc.max_steps
@@ -149,8 +149,10 @@ def fit(
                 "elapsed_s": time.perf_counter() - meter.start_time,
             }
         )
+        plan.memory_guard.check()
         if val_due:
-            result.val = validate(model, loss_fn, data.val_loader, tc.val_batches, device, non_blocking)
+            with autocast():
+                result.val = validate(model, loss_fn, data.val_loader, tc.val_batches, device, non_blocking)
             row.update(result.val)
         record.log(row)
         bar.set_postfix(loss=f"{row['loss']:.4f}", samples_s=f"{row['samples_per_s']:.1f}")

@@ -3,6 +3,7 @@
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -69,7 +70,8 @@ class Collate:
     """Items -> batch: pads ASVs to `pad_to` (None: the longest sample of the batch), slices UniFrac.
 
     Batch: tokens int64 [B, S, 151], counts float32 [B, S, 1], unifrac float32 [B, B],
-    sample_idx int64 [B], target float32 [B, 1] (when the data has one), n_tokens int.
+    sample_idx int64 [B], asv_ids int64 [B, S] (each slot's row of the token table, -1 on padding),
+    target float32 [B, 1] (when the data has one), n_tokens int.
     Padding rows are all zero (START included), so `tokens[..., 0] == 0` marks padding.
     """
 
@@ -86,6 +88,8 @@ class Collate:
         asv_idx = torch.cat([item["asv_idx"] for item in items])
         tokens = torch.zeros(len(items), width, TOKENS_PER_ASV, dtype=torch.long)
         tokens[batch_pos, asv_pos] = self.tokens[asv_idx].long()
+        asv_ids = torch.full((len(items), width), -1, dtype=torch.long)
+        asv_ids[batch_pos, asv_pos] = asv_idx
         counts = torch.zeros(len(items), width, 1)
         counts[batch_pos, asv_pos, 0] = torch.cat([item["counts"] for item in items])
         sample_idx = torch.tensor([item["sample_idx"] for item in items])
@@ -94,6 +98,7 @@ class Collate:
             "counts": counts,
             "unifrac": self.unifrac[sample_idx][:, sample_idx],
             "sample_idx": sample_idx,
+            "asv_ids": asv_ids,
             # counted here, on the host, so the trainer's tokens/s needs no device sync
             "n_tokens": sum(item["n_tokens"] for item in items),
         }
@@ -164,7 +169,7 @@ class Data:
     n_train: int
     n_val: int
     n_asvs: int  # distinct ASVs kept (after rarefaction and the max_asvs cut)
-    max_asvs: int  # ASVs per sample after padding (the `S` of every batch)
+    max_asvs: int  # most ASVs of a sample; the `S` of every batch unless padded to the longest sample
     has_target: bool
     target_mean: float | None  # of the training samples' raw target, for later standardization
     target_std: float | None
@@ -175,15 +180,31 @@ class Data:
     collate: Collate
 
 
-def build_data(cfg: DictConfig, *, batch_size: int, seed: int, loader: DictConfig) -> Data:
+def build_data(
+    cfg: DictConfig,
+    *,
+    batch_size: int,
+    seed: int,
+    loader: DictConfig,
+    pad_to: int | None | Literal["max"] = "max",
+) -> Data:
     """data config -> loaders: read (or simulate), rarefy, UniFrac (cached), tokenize, split.
 
     `cfg` is the `data` node, `loader` the `dataloader` node; `seed` drives rarefaction, split and shuffle.
+    `pad_to`: the `S` of a batch: "max" pads every batch to data.max_asvs (fixed shapes, as the original
+    AAM), None each batch to its longest sample (`aamperf.phases.aam_ops.collate_pad_to`), an int to
+    that many ASVs (>= data.max_asvs).
     """
     if batch_size < 2:
         raise UserError("trainer.batch_size must be >= 2 (UniFrac compares pairs of samples)")
     if cfg.max_asvs < 1:
         raise UserError(f"data.max_asvs must be >= 1 (got {cfg.max_asvs})")
+    if pad_to == "max":
+        pad_to = cfg.max_asvs
+    elif pad_to is not None and not (isinstance(pad_to, int) and pad_to >= cfg.max_asvs):
+        raise ValueError(
+            f"pad_to must be 'max', None or an int >= data.max_asvs={cfg.max_asvs} (got {pad_to!r})"
+        )
     files = resolve_files(cfg)
     table = read_table(files["table"])
     targets = None
@@ -226,7 +247,7 @@ def build_data(cfg: DictConfig, *, batch_size: int, seed: int, loader: DictConfi
     dataset = SampleDataset(asv_idx, counts, n_tokens, target)
 
     train_idx, val_idx = split_indices(len(sample_ids), cfg.val_fraction, seed)
-    collate = Collate(tokens, torch.from_numpy(unifrac).float(), pad_to=cfg.max_asvs)
+    collate = Collate(tokens, torch.from_numpy(unifrac).float(), pad_to=pad_to)
     train_loader, val_loader = make_loaders(
         dataset, collate, train_idx, val_idx, batch_size=batch_size, seed=seed, loader=loader
     )

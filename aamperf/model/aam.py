@@ -6,15 +6,25 @@ from torch import Tensor, nn
 from aamperf.model.layers import AttentionPooling, Transformer
 
 PAD, A, C, G, T, START, MASK = range(7)  # token ids, as the data pipeline writes them
+ASV_ROWS = ("all", "real", "unique")  # which ASV rows the ASV encoder runs on (`AAM.asv_rows`)
 
 
 class AAM(nn.Module):
     """Hierarchical transformer: an ASV encoder over the bases of every ASV, then a sample encoder
     over the ASVs of every sample. Heads: nucleotide logits per position, optional target.
 
-    forward(tokens [B, S, L] long, counts [B, S, 1] float) -> dict with
+    forward(tokens [B, S, L] long, counts [B, S, 1] float, asv_ids [B, S] long or None) -> dict with
       `sample_embedding` [B, D], `asv_embedding` [B, S, D] (ASV encoder output, 0 on padding ASVs),
-      `nuc_logits` [B, S, L, vocab_size], and `target` [B, target_dim] when target_dim > 0.
+      `nuc_logits` [B, S, L, vocab_size] (0 on padding ASVs), and `target` [B, target_dim] when
+      target_dim > 0. `asv_ids` (the batch's global ASV index per slot, -1 on padding) is only read
+      when `asv_rows == "unique"`.
+
+    `asv_rows` (set by `aamperf/phases/aam_ops.py`) picks the rows the ASV encoder runs on; the
+    outputs are the same in every mode (up to fp32 rounding):
+      "all"    every one of the B*S rows, padding included (the original AAM; static shapes);
+      "real"   only the real rows, gathered, encoded, scattered back into zero-filled tensors;
+      "unique" each distinct ASV of the batch once, its results copied to every slot that holds it.
+               Exact only if an ASV's (masked) tokens are the same in every slot: AAMLoss masks per ASV.
     """
 
     def __init__(
@@ -55,6 +65,7 @@ class AAM(nn.Module):
         self.target_head = nn.Linear(dim, target_dim) if target_dim > 0 else None
 
         self.apply(self._init_weights)
+        self.asv_rows = "all"  # one of ASV_ROWS; set by the aam_ops phase, before any wrapper
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -64,22 +75,15 @@ class AAM(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: Tensor, counts: Tensor) -> dict[str, Tensor]:
+    def forward(self, tokens: Tensor, counts: Tensor, asv_ids: Tensor | None = None) -> dict[str, Tensor]:
         batch, n_asvs, length = tokens.shape
         if n_asvs > self.max_asvs or length > self.seq_len:
             raise ValueError(
                 f"batch has {n_asvs} ASVs x {length} bases but the model holds at most "
                 f"{self.max_asvs} x {self.seq_len}: raise model.max_asvs / model.seq_len"
             )
-        real_base = tokens != PAD  # [B, S, L]
-        real_asv = real_base.any(dim=-1)  # [B, S]; an all-padding row is a padding ASV
-
-        # ASV encoder on all B*S rows, padding ASVs included (the baseline's cost; a phase may skip them)
-        x = self.token_embedding(tokens.reshape(-1, length)) + self.base_position.weight[:length]
-        x = self.asv_encoder(x, real_base.reshape(-1, length))
-        nuc_logits = self.nuc_head(x).view(batch, n_asvs, length, self.vocab_size)
-        asv = self.asv_pool(x, real_base.reshape(-1, length)).view(batch, n_asvs, -1)
-        asv = asv * real_asv.unsqueeze(-1)  # padding ASVs become exact zeros
+        real_asv = (tokens != PAD).any(dim=-1)  # [B, S]; an all-padding row is a padding ASV
+        asv, nuc_logits = self.encode_asvs(tokens, real_asv, asv_ids)
 
         # sample encoder; padding ASVs are masked as keys, so they cannot reach the real ones
         h = asv + self.asv_position.weight[:n_asvs]
@@ -94,9 +98,70 @@ class AAM(nn.Module):
             out["target"] = self.target_head(sample)
         return out
 
-    def flops_per_step(self, batch_size: int, n_asvs: int) -> float:
+    def encode_asvs(
+        self, tokens: Tensor, real_asv: Tensor, asv_ids: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """tokens [B, S, L], real_asv [B, S] bool -> ASV vectors [B, S, D] and nucleotide logits
+        [B, S, L, vocab_size], both 0 on padding rows; `self.asv_rows` picks the rows encoded."""
+        batch, n_asvs, length = tokens.shape
+        flat, real = tokens.reshape(-1, length), real_asv.reshape(-1)
+        if self.asv_rows == "all":
+            # every row, padding included: the original AAM's cost, with shapes fixed by the batch
+            asv, logits = self._encode_rows(flat)
+            keep = real.to(asv.dtype)
+            asv, logits = asv * keep[:, None], logits * keep[:, None, None].to(logits.dtype)
+            return asv.view(batch, n_asvs, -1), logits.view(batch, n_asvs, length, -1)
+        if self.asv_rows not in ASV_ROWS:
+            raise ValueError(f"model.asv_rows={self.asv_rows!r} is not one of {ASV_ROWS}: fix aam_ops.*")
+        if self.asv_rows == "unique" and asv_ids is None:
+            raise ValueError(
+                "model.asv_rows='unique' (aam_ops.dedup=true) needs the batch's asv_ids: pass them "
+                "(the data pipeline's batches have them) or set aam_ops.dedup=false"
+            )
+
+        # host sync: nonzero sizes its output. Worth it: every padding row skipped saves a transformer
+        # pass over L positions, far more than the device idles while the queue drains
+        rows = real.nonzero().squeeze(1)  # slots of the real ASVs, in [0, B*S)
+        if self.asv_rows == "real":
+            asv, logits = self._encode_rows(flat[rows])
+        else:
+            # host sync: unique sizes its output. It comes right after the nonzero, with nothing queued
+            # in between, so it costs a round trip, not a second drain; it saves one encoder pass per
+            # repeated ASV (the samples of a batch share many)
+            distinct, inverse = torch.unique(asv_ids.reshape(-1)[rows], return_inverse=True)
+            # one slot per distinct ASV, the first (any would do: the slots of an ASV hold the same tokens)
+            position = torch.arange(rows.numel(), device=rows.device)
+            first = position.new_full(distinct.shape, rows.numel())
+            first = first.scatter_reduce_(0, inverse, position, reduce="amin")
+            asv, logits = self._encode_rows(flat[rows[first]])
+            asv, logits = asv[inverse], logits[inverse]  # distinct ASVs -> every real slot holding one
+        # scatter the real slots back into zero-filled [B*S, ...] tensors (index_copy: differentiable)
+        asv = asv.new_zeros(batch * n_asvs, asv.size(-1)).index_copy(0, rows, asv)
+        logits = logits.new_zeros(batch * n_asvs, length, logits.size(-1)).index_copy(0, rows, logits)
+        return asv.view(batch, n_asvs, -1), logits.view(batch, n_asvs, length, -1)
+
+    def _encode_rows(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """The ASV encoder on [N, L] token rows -> (pooled vectors [N, D], nucleotide logits [N, L, V])."""
+        real_base = tokens != PAD
+        x = self.token_embedding(tokens) + self.base_position.weight[: tokens.size(1)]
+        x = self.asv_encoder(x, real_base)
+        return self.asv_pool(x, real_base), self.nuc_head(x)
+
+    def count_encoded_rows(self, tokens: Tensor, asv_ids: Tensor | None = None) -> int:
+        """Rows the ASV encoder runs on for this batch under `self.asv_rows` (for the FLOP count).
+        Call it on the host copy of the batch: on a GPU tensor it would be a device sync."""
+        batch, n_asvs = tokens.shape[:2]
+        if self.asv_rows == "all":
+            return batch * n_asvs
+        real = (tokens != PAD).any(dim=-1)
+        if self.asv_rows == "unique":
+            return int(asv_ids[real].unique().numel())
+        return int(real.sum())
+
+    def flops_per_step(self, batch_size: int, n_asvs: int, encoded_rows: int | None = None) -> float:
         """Matmul FLOPs of one training step (forward + backward = 3 x forward, 2 FLOPs per
-        multiply-add) on a [batch_size, n_asvs, seq_len] batch, padding rows included."""
+        multiply-add) on a [batch_size, n_asvs, seq_len] batch. `encoded_rows`: the rows the ASV
+        encoder and nucleotide head run on (`count_encoded_rows`); default all batch_size * n_asvs."""
         dim, f, length = self.embedding_dim, self.ffn_mult, self.seq_len
         asv_layers, sample_layers, encoder_layers = self.layers
 
@@ -110,10 +175,11 @@ class AAM(nn.Module):
             return 2 * 2 * rows * positions * dim  # score Linear(D, 1) and the weighted sum
 
         rows = batch_size * n_asvs
+        encoded = rows if encoded_rows is None else encoded_rows
         forward = (
-            transformer(rows, length, asv_layers)
-            + pool(rows, length)
-            + 2 * rows * length * dim * self.vocab_size  # nucleotide head
+            transformer(encoded, length, asv_layers)
+            + pool(encoded, length)
+            + 2 * encoded * length * dim * self.vocab_size  # nucleotide head
             + (2 * rows * dim if self.count_embedding is not None else 0)  # Linear(1, D)
             + transformer(batch_size, n_asvs, sample_layers + encoder_layers)
             + pool(batch_size, n_asvs)

@@ -17,18 +17,20 @@ def _hash32(x):
     return (x >> 16) ^ x
 
 
-def nucleotide_mask(tokens: Tensor, sample_idx: Tensor, step: int, seed: int, fraction: float) -> Tensor:
+def nucleotide_mask(tokens: Tensor, asv_ids: Tensor, step: int, seed: int, fraction: float) -> Tensor:
     """Bool [B, S, L]: which real bases (A/C/G/T) to hide at this step.
 
-    Each position draws from a counter-based hash of (seed, step, global sample id, ASV index,
-    base index), computed on the tokens' device: the mask of a sample is the same however the
-    batch is composed, padded or split across processes, and drawing it needs no host sync.
+    Each position draws from a counter-based hash of (seed, step, global ASV id, base index),
+    computed on the tokens' device: at a given step an ASV is masked the same way in every sample
+    and every batch that holds it (so the aam_ops dedup phase can encode it once), the mask does not
+    depend on how the batch is composed, padded or split across processes, and drawing it needs no
+    host sync. `asv_ids` [B, S]: the batch's global ASV index of each slot (-1 on padding).
     """
-    batch, n_asvs, length = tokens.shape
+    length = tokens.size(-1)
     step_key = _hash32(_hash32(seed & _M32) ^ (step & _M32))  # a Python int
-    sample_key = _hash32((sample_idx.to(torch.int64) & _M32) ^ step_key).view(batch, 1, 1)
-    position = torch.arange(n_asvs * length, device=tokens.device, dtype=torch.int64).view(n_asvs, length)
-    draw = _hash32(sample_key ^ _hash32(position)) >> 8  # 24 uniform bits
+    asv_key = _hash32(_hash32(asv_ids.to(torch.int64) & _M32) ^ step_key).unsqueeze(-1)  # [B, S, 1]
+    position = torch.arange(length, device=tokens.device, dtype=torch.int64)
+    draw = _hash32(asv_key ^ _hash32(position)) >> 8  # 24 uniform bits
     hidden = draw < int(fraction * (1 << 24))
     return hidden & (tokens >= A) & (tokens <= T)
 
@@ -36,7 +38,10 @@ def nucleotide_mask(tokens: Tensor, sample_idx: Tensor, step: int, seed: int, fr
 class AAMLoss(nn.Module):
     """loss(model, batch, step) -> (total, parts). Parts the model does not output are left out:
     `unifrac` needs `sample_embedding`, `nucleotide` needs `nuc_logits`, `target` needs both a
-    `target` output and `batch["target"]`. total = weighted sum of the parts present."""
+    `target` output and `batch["target"]`. total = weighted sum of the parts present.
+
+    The batch needs `tokens`, `counts`, `unifrac` and `asv_ids` (the mask is drawn per ASV); the
+    model is called as model(masked tokens, counts, asv_ids=...), the signature of AAM."""
 
     def __init__(
         self,
@@ -52,8 +57,9 @@ class AAMLoss(nn.Module):
 
     def forward(self, model: nn.Module, batch: dict, step: int) -> tuple[Tensor, dict[str, Tensor]]:
         tokens = batch["tokens"]
-        hidden = nucleotide_mask(tokens, batch["sample_idx"], step, self.seed, self.mask_fraction)
-        out = model(tokens.masked_fill(hidden, MASK), batch["counts"])
+        asv_ids = batch["asv_ids"]
+        hidden = nucleotide_mask(tokens, asv_ids, step, self.seed, self.mask_fraction)
+        out = model(tokens.masked_fill(hidden, MASK), batch["counts"], asv_ids=asv_ids)
 
         parts: dict[str, Tensor] = {}
         if "sample_embedding" in out:

@@ -35,15 +35,22 @@ def decode(row: torch.Tensor) -> str:
 def test_batch_layout(cache_dir):
     data = build_data(data_cfg(cache_dir), batch_size=8, seed=0, loader=LOADER)
     batch = next(iter(data.train_loader))
-    assert set(batch) == {"tokens", "counts", "unifrac", "target", "sample_idx", "n_tokens"}
+    assert set(batch) == {"tokens", "counts", "unifrac", "target", "sample_idx", "asv_ids", "n_tokens"}
     assert batch["tokens"].shape == (8, 32, 151) and batch["tokens"].dtype == torch.int64
     assert batch["counts"].shape == (8, 32, 1) and batch["counts"].dtype == torch.float32
     assert batch["unifrac"].shape == (8, 8) and batch["unifrac"].dtype == torch.float32
     assert batch["target"].shape == (8, 1) and batch["target"].dtype == torch.float32
     assert batch["sample_idx"].shape == (8,) and batch["sample_idx"].dtype == torch.int64
-    tokens, counts = batch["tokens"], batch["counts"]
+    assert batch["asv_ids"].shape == (8, 32) and batch["asv_ids"].dtype == torch.int64
+    tokens, counts, asv_ids = batch["tokens"], batch["counts"], batch["asv_ids"]
     real = tokens[..., 0] != 0
     assert (tokens[real][:, 0] == 5).all() and (tokens[~real] == 0).all()  # padding rows are all zero
+    # asv_ids: -1 exactly on padding, else the row of the token table the slot's tokens came from
+    assert ((asv_ids >= 0) == real).all()
+    assert torch.equal(data.collate.tokens[asv_ids[real]].long(), tokens[real])
+    for b, s in enumerate(batch["sample_idx"].tolist()):
+        assert asv_ids[b, real[b]].tolist() == data.dataset[s]["asv_idx"].tolist()
+    assert asv_ids[real].unique().numel() < real.sum()  # samples share ASVs (what dedup exploits)
     assert ((counts[..., 0] > 0) == real).all()  # counts are 0 exactly on padding
     assert batch["n_tokens"] == int(((tokens >= 1) & (tokens <= 4)).sum())
     assert isinstance(batch["n_tokens"], int)
@@ -119,7 +126,24 @@ def test_collate_pad_to_none_pads_to_the_longest_sample():
     batch = collate(items)
     assert batch["tokens"].shape == (2, 2, 151)
     assert batch["counts"][:, :, 0].tolist() == [[4.0, 1.0], [9.0, 0.0]]
+    assert batch["asv_ids"].tolist() == [[0, 2], [1, -1]]
     assert batch["unifrac"].tolist() == [[1.0, 0.0], [0.0, 1.0]] and batch["n_tokens"] == 10
+
+
+def test_build_data_pads_to_the_longest_sample_or_to_a_given_width(cache_dir):
+    longest = build_data(data_cfg(cache_dir), batch_size=8, seed=0, loader=LOADER, pad_to=None)
+    widths = []
+    for batch in longest.train_loader:
+        lengths = (batch["asv_ids"] >= 0).sum(dim=1)
+        assert batch["tokens"].shape[1] == batch["asv_ids"].shape[1] == int(lengths.max())
+        widths.append(int(lengths.max()))
+    assert min(widths) < 32  # some batches are shorter than data.max_asvs
+    fixed = build_data(data_cfg(cache_dir), batch_size=8, seed=0, loader=LOADER)
+    assert (fixed.collate.pad_to, longest.collate.pad_to) == (32, None)
+    wide = build_data(data_cfg(cache_dir), batch_size=8, seed=0, loader=LOADER, pad_to=40)
+    assert next(iter(wide.val_loader))["asv_ids"].shape == (8, 40)
+    with pytest.raises(ValueError, match=r"pad_to must be 'max', None or an int >= data\.max_asvs=32"):
+        build_data(data_cfg(cache_dir), batch_size=8, seed=0, loader=LOADER, pad_to=16)
 
 
 def test_worker_options_reach_the_loader(cache_dir):

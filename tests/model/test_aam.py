@@ -112,6 +112,7 @@ def test_training_step_gives_finite_gradients_with_padding_rows():
         "counts": torch.stack([s[1] for s in samples]),
         "unifrac": torch.tensor([[0.0, 0.6], [0.6, 0.0]]),
         "sample_idx": torch.tensor([0, 1]),
+        "asv_ids": torch.tensor([[0, 1, 2, -1, -1, -1, -1, -1], list(range(3, 11))]),
         "target": torch.tensor([[1.0], [2.0]]),
     }
     total, parts = AAMLoss()(model, batch, step=0)
@@ -121,6 +122,29 @@ def test_training_step_gives_finite_gradients_with_padding_rows():
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
     assert grads["token_embedding.weight"].abs().sum() > 0
     assert grads["target_head.weight"].abs().sum() > 0
+
+
+def test_asv_row_modes_give_the_same_outputs_and_unique_needs_asv_ids():
+    model = tiny().eval()
+    tokens, counts = pad_to(*asvs(5, seed=11), 8)
+    tokens, counts = torch.stack([tokens, tokens.roll(2, 0)]), torch.stack([counts, counts.roll(2, 0)])
+    ids = torch.tensor([[0, 1, 2, 3, 4, -1, -1, -1], [-1, -1, 0, 1, 2, 3, 4, -1]])  # the same 5 ASVs
+    expected = model(tokens, counts)
+    assert (expected["nuc_logits"][ids < 0] == 0).all()  # padding rows, also when all rows are encoded
+    for mode in ("real", "unique"):
+        model.asv_rows = mode
+        got = model(tokens, counts, asv_ids=ids)
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], atol=1e-5, rtol=1e-5)
+    assert model.count_encoded_rows(tokens, ids) == 5
+    model.asv_rows = "real"
+    assert model.count_encoded_rows(tokens, ids) == 10
+    model.asv_rows = "unique"
+    with pytest.raises(ValueError, match=r"aam_ops\.dedup"):
+        model(tokens, counts)
+    model.asv_rows = "some"
+    with pytest.raises(ValueError, match=r"asv_rows='some' is not one of"):
+        model(tokens, counts)
 
 
 def test_more_asvs_than_max_asvs_is_refused_with_the_fix():

@@ -22,28 +22,40 @@ def random_tokens(batch: int, n_asvs: int, seed: int) -> torch.Tensor:
     return tokens
 
 
-def test_mask_of_a_sample_depends_only_on_seed_step_and_sample_id():
+def asv_ids(tokens: torch.Tensor, first: int) -> torch.Tensor:
+    """Distinct ids first, first + 1, ... for the real slots of `tokens`, -1 on padding."""
+    real = tokens[..., 0] != 0
+    ids = torch.full(real.shape, -1)
+    ids[real] = torch.arange(first, first + int(real.sum()))
+    return ids
+
+
+def test_mask_of_an_asv_depends_only_on_seed_step_and_asv_id():
     a = random_tokens(3, 8, seed=0)
     b = random_tokens(4, 16, seed=1)
-    b[2, :8], b[2, 8:] = a[0], 0  # sample 7: first in batch a, third in batch b (more padding ASVs there)
-    mask_a = nucleotide_mask(a, torch.tensor([7, 1, 2]), step=3, seed=0, fraction=0.15)
-    mask_b = nucleotide_mask(b, torch.tensor([4, 5, 7, 9]), step=3, seed=0, fraction=0.15)
-    assert mask_a[0].sum() > 50  # ~0.15 * 7 ASVs * 139 bases
-    assert torch.equal(mask_b[2, :8], mask_a[0])
-    assert not mask_b[2, 8:].any()
-    # another step, seed or sample id draws another mask
-    assert not torch.equal(nucleotide_mask(a, torch.tensor([7, 1, 2]), 4, 0, 0.15)[0], mask_a[0])
-    assert not torch.equal(nucleotide_mask(a, torch.tensor([7, 1, 2]), 3, 1, 0.15)[0], mask_a[0])
-    assert not torch.equal(nucleotide_mask(a, torch.tensor([8, 1, 2]), 3, 0, 0.15)[0], mask_a[0])
+    ids_a, ids_b = asv_ids(a, 100), asv_ids(b, 200)
+    # ASV 7: slot (0, 2) and (2, 5) of batch a, slot (3, 9) of batch b (another batch, more padding)
+    a[2, 5], b[3, 9] = a[0, 2], a[0, 2]
+    ids_a[0, 2] = ids_a[2, 5] = ids_b[3, 9] = 7
+    mask_a = nucleotide_mask(a, ids_a, step=3, seed=0, fraction=0.15)
+    mask_b = nucleotide_mask(b, ids_b, step=3, seed=0, fraction=0.15)
+    assert mask_a[0, 2].sum() > 5  # ~0.15 * 139 bases
+    assert torch.equal(mask_a[2, 5], mask_a[0, 2]) and torch.equal(mask_b[3, 9], mask_a[0, 2])
+    assert not torch.equal(mask_a[0, 3], mask_a[0, 2])  # another ASV, another draw
+    assert not mask_b[:, -1].any()  # padding slots
+    # another step, seed or ASV id draws another mask
+    assert not torch.equal(nucleotide_mask(a, ids_a, 4, 0, 0.15)[0, 2], mask_a[0, 2])
+    assert not torch.equal(nucleotide_mask(a, ids_a, 3, 1, 0.15)[0, 2], mask_a[0, 2])
+    assert not torch.equal(nucleotide_mask(a, ids_a + 1, 3, 0, 0.15)[0, 2], mask_a[0, 2])
 
 
 def test_mask_hides_the_fraction_of_real_bases_and_nothing_else():
     tokens = random_tokens(8, 32, seed=2)
-    mask = nucleotide_mask(tokens, torch.arange(8), step=0, seed=0, fraction=0.15)
+    mask = nucleotide_mask(tokens, asv_ids(tokens, 0), step=0, seed=0, fraction=0.15)
     real_bases = (tokens >= 1) & (tokens <= 4)
     assert not (mask & ~real_bases).any()  # never START, never padding
     assert abs(mask.sum() / real_bases.sum() - 0.15) < 0.01  # 34k bases: sd of the fraction ~0.002
-    assert nucleotide_mask(tokens, torch.arange(8), 0, 0, 0.0).sum() == 0
+    assert nucleotide_mask(tokens, asv_ids(tokens, 0), 0, 0, 0.0).sum() == 0
 
 
 class Stub(torch.nn.Module):
@@ -52,10 +64,10 @@ class Stub(torch.nn.Module):
     def __init__(self, **outputs):
         super().__init__()
         self.outputs = outputs
-        self.seen_tokens = None
+        self.seen_tokens = self.seen_asv_ids = None
 
-    def forward(self, tokens, counts):
-        self.seen_tokens = tokens
+    def forward(self, tokens, counts, asv_ids=None):
+        self.seen_tokens, self.seen_asv_ids = tokens, asv_ids
         return dict(self.outputs)
 
 
@@ -65,6 +77,7 @@ def stub_batch(**extra) -> dict:
         "tokens": tokens,
         "counts": torch.ones(3, 4, 1),
         "sample_idx": torch.tensor([0, 1, 2]),
+        "asv_ids": asv_ids(tokens, 0),
         "unifrac": torch.tensor([[0.0, 0.5, 0.7], [0.5, 0.0, 0.4], [0.7, 0.4, 0.0]]),
         **extra,
     }
@@ -87,7 +100,8 @@ def test_nucleotide_loss_is_cross_entropy_on_the_hidden_bases_only():
     with pytest.raises(ValueError, match="nothing to train"):
         loss(stub, batch, step=5)  # no outputs at all; the stub still records the tokens it saw
     seen = stub.seen_tokens
-    hidden = nucleotide_mask(batch["tokens"], batch["sample_idx"], 5, 0, 0.15)
+    assert stub.seen_asv_ids is batch["asv_ids"]
+    hidden = nucleotide_mask(batch["tokens"], batch["asv_ids"], 5, 0, 0.15)
     assert torch.equal(seen == 6, hidden)
     assert torch.equal(seen[~hidden], batch["tokens"][~hidden])
     # logits 10 on the token the model sees: right where visible, "MASK" (wrong) where hidden

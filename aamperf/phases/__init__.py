@@ -1,0 +1,80 @@
+"""Optimization phases, applied in one fixed order; each records what it did in summary.json `phases`.
+
+Order (torchtitan's): system and loader settings before the data is built; then on the model
+precision -> attention -> AAM ops -> channels_last -> activation checkpointing -> compile
+(-> distributed wrap); the optimizer is built last, over the transformed model's parameters.
+"""
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from aamperf.errors import UserError
+from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to
+from aamperf.phases.attention import apply_attention, check_attention
+from aamperf.phases.compile import apply_compile, check_compile
+from aamperf.phases.dataloader import resolve_dataloader
+from aamperf.phases.memory import MemoryGuard, apply_checkpointing, apply_cuda_memory, check_memory
+from aamperf.phases.optimizer import build_optimizer, check_optimizer
+from aamperf.phases.precision import DTYPES, apply_precision, check_precision
+from aamperf.phases.system import apply_channels_last, apply_system
+
+
+def check_phases(cfg: DictConfig, device: torch.device) -> None:
+    """Every problem of the phase choices at once, before anything runs."""
+    problems = check_precision(cfg.precision, device)
+    problems += check_attention(cfg.attention, device, DTYPES.get(cfg.precision.dtype, torch.float32))
+    problems += check_compile(cfg.compile) + check_memory(cfg.memory) + check_optimizer(cfg.optimizer)
+    if problems:
+        raise UserError("; ".join(problems))
+
+
+@dataclass
+class Setup:
+    """What the phases decide before the data exists."""
+
+    loader: DictConfig
+    pad_to: int | None
+    records: dict[str, dict]
+
+
+def setup_phases(cfg: DictConfig, device: torch.device) -> Setup:
+    records = apply_system(cfg.system, device)
+    records["cuda_memory"] = apply_cuda_memory(cfg.memory, device)
+    loader, records["dataloader"] = resolve_dataloader(cfg.dataloader, device)
+    return Setup(loader, collate_pad_to(cfg.aam_ops, cfg.data.max_asvs), records)
+
+
+@dataclass
+class Plan:
+    """What the loop runs with: no flags, only objects that do the right thing (or nothing)."""
+
+    model: nn.Module
+    autocast: Callable[[], AbstractContextManager]
+    scaler: torch.amp.GradScaler
+    optimizer: torch.optim.Optimizer
+    memory_guard: MemoryGuard
+    records: dict[str, dict]
+
+
+def apply_phases(
+    model: nn.Module,
+    cfg: DictConfig,
+    device: torch.device,
+    warmup: Callable[[nn.Module, Callable, object], None],
+    records: dict[str, dict],
+) -> Plan:
+    """Transform `model` in the fixed order; `warmup(model, autocast, scaler)` runs one forward+backward."""
+    autocast, scaler, records["precision"] = apply_precision(cfg.precision, device)
+    records["attention"] = apply_attention(model, cfg.attention)
+    records["aam_ops"] = apply_aam_ops(model, cfg.aam_ops)
+    records["channels_last"] = apply_channels_last(model, cfg.system)
+    records["checkpointing"] = apply_checkpointing(model, cfg.memory)
+    records["compile"] = apply_compile(model, cfg.compile, lambda: warmup(model, autocast, scaler))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer, records["optimizer"] = build_optimizer(params, cfg.trainer, cfg.optimizer)
+    return Plan(model, autocast, scaler, optimizer, MemoryGuard(cfg.memory, device), records)

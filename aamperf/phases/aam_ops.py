@@ -1,0 +1,38 @@
+"""AAM-specific work: run the ASV encoder on real rows only or on each distinct ASV once; pad short.
+
+Both options are exact (same embeddings, loss and gradients as the plain model, up to fp32 rounding):
+- skip_padding: the ASV encoder skips padding rows (`AAM.asv_rows = "real"`), and the collate pads a
+  batch to its longest sample instead of data.max_asvs, which also shortens the sample encoder.
+- dedup: the ASV encoder runs once per distinct ASV of the batch (`AAM.asv_rows = "unique"`), which
+  never encodes padding either. It needs the batch's `asv_ids` and a mask drawn per ASV (AAMLoss).
+"""
+
+from omegaconf import DictConfig
+from torch import nn
+
+from aamperf.phases.record import applied, skipped
+
+
+def asv_rows(cfg: DictConfig) -> str:
+    """The `AAM.asv_rows` mode the aam_ops node asks for."""
+    if cfg.dedup:
+        return "unique"  # skips padding too, so skip_padding adds only the shorter batches
+    return "real" if cfg.skip_padding else "all"
+
+
+def apply_aam_ops(model: nn.Module, cfg: DictConfig) -> dict:
+    """Set the ASV encoder's row strategy on the AAM `model`. `cfg` is the `aam_ops` node.
+
+    Call it on the bare model, before any wrapper (compile, DDP): it sets an attribute of the AAM."""
+    if not (cfg.dedup or cfg.skip_padding):
+        return skipped("aam_ops=plain", asv_rows=getattr(model, "asv_rows", None))
+    if not hasattr(model, "asv_rows"):
+        return skipped("model has no ASV encoder (not AAM)", asv_rows=None)
+    model.asv_rows = asv_rows(cfg)
+    return applied(asv_rows=model.asv_rows)
+
+
+def collate_pad_to(cfg: DictConfig, max_asvs: int) -> int | None:
+    """`build_data(pad_to=...)`: None (each batch padded to its longest sample) under skip_padding,
+    else max_asvs (every batch [B, max_asvs, L], the original fixed shapes)."""
+    return None if cfg.skip_padding else max_asvs

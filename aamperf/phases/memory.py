@@ -1,0 +1,95 @@
+"""Activation checkpointing per transformer layer, CUDA allocator settings, and a memory guard."""
+
+import gc
+import logging
+import os
+
+import psutil
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from aamperf.model.layers import Block
+from aamperf.phases.record import applied, skipped
+
+log = logging.getLogger(__name__)
+CHECKPOINTING = ("none", "full", "selective")
+
+
+def check_memory(cfg: DictConfig) -> list[str]:
+    problems = []
+    if cfg.checkpointing not in CHECKPOINTING:
+        problems.append(f"memory.checkpointing={cfg.checkpointing} is not one of {', '.join(CHECKPOINTING)}")
+    if cfg.checkpoint_every < 1:
+        problems.append(f"memory.checkpoint_every={cfg.checkpoint_every} must be >= 1")
+    if not 0 < cfg.warn_fraction <= 1:
+        problems.append(f"memory.warn_fraction={cfg.warn_fraction} must be in (0, 1]")
+    return problems
+
+
+def apply_checkpointing(model: nn.Module, cfg: DictConfig) -> dict:
+    """Wrap transformer layers so their activations are recomputed in backward instead of kept.
+
+    full: every layer; selective: layers 0, k, 2k, ... of each stack (k = memory.checkpoint_every).
+    The wrapper keeps state_dict keys unchanged (checkpoints stay loadable either way).
+    """
+    if cfg.checkpointing == "none":
+        return skipped("memory.checkpointing=none")
+    every = 1 if cfg.checkpointing == "full" else cfg.checkpoint_every
+    wrapped = 0
+    for parent in list(model.modules()):
+        if isinstance(parent, nn.ModuleList) and any(isinstance(m, Block) for m in parent):
+            for i, block in enumerate(parent):
+                if isinstance(block, Block) and i % every == 0:
+                    parent[i] = checkpoint_wrapper(block)  # non-reentrant torch.utils.checkpoint
+                    wrapped += 1
+    if not wrapped:
+        return skipped("the model has no transformer Block to checkpoint")
+    return applied(mode=cfg.checkpointing, every=every, layers=wrapped)
+
+
+def apply_cuda_memory(cfg: DictConfig, device: torch.device) -> dict:
+    """Allocator settings that only exist on a GPU."""
+    if device.type != "cuda":
+        return skipped(f"no GPU ({device.type}): CUDA memory fraction and expandable segments do not apply")
+    done = {}
+    if cfg.expandable_segments:
+        # Read by the CUDA caching allocator when it starts: effective only before the first allocation.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        done["expandable_segments"] = not torch.cuda.is_initialized()
+    if cfg.cuda_memory_fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(cfg.cuda_memory_fraction, device)
+        done["memory_fraction"] = cfg.cuda_memory_fraction
+    return applied(**done) if done else skipped("no CUDA memory setting chosen")
+
+
+class MemoryGuard:
+    """At each log step: above `warn_fraction` of RAM (CPU) or device memory, collect garbage and
+    empty the CUDA cache, once per crossing, with a warning. Never every step: clearing costs time."""
+
+    def __init__(self, cfg: DictConfig, device: torch.device):
+        self.warn_fraction, self.device = cfg.warn_fraction, device
+        self.cleanups = 0
+        self._above = False
+
+    def used_fraction(self) -> float:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return 1 - free / total
+        return psutil.virtual_memory().percent / 100
+
+    def check(self) -> None:
+        fraction = self.used_fraction()
+        above = fraction >= self.warn_fraction
+        if above and not self._above:
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.cleanups += 1
+            log.warning(
+                "memory at %.0f%% (memory.warn_fraction=%.2f): collected garbage and cleared caches",
+                100 * fraction,
+                self.warn_fraction,
+            )
+        self._above = above

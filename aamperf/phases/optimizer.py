@@ -1,0 +1,24 @@
+"""AdamW, built after every model transform: per-parameter loop, multi-tensor (foreach) or fused."""
+
+import torch
+from omegaconf import DictConfig
+
+from aamperf.phases.record import applied, skipped
+
+IMPLS = ("for_loop", "foreach", "fused")
+
+
+def check_optimizer(cfg: DictConfig) -> list[str]:
+    if cfg.impl not in IMPLS:
+        return [f"optimizer.impl={cfg.impl} is not one of {', '.join(IMPLS)}"]
+    return []
+
+
+def build_optimizer(
+    params: list[torch.nn.Parameter], trainer: DictConfig, cfg: DictConfig
+) -> tuple[torch.optim.Optimizer, dict]:
+    kwargs = {"foreach": cfg.impl == "foreach", "fused": cfg.impl == "fused" or None}
+    optimizer = torch.optim.AdamW(params, lr=trainer.lr, weight_decay=trainer.weight_decay, **kwargs)
+    if cfg.impl == "for_loop":
+        return optimizer, skipped("optimizer=adamw (one parameter at a time)")
+    return optimizer, applied(impl=cfg.impl)

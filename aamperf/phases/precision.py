@@ -1,0 +1,42 @@
+"""Mixed precision: autocast on the run's device, a GradScaler for fp16, matmul precision switches."""
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
+
+import torch
+from omegaconf import DictConfig
+
+from aamperf.phases.record import applied, skipped
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_precision(cfg: DictConfig, device: torch.device) -> list[str]:
+    if cfg.dtype not in DTYPES:
+        return [f"precision.dtype={cfg.dtype} is not one of {', '.join(DTYPES)}"]
+    if cfg.dtype == "fp16" and device.type != "cuda":
+        return [
+            f"precision=fp16 needs a CUDA GPU (loss scaling for fp16 is a GPU technique, and {device.type} "
+            "has no fast fp16 matmul); use precision=bf16"
+        ]
+    if cfg.dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return ["precision=bf16: this GPU has no bfloat16 support; use precision=fp16"]
+    return []
+
+
+def apply_precision(
+    cfg: DictConfig, device: torch.device
+) -> tuple[Callable[[], AbstractContextManager], torch.amp.GradScaler, dict]:
+    """(autocast context factory, GradScaler, record). fp32: a do-nothing context and a disabled scaler."""
+    torch.set_float32_matmul_precision(cfg.matmul_precision)  # "high" lets CUDA use TF32 for fp32 matmuls
+    # A disabled scaler is an identity (scale, unscale_, step, update pass through): the loop never branches.
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
+    if cfg.dtype == "fp32":
+        return nullcontext, scaler, skipped("precision=fp32", matmul_precision=cfg.matmul_precision)
+    autocast = partial(torch.autocast, device_type=device.type, dtype=DTYPES[cfg.dtype])
+    return (
+        autocast,
+        scaler,
+        applied(dtype=cfg.dtype, grad_scaler=scaler.is_enabled(), matmul_precision=cfg.matmul_precision),
+    )

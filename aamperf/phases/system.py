@@ -1,0 +1,56 @@
+"""Process-level switches: torch threads, CPU affinity, cudnn.benchmark, determinism, channels_last."""
+
+import os
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from aamperf.phases.record import applied, skipped
+
+
+def usable_cores() -> list[int]:
+    return (
+        sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+    )
+
+
+def apply_system(cfg: DictConfig, device: torch.device) -> dict[str, dict]:
+    """Records per switch, since each can apply or not on its own."""
+    records = {}
+    threads = cfg.num_threads or len(usable_cores())
+    if cfg.num_threads is not None or cfg.cpu_affinity:
+        torch.set_num_threads(threads)
+    records["threads"] = applied(intra_op=torch.get_num_threads(), inter_op=torch.get_num_interop_threads())
+    if cfg.interop_threads is not None:
+        try:
+            torch.set_num_interop_threads(cfg.interop_threads)  # allowed once, before any parallel work
+            records["threads"]["inter_op"] = cfg.interop_threads
+        except RuntimeError as exc:
+            records["threads"]["inter_op_note"] = f"unchanged: {exc}"
+    if not cfg.cpu_affinity:
+        records["cpu_affinity"] = skipped("system.cpu_affinity=false")
+    elif not hasattr(os, "sched_setaffinity"):
+        records["cpu_affinity"] = skipped("this OS has no sched_setaffinity")
+    else:
+        cores = usable_cores()
+        os.sched_setaffinity(0, cores)  # the main process on the cores it may use; threads match their count
+        records["cpu_affinity"] = applied(cores=cores)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+        records["cudnn_benchmark"] = applied(enabled=cfg.cudnn_benchmark)
+    else:
+        records["cudnn_benchmark"] = skipped(f"no cuDNN on {device.type}")
+    torch.use_deterministic_algorithms(cfg.deterministic, warn_only=True)
+    records["deterministic"] = applied() if cfg.deterministic else skipped("system.deterministic=false")
+    return records
+
+
+def apply_channels_last(model: nn.Module, cfg: DictConfig) -> dict:
+    """channels_last only helps convolutions on 4-D activations; AAM has none, and we say so."""
+    if not cfg.channels_last:
+        return skipped("system.channels_last=false")
+    if not any(isinstance(m, nn.Conv2d | nn.BatchNorm2d) for m in model.modules()):
+        return skipped("the model has no 4-D activations (no Conv2d / BatchNorm2d): nothing to convert")
+    model.to(memory_format=torch.channels_last)
+    return applied()

@@ -1,0 +1,107 @@
+"""aam_ops: every option gives the plain model's embeddings, loss and gradients, on fewer encoded rows."""
+
+import copy
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from aamperf.data import build_data
+from aamperf.data.dataset import Collate
+from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to
+
+MAX_ASVS = 32  # above the tiny data's mean richness (20): the batch has padding rows
+OPTIONS = {"plain": "all", "padding_aware": "real", "dedup": "unique", "fast": "unique"}
+
+
+@pytest.fixture
+def tiny(make_cfg):
+    """aam_tiny without dropout, its loss, and one real batch of 8 samples padded both ways."""
+    cfg = make_cfg("model.dropout=0", f"model.max_asvs={MAX_ASVS}")
+    torch.manual_seed(0)
+    model = instantiate(cfg.model).eval()
+    data = build_data(cfg.data, batch_size=8, seed=0, loader=cfg.dataloader)
+    items = [data.dataset[i] for i in next(iter(data.train_loader))["sample_idx"].tolist()]
+    fixed = data.collate(items)  # [8, max_asvs, 151]
+    longest = Collate(data.collate.tokens, data.collate.unifrac, pad_to=None)(items)
+    real = fixed["asv_ids"] >= 0
+    # the batch this test needs: padding rows, and ASVs held by more than one sample
+    assert longest["tokens"].shape[1] < MAX_ASVS and real.sum() < real.numel()
+    assert fixed["asv_ids"][real].unique().numel() < real.sum()
+    return cfg, model, instantiate(cfg.loss), fixed, longest
+
+
+def run(model, loss_fn, batch) -> dict:
+    """Sample embeddings (unmasked input), loss at step 1 and every parameter's gradient."""
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        out = model(batch["tokens"], batch["counts"], asv_ids=batch["asv_ids"])
+    loss, _ = loss_fn(model, batch, 1)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return {"embedding": out["sample_embedding"], "asv": out["asv_embedding"], "loss": loss.detach(), **grads}
+
+
+def assert_same(got: dict, expected: dict) -> None:
+    torch.testing.assert_close(got["embedding"], expected["embedding"], atol=1e-5, rtol=0)
+    width = got["asv"].shape[1]  # padded to the longest sample: the plain batch's first columns
+    torch.testing.assert_close(got["asv"], expected["asv"][:, :width], atol=1e-5, rtol=0)
+    assert (expected["asv"][:, width:] == 0).all()
+    torch.testing.assert_close(got["loss"], expected["loss"], rtol=1e-5, atol=0)
+    grads = [name for name in expected if name not in ("embedding", "asv", "loss")]
+    assert len(grads) == len(got) - 3 > 20 and all(expected[n].abs().sum() > 0 for n in grads[:3])
+    for name in grads:  # fp32 rounding of sums taken in another order: relative to the gradient's scale
+        # (floored: a pooling score's bias has a zero gradient, softmax ignores a shift, so only ~1e-10 noise)
+        scale = max(expected[name].abs().max().item(), 1e-4)
+        torch.testing.assert_close(got[name], expected[name], atol=1e-5 * scale, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("option", ["padding_aware", "dedup", "fast"])
+def test_every_option_gives_the_plain_embeddings_loss_and_gradients(tiny, make_cfg, option):
+    cfg, model, loss_fn, fixed, longest = tiny
+    expected = run(model, loss_fn, fixed)
+    other = copy.deepcopy(model)
+    ops = make_cfg(f"aam_ops={option}").aam_ops
+    record = apply_aam_ops(other, ops)
+    assert record == {"status": "applied", "reason": None, "asv_rows": OPTIONS[option]}
+    batch = longest if collate_pad_to(ops, MAX_ASVS) is None else fixed
+    assert_same(run(other, loss_fn, batch), expected)
+    if ops.skip_padding:  # and the same loss on the batch padded to max_asvs
+        torch.testing.assert_close(run(other, loss_fn, fixed)["loss"], expected["loss"], rtol=1e-5, atol=0)
+
+
+def test_fewer_rows_are_encoded(tiny):
+    _, model, loss_fn, fixed, longest = tiny
+    seen = []
+    model.asv_encoder.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
+    ids = fixed["asv_ids"]
+    rows = {}
+    for mode, batch in (("all", fixed), ("real", longest), ("unique", longest)):
+        model.asv_rows = mode
+        seen.clear()
+        loss_fn(model, batch, 1)
+        rows[mode] = seen[0]
+        assert rows[mode] == model.count_encoded_rows(batch["tokens"], batch["asv_ids"])
+    assert rows["all"] == ids.numel()
+    assert rows["real"] == (ids >= 0).sum() < rows["all"]
+    assert rows["unique"] == ids[ids >= 0].unique().numel() < rows["real"]
+    flops = [model.flops_per_step(8, MAX_ASVS, rows[mode]) for mode in ("all", "real", "unique")]
+    assert flops[0] > flops[1] > flops[2]
+
+
+def test_records_and_padding_of_every_option(make_cfg):
+    for option, rows in OPTIONS.items():
+        ops = make_cfg(f"aam_ops={option}").aam_ops
+        model = instantiate(make_cfg().model)
+        record = apply_aam_ops(model, ops)
+        assert model.asv_rows == record["asv_rows"] == rows
+        assert record["status"] == ("skipped" if option == "plain" else "applied")
+        assert record["reason"] == ("aam_ops=plain" if option == "plain" else None)
+        assert collate_pad_to(ops, 16) == (None if option in ("padding_aware", "fast") else 16)
+    other = torch.nn.Linear(2, 2)
+    assert apply_aam_ops(other, make_cfg("aam_ops=dedup").aam_ops) == {
+        "status": "skipped",
+        "reason": "model has no ASV encoder (not AAM)",
+        "asv_rows": None,
+    }
+    assert not hasattr(other, "asv_rows")

@@ -1,0 +1,88 @@
+"""The four levels compose, explicit choices win, bad combinations fail before the run."""
+
+import json
+
+import pytest
+import torch
+
+from aamperf.errors import UserError
+from aamperf.phases import check_phases
+from aamperf.run import train
+
+LEVELS = {
+    "baseline": ("fp32", "disabled", "math", "plain", "simple", "for_loop"),
+    "basic": ("bf16", "disabled", "sdpa", "plain", "tuned", "foreach"),
+    "advanced": ("bf16", "disabled", "sdpa", "fast", "tuned", "fused"),
+    "ultra": ("bf16", "default", "sdpa", "fast", "tuned", "fused"),
+}
+
+
+def choices(cfg):
+    aam = {(False, False): "plain", (True, True): "fast"}.get((cfg.aam_ops.dedup, cfg.aam_ops.skip_padding))
+    loader = "tuned" if cfg.dataloader.num_workers else "simple"
+    return (cfg.precision.dtype, cfg.compile.mode, cfg.attention.impl, aam, loader, cfg.optimizer.impl)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_level_picks_its_options(make_cfg, level):
+    cfg = make_cfg(f"optim={level}")
+    assert cfg.optim == level and choices(cfg) == LEVELS[level]
+
+
+def test_command_line_choice_wins_over_the_level(make_cfg):
+    cfg = make_cfg("optim=ultra", "precision=fp32", "compile=disabled")
+    assert (cfg.precision.dtype, cfg.compile.mode, cfg.attention.impl) == ("fp32", "disabled", "sdpa")
+
+
+def test_fp16_on_cpu_is_refused_with_the_fix(make_cfg):
+    with pytest.raises(UserError, match="precision=fp16 needs a CUDA GPU.*use precision=bf16"):
+        check_phases(make_cfg("precision=fp16"), torch.device("cpu"))
+
+
+def test_all_phase_problems_are_reported_at_once(make_cfg):
+    cfg = make_cfg("precision=fp16", "memory.checkpoint_every=0", "attention.backends=[warp]")
+    with pytest.raises(UserError) as err:
+        check_phases(cfg, torch.device("cpu"))
+    assert all(s in str(err.value) for s in ("precision=fp16", "memory.checkpoint_every=0", "warp"))
+
+
+def test_every_phase_is_recorded_in_the_run(make_cfg, tmp_path):
+    train(make_cfg("optim=advanced"), tmp_path)
+    phases = json.loads((tmp_path / "summary.json").read_text())["phases"]
+    expected = {
+        "threads",
+        "cpu_affinity",
+        "cudnn_benchmark",
+        "deterministic",
+        "cuda_memory",
+        "dataloader",
+        "precision",
+        "attention",
+        "aam_ops",
+        "channels_last",
+        "checkpointing",
+        "compile",
+        "optimizer",
+    }
+    assert expected <= phases.keys()
+    assert all(r["status"] in ("applied", "skipped", "fallback") for r in phases.values())
+    assert phases["precision"]["status"] == "applied" and phases["precision"]["dtype"] == "bf16"
+    assert phases["aam_ops"]["status"] == "applied" and phases["optimizer"]["impl"] == "fused"
+    assert (
+        phases["channels_last"]["status"] == "skipped"
+        and "no 4-D activations" in phases["channels_last"]["reason"]
+    )
+    assert phases["cudnn_benchmark"]["status"] == "skipped"  # CPU
+    assert (
+        phases["dataloader"]["pin_memory"] is False
+        and "no host-to-GPU copy" in phases["dataloader"]["notes"][0]
+    )
+
+
+def test_a_kernel_the_device_lacks_is_refused_before_the_run(make_cfg):
+    if torch.cuda.is_available():
+        pytest.skip("the memory-efficient SDPA kernel exists on CUDA")
+    with pytest.raises(
+        UserError, match=r"attention.backends=\['efficient'\] cannot run on cpu.*use attention=sdpa"
+    ):
+        check_phases(make_cfg("attention=sdpa_efficient"), torch.device("cpu"))

@@ -1,0 +1,111 @@
+"""Each fp32 phase gives the baseline's loss and gradients; bf16 stays close over several steps."""
+
+import copy
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from aamperf.data import build_data
+from aamperf.phases.attention import SDPAttention, apply_attention
+from aamperf.phases.compile import apply_compile
+from aamperf.phases.memory import apply_checkpointing
+from aamperf.phases.precision import apply_precision
+
+
+@pytest.fixture
+def tiny(make_cfg):
+    """aam_tiny without dropout (so two runs draw no random numbers), one real batch."""
+    cfg = make_cfg("model.dropout=0")
+    torch.manual_seed(0)
+    model = instantiate(cfg.model)
+    loss_fn = instantiate(cfg.loss)
+    data = build_data(cfg.data, batch_size=4, seed=0, loader=cfg.dataloader)
+    return cfg, model, loss_fn, next(iter(data.train_loader))
+
+
+def loss_and_grads(model, loss_fn, batch, autocast=None):
+    model.zero_grad(set_to_none=True)
+    with autocast() if autocast else torch.autocast("cpu", enabled=False):
+        loss, _ = loss_fn(model, batch, 1)
+    loss.backward()
+    # parameter names as in the state_dict: wrappers (checkpointing) add a prefix to named_parameters()
+    grads = {
+        n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone() for n, p in model.named_parameters()
+    }
+    return loss.detach(), grads
+
+
+def assert_same(reference, other, rtol=1e-5, atol=1e-6):
+    (loss_a, grads_a), (loss_b, grads_b) = reference, other
+    torch.testing.assert_close(loss_b, loss_a, rtol=rtol, atol=atol)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=rtol, atol=atol, msg=name)
+
+
+def test_sdpa_gives_the_math_results(tiny, make_cfg):
+    cfg, model, loss_fn, batch = tiny
+    reference = loss_and_grads(model, loss_fn, batch)
+    for option in ("sdpa", "sdpa_math"):
+        other = copy.deepcopy(model)
+        record = apply_attention(other, make_cfg(f"attention={option}").attention)
+        assert record["status"] == "applied" and record["modules"] == 3  # one per stack of aam_tiny
+        assert sum(isinstance(m, SDPAttention) for m in other.modules()) == 3
+        assert_same(reference, loss_and_grads(other, loss_fn, batch))
+
+
+@pytest.mark.parametrize("option", ["checkpointing", "selective"])
+def test_checkpointing_gives_the_same_loss_and_gradients(tiny, make_cfg, option):
+    cfg, model, loss_fn, batch = tiny
+    reference = loss_and_grads(model, loss_fn, batch)
+    other = copy.deepcopy(model)
+    record = apply_checkpointing(other, make_cfg(f"memory={option}").memory)
+    assert record["status"] == "applied" and record["layers"] == 3
+    assert other.state_dict().keys() == model.state_dict().keys()  # checkpoints stay interchangeable
+    assert_same(reference, loss_and_grads(other, loss_fn, batch))
+
+
+def test_compile_gives_the_same_loss_and_gradients(tiny, make_cfg):
+    cfg, model, loss_fn, batch = tiny
+    reference = loss_and_grads(model, loss_fn, batch)
+    other = copy.deepcopy(model)
+    record = apply_compile(
+        other, make_cfg("compile=default").compile, lambda: loss_and_grads(other, loss_fn, batch)
+    )
+    assert record["status"] == "applied", record["reason"]
+    assert record["compile_time_s"] > 0
+    assert_same(reference, loss_and_grads(other, loss_fn, batch), rtol=1e-4, atol=1e-5)
+
+
+def test_compile_failure_falls_back_to_eager_and_says_why(tiny, make_cfg):
+    cfg, model, loss_fn, batch = tiny
+    other = copy.deepcopy(model)
+    bad = make_cfg("compile=default", "compile.backend=no_such_backend").compile
+    record = apply_compile(other, bad, lambda: loss_and_grads(other, loss_fn, batch))
+    assert record["status"] == "fallback" and "no_such_backend" in record["reason"]
+    assert_same(loss_and_grads(model, loss_fn, batch), loss_and_grads(other, loss_fn, batch))
+
+
+def test_bf16_autocast_stays_close_to_fp32_over_steps(tiny, make_cfg):
+    """Five AdamW steps on the same batches: bf16 losses within 2% of fp32 ones."""
+    cfg, model, loss_fn, batch = tiny
+    autocast, scaler, record = apply_precision(make_cfg("precision=bf16").precision, torch.device("cpu"))
+    assert record["status"] == "applied" and not scaler.is_enabled()
+    with autocast():
+        assert torch.matmul(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.bfloat16
+
+    def losses(m, ctx):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        out = []
+        for _ in range(5):
+            loss, _ = loss_and_grads(m, loss_fn, batch, ctx)
+            opt.step()
+            out.append(loss.item())
+        return torch.tensor(out)
+
+    fp32 = losses(copy.deepcopy(model), None)
+    bf16 = losses(copy.deepcopy(model), autocast)
+    assert fp32[-1] < fp32[0]  # it trains
+    torch.testing.assert_close(bf16, fp32, rtol=0.02, atol=0)
+    assert not torch.equal(bf16, fp32)  # and bf16 really ran in lower precision
