@@ -39,7 +39,7 @@ def test_default_run_is_the_baseline_on_simulated_data():
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose("config")
-    assert (cfg.optim, cfg.precision, cfg.data.source) == ("baseline", "fp32", "simulated")
+    assert (cfg.optim, cfg.precision.dtype, cfg.data.source) == ("baseline", "fp32", "simulated")
     assert cfg.model._target_.endswith("AAM") and cfg.model.embedding_dim < 128
 
 
