@@ -103,7 +103,7 @@ class SystemConfig:
 
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     interop_threads: int | None = None
-    cpu_affinity: bool = False  # pin this process to the cores it may use (Linux)
+    cpu_cores: list[int] | None = None  # pin the training process to these cores (Linux); None: leave as is
     cudnn_benchmark: bool = False
     deterministic: bool = False  # torch.use_deterministic_algorithms
     channels_last: bool = False  # only for models with 4-D activations

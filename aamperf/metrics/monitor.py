@@ -39,7 +39,9 @@ def _open_gpu(device: torch.device) -> _GPU | None:
 
 
 class SystemMonitor:
-    """Samples RSS and CPU % of this process and its children (dataloader workers) every interval.
+    """Samples memory and CPU % of this process and its children (dataloader workers) every interval.
+
+    Memory = this process's RSS + each child's unique set size (pages only it holds).
 
     Runs in a daemon thread so the training loop itself never waits on psutil or NVML.
     """
@@ -70,7 +72,9 @@ class SystemMonitor:
         rss, cpu = 0, 0.0
         for proc in self._tree():
             try:
-                rss += proc.memory_info().rss
+                # A forked worker shares most pages with this process: count only its own (USS),
+                # or the tree's sum would count the shared pages once per worker.
+                rss += proc.memory_info().rss if proc is self._root else proc.memory_full_info().uss
                 cpu += proc.cpu_percent()
             except psutil.Error:  # a worker exited between listing and reading
                 continue

@@ -18,9 +18,16 @@ def usable_cores() -> list[int]:
 def apply_system(cfg: DictConfig, device: torch.device) -> dict[str, dict]:
     """Records per switch, since each can apply or not on its own."""
     records = {}
-    threads = cfg.num_threads or len(usable_cores())
-    if cfg.num_threads is not None or cfg.cpu_affinity:
-        torch.set_num_threads(threads)
+    if cfg.cpu_cores is None:
+        records["cpu_affinity"] = skipped("system.cpu_cores=null: the process keeps the cores it was given")
+    elif not hasattr(os, "sched_setaffinity"):
+        records["cpu_affinity"] = skipped("this OS has no sched_setaffinity")
+    else:
+        os.sched_setaffinity(0, list(cfg.cpu_cores))  # e.g. leave a core to the dataloader workers
+        records["cpu_affinity"] = applied(cores=usable_cores())
+    if cfg.num_threads is not None or cfg.cpu_cores is not None:
+        # One intra-op thread per usable core: more only time-slice the same cores.
+        torch.set_num_threads(cfg.num_threads or len(usable_cores()))
     records["threads"] = applied(intra_op=torch.get_num_threads(), inter_op=torch.get_num_interop_threads())
     if cfg.interop_threads is not None:
         try:
@@ -28,14 +35,6 @@ def apply_system(cfg: DictConfig, device: torch.device) -> dict[str, dict]:
             records["threads"]["inter_op"] = cfg.interop_threads
         except RuntimeError as exc:
             records["threads"]["inter_op_note"] = f"unchanged: {exc}"
-    if not cfg.cpu_affinity:
-        records["cpu_affinity"] = skipped("system.cpu_affinity=false")
-    elif not hasattr(os, "sched_setaffinity"):
-        records["cpu_affinity"] = skipped("this OS has no sched_setaffinity")
-    else:
-        cores = usable_cores()
-        os.sched_setaffinity(0, cores)  # the main process on the cores it may use; threads match their count
-        records["cpu_affinity"] = applied(cores=cores)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         records["cudnn_benchmark"] = applied(enabled=cfg.cudnn_benchmark)

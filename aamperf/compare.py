@@ -1,0 +1,244 @@
+"""Compare runs: `python -m aamperf.compare DIR [DIR ...]` -> comparison.{json,csv,md,png} in the first DIR.
+
+Runs that differ only by seed form one configuration; each figure is the median over seeds with its
+min-max spread. Ratios are configuration / baseline; a speed-up counts ("faster at equal quality")
+only when its whole min-max interval lies above 1 and the validation loss is within tolerance.
+"""
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from aamperf.errors import UserError
+from aamperf.metrics.record import write_json_atomic
+
+IGNORED_OVERRIDES = ("seed=", "hydra.", "trainer.progress=")
+
+
+@dataclass
+class Run:
+    path: Path
+    overrides: list[str]
+    summary: dict[str, Any]
+
+    @property
+    def seed(self) -> Any:
+        return self.summary.get("seed")
+
+
+@dataclass
+class Group:
+    config: str
+    runs: list[Run] = field(default_factory=list)
+
+    def values(self, key: str) -> list[float]:
+        return [r.summary[key] for r in self.ok_runs if isinstance(r.summary.get(key), int | float)]
+
+    @property
+    def ok_runs(self) -> list[Run]:
+        return [r for r in self.runs if r.summary.get("status") == "completed"]
+
+    def median(self, key: str) -> float | None:
+        values = self.values(key)
+        return statistics.median(values) if values else None
+
+
+def find_runs(dirs: list[Path]) -> list[Run]:
+    runs = []
+    for directory in dirs:
+        for summary_path in sorted(Path(directory).rglob("summary.json")):
+            overrides_path = summary_path.parent / ".hydra" / "overrides.yaml"
+            overrides = (
+                OmegaConf.to_container(OmegaConf.load(overrides_path)) if overrides_path.exists() else []
+            )
+            runs.append(Run(summary_path.parent, overrides or [], json.loads(summary_path.read_text())))
+    return runs
+
+
+def group_runs(runs: list[Run]) -> list[Group]:
+    """Group by the overrides that are not the seed; label by those that differ between groups."""
+    keys = [tuple(o for o in r.overrides if not o.startswith(IGNORED_OVERRIDES)) for r in runs]
+    common = set.intersection(*(set(k) for k in keys)) if keys else set()
+    groups: dict[str, Group] = {}
+    for run, key in zip(runs, keys, strict=True):
+        label = " ".join(o for o in key if o not in common) or f"optim={run.summary.get('optim')}"
+        groups.setdefault(label, Group(label)).runs.append(run)
+    return list(groups.values())
+
+
+def pick_baseline(groups: list[Group], baseline: str) -> Group:
+    matches = [g for g in groups if baseline in g.config.split() or g.config == baseline]
+    if not matches:
+        matches = [g for g in groups if baseline == f"optim={g.runs[0].summary.get('optim')}"]
+    if len(matches) != 1:
+        names = ", ".join(g.config for g in groups)
+        raise UserError(
+            f"compare.baseline={baseline!r} matches {len(matches)} configurations ({names}); "
+            "pass --baseline with the override string of one of them"
+        )
+    return matches[0]
+
+
+def ratio_interval(group: Group, base: Group, key: str) -> tuple[float | None, float | None, float | None]:
+    """(median ratio, lowest, highest): the interval pairs the extremes, so it is never too narrow."""
+    g, b = group.values(key), base.values(key)
+    if not g or not b:
+        return None, None, None
+    return statistics.median(g) / statistics.median(b), min(g) / max(b), max(g) / min(b)
+
+
+def compare(
+    runs: list[Run], baseline: str = "optim=baseline", quality_tolerance: float = 0.02
+) -> dict[str, Any]:
+    groups = group_runs(runs)
+    base = pick_baseline(groups, baseline)
+    rows = []
+    for group in groups:
+        speedup, lo, hi = ratio_interval(group, base, "samples_per_s")
+        step_ratio, step_lo, step_hi = ratio_interval(group, base, "step_time_s")
+        rss = group.median("peak_rss_bytes"), base.median("peak_rss_bytes")
+        val, base_val = group.median("val_loss"), base.median("val_loss")
+        val_delta = val / base_val - 1 if val is not None and base_val else None
+        row = {
+            "config": group.config,
+            "optim": group.runs[0].summary.get("optim"),
+            "seeds": sorted(r.seed for r in group.ok_runs),
+            "samples_per_s": group.median("samples_per_s"),
+            "samples_per_s_min": min(group.values("samples_per_s"), default=None),
+            "samples_per_s_max": max(group.values("samples_per_s"), default=None),
+            "speedup": speedup,
+            "speedup_lo": lo,
+            "speedup_hi": hi,
+            "step_time_s": group.median("step_time_s"),
+            "step_time_speedup": 1 / step_ratio if step_ratio else None,
+            "compile_time_s": group.median("compile_time_s"),
+            "time_to_first_step_s": group.median("time_to_first_step_s"),
+            "mfu": group.median("mfu"),
+            "data_wait_frac": group.median("data_wait_frac"),
+            "peak_rss_bytes": rss[0],
+            "peak_rss_ratio": rss[0] / rss[1] if None not in rss else None,
+            "val_loss": val,
+            "val_loss_delta": val_delta,
+            "train_loss": group.median("train_loss"),
+            "errors": [
+                f"{r.path.name}: {r.summary.get('error')}" for r in group.runs if r not in group.ok_runs
+            ],
+        }
+        row["verdict"] = verdict(row, group is base, quality_tolerance)
+        rows.append(row)
+    rows.sort(key=lambda r: (r["config"] != base.config, -(r["speedup"] or 0)))
+    return {"baseline": base.config, "quality_tolerance": quality_tolerance, "rows": rows}
+
+
+def verdict(row: dict[str, Any], is_baseline: bool, tolerance: float) -> str:
+    if not row["seeds"]:
+        return "failed: " + "; ".join(row["errors"])
+    if is_baseline:
+        return "baseline"
+    reasons = []
+    if row["speedup_lo"] is None or row["speedup_lo"] <= 1:
+        reasons.append(
+            f"speed-up interval [{row['speedup_lo']:.2f}, {row['speedup_hi']:.2f}] is not above 1"
+            if row["speedup_lo"] is not None
+            else "no speed measured"
+        )
+    if row["val_loss_delta"] is None:
+        reasons.append("no validation loss to compare")
+    elif abs(row["val_loss_delta"]) > tolerance:
+        reasons.append(f"val loss differs by {100 * row['val_loss_delta']:+.1f}% (> {100 * tolerance:.0f}%)")
+    return "faster at equal quality" if not reasons else "not counted: " + "; ".join(reasons)
+
+
+def _fmt(value: Any, spec: str = ".3g") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    header = [
+        "config",
+        "seeds",
+        "samples/s",
+        "speed-up [min, max]",
+        "step s",
+        "compile s",
+        "MFU",
+        "peak RSS GiB (ratio)",
+        "val loss (delta %)",
+        "verdict",
+    ]
+    lines = [
+        f"Baseline: `{result['baseline']}`. Median over seeds; speed-up interval = min-max over seed pairs.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for r in result["rows"]:
+        rss = None if r["peak_rss_bytes"] is None else r["peak_rss_bytes"] / 2**30
+        delta = None if r["val_loss_delta"] is None else 100 * r["val_loss_delta"]
+        cells = [
+            f"`{r['config']}`",
+            str(len(r["seeds"])),
+            _fmt(r["samples_per_s"]),
+            f"{_fmt(r['speedup'], '.2f')}x [{_fmt(r['speedup_lo'], '.2f')}, {_fmt(r['speedup_hi'], '.2f')}]",
+            _fmt(r["step_time_s"]),
+            _fmt(r["compile_time_s"], ".1f"),
+            _fmt(r["mfu"], ".3f"),
+            f"{_fmt(rss, '.2f')} ({_fmt(r['peak_rss_ratio'], '.2f')})",
+            f"{_fmt(r['val_loss'], '.4f')} ({_fmt(delta, '+.2f')})",
+            r["verdict"],
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(result: dict[str, Any], runs: list[Run], out: Path) -> None:
+    write_json_atomic(out / "comparison.json", result)
+    columns = [k for k in result["rows"][0] if k not in ("seeds", "errors")] + ["seeds", "errors"]
+    with open(out / "comparison.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for row in result["rows"]:
+            writer.writerow(
+                {**row, "seeds": " ".join(map(str, row["seeds"])), "errors": " | ".join(row["errors"])}
+            )
+    (out / "comparison.md").write_text(to_markdown(result))
+    from aamperf.plots import plot_comparison  # matplotlib only when a report is drawn
+
+    plot_comparison(result, group_runs(runs), out / "comparison.png")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m aamperf.compare", description=__doc__.splitlines()[0])
+    parser.add_argument("dirs", nargs="+", type=Path, help="run or multirun directories")
+    parser.add_argument("--baseline", default="optim=baseline", help="override string of the baseline runs")
+    parser.add_argument("--quality-tolerance", type=float, default=0.02)
+    parser.add_argument("--out", type=Path, help="where the report goes (default: the first DIR)")
+    args = parser.parse_args(argv)
+    missing = [d for d in args.dirs if not d.is_dir()]
+    if missing:
+        print(f"error: not a directory: {missing[0]}", file=sys.stderr)
+        sys.exit(2)
+    runs = find_runs(args.dirs)
+    if not runs:
+        print(f"error: no summary.json under {', '.join(map(str, args.dirs))}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        result = compare(runs, args.baseline, args.quality_tolerance)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    out = args.out or args.dirs[0]
+    write_report(result, runs, out)
+    print(to_markdown(result))
+    print(f"report: {out / 'comparison.md'}, {out / 'comparison.png'}")
+
+
+if __name__ == "__main__":
+    main()

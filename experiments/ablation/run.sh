@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Ablation: each phase alone on the baseline, and each phase removed from ultra, at the headline
+# shapes (conf/experiment/headline.yaml), one seed, short runs. Then one comparison report.
+#   bash experiments/ablation/run.sh [OUT_DIR] [extra overrides...]
+set -euo pipefail
+out=${1:-outputs/ablation/$(date +%Y-%m-%d_%H-%M-%S)}
+shift || true
+common=(experiment=headline trainer.max_steps=12 trainer.val_every=12 metrics.skip_steps=2 trainer.progress=false "$@")
+run() { local name=$1; shift; python -m aamperf.train "${common[@]}" "$@" "hydra.run.dir=$out/$name" || true; }
+
+run baseline optim=baseline
+for phase in precision=bf16 attention=sdpa aam_ops=padding_aware aam_ops=dedup compile=default \
+             dataloader=tuned optimizer=adamw_fused system=tuned; do
+  run "alone_${phase//[=\/]/_}" optim=baseline "$phase"
+done
+run ultra optim=ultra
+for phase in precision=fp32 attention=math aam_ops=plain compile=disabled \
+             dataloader=simple optimizer=adamw system=default; do
+  run "ultra_without_${phase//[=\/]/_}" optim=ultra "$phase"
+done
+python -m aamperf.compare "$out"

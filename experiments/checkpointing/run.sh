@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Activation checkpointing: peak memory vs step time for none / selective / full at the headline
+# shapes with optim=advanced (bf16, SDPA, ASV de-duplication), then the batch sizes that fit a cap.
+#   bash experiments/checkpointing/run.sh [OUT_DIR]
+set -euo pipefail
+out=${1:-outputs/checkpointing/$(date +%Y-%m-%d_%H-%M-%S)}
+common=(experiment=headline optim=advanced trainer.val_every=1000 trainer.progress=false)
+
+# 1. the three modes, same batch
+for memory in none selective checkpointing; do
+  python -m aamperf.train "${common[@]}" memory=$memory trainer.max_steps=10 metrics.skip_steps=2 \
+    "hydra.run.dir=$out/modes/$memory"
+done
+python -m aamperf.compare "$out/modes" --baseline memory=none
+
+# 2. growing batches, with and without full checkpointing: peak memory per batch size
+for memory in none checkpointing; do
+  for batch in 8 16 32 64; do
+    python -m aamperf.train "${common[@]}" memory=$memory trainer.batch_size=$batch trainer.max_steps=4 \
+      metrics.skip_steps=1 "hydra.run.dir=$out/batches/${memory}_b$batch" || true
+  done
+done

@@ -1,0 +1,96 @@
+"""The phases that change settings rather than numbers: optimizer, system, loader, memory guard."""
+
+import os
+
+import torch
+from omegaconf import OmegaConf
+
+from aamperf.phases.dataloader import resolve_dataloader
+from aamperf.phases.memory import MemoryGuard, apply_cuda_memory
+from aamperf.phases.optimizer import build_optimizer
+from aamperf.phases.system import apply_channels_last, apply_system
+
+CPU = torch.device("cpu")
+
+
+def test_optimizer_implementations(make_cfg):
+    params = [torch.nn.Parameter(torch.randn(3))]
+    for option, foreach, fused in (
+        ("adamw", False, None),
+        ("adamw_foreach", True, None),
+        ("adamw_fused", False, True),
+    ):
+        cfg = make_cfg(f"optimizer={option}")
+        optimizer, record = build_optimizer(params, cfg.trainer, cfg.optimizer)
+        group = optimizer.param_groups[0]
+        assert (group["foreach"], group["fused"]) == (foreach, fused)
+        assert group["lr"] == cfg.trainer.lr and group["weight_decay"] == cfg.trainer.weight_decay
+        assert record["status"] == ("skipped" if option == "adamw" else "applied")
+
+
+def test_fused_and_plain_adamw_take_the_same_step(make_cfg):
+    results = []
+    for option in ("adamw", "adamw_fused"):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(64))
+        cfg = make_cfg(f"optimizer={option}")
+        optimizer, _ = build_optimizer([p], cfg.trainer, cfg.optimizer)
+        for _ in range(3):
+            p.grad = torch.sin(p.detach())
+            optimizer.step()
+        results.append(p.detach().clone())
+    torch.testing.assert_close(results[0], results[1])
+
+
+def test_tuned_system_sets_threads_and_records_cpu_only_skips(make_cfg):
+    before = torch.get_num_threads()
+    try:
+        records = apply_system(make_cfg("system=tuned", "system.num_threads=1").system, CPU)
+        assert torch.get_num_threads() == 1 and records["threads"]["intra_op"] == 1
+        assert records["cudnn_benchmark"]["status"] == "skipped"
+        assert records["cpu_affinity"]["status"] == "skipped"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cpu_cores_pin_the_process_and_size_the_thread_pool(make_cfg):
+    cores, before = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    try:
+        records = apply_system(make_cfg("system=tuned", f"system.cpu_cores=[{cores[-1]}]").system, CPU)
+        assert os.sched_getaffinity(0) == {cores[-1]}
+        assert records["cpu_affinity"]["cores"] == [cores[-1]] and torch.get_num_threads() == 1
+    finally:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(before)
+
+
+def test_channels_last_applies_only_to_4d_models(make_cfg):
+    cfg = make_cfg("system=tuned").system
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
+    assert apply_channels_last(conv, cfg)["status"] == "applied"
+    assert conv[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert apply_channels_last(torch.nn.Linear(2, 2), cfg)["status"] == "skipped"
+
+
+def test_tuned_loader_on_cpu_keeps_workers_and_drops_pinning(make_cfg):
+    loader, record = resolve_dataloader(make_cfg("dataloader=tuned").dataloader, CPU)
+    assert loader.num_workers >= 1 and loader.persistent_workers
+    assert loader.pin_memory is False and loader.non_blocking is False
+    simple, record = resolve_dataloader(make_cfg("dataloader=simple").dataloader, CPU)
+    assert record["status"] == "skipped" and simple.prefetch_factor is None
+
+
+def test_memory_guard_cleans_once_per_crossing():
+    guard = MemoryGuard(OmegaConf.create({"warn_fraction": 1e-6}), CPU)  # any use crosses it
+    guard.check()
+    guard.check()
+    assert guard.cleanups == 1  # still above: no second clean-up, so it never runs every step
+    guard.warn_fraction = 1.0
+    guard.check()
+    guard.warn_fraction = 1e-6
+    guard.check()
+    assert guard.cleanups == 2
+
+
+def test_cuda_memory_settings_skip_on_cpu(make_cfg):
+    assert apply_cuda_memory(make_cfg().memory, CPU)["status"] == "skipped"

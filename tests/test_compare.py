@@ -1,0 +1,106 @@
+"""The comparison report's arithmetic, on runs with known figures."""
+
+import json
+
+import pytest
+
+from aamperf.compare import compare, find_runs, main
+
+
+def make_run(root, name, overrides, **summary):
+    run = root / name
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    defaults = {"status": "completed", "peak_rss_bytes": 2**30, "step_time_s": 1.0, "mfu": 0.1}
+    (run / "summary.json").write_text(json.dumps({**defaults, **summary}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    common = ["experiment=headline"]
+    for seed, sps in enumerate((10.0, 11.0, 12.0)):
+        make_run(
+            tmp_path,
+            f"b{seed}",
+            [*common, "optim=baseline", f"seed={seed}"],
+            optim="baseline",
+            seed=seed,
+            samples_per_s=sps,
+            val_loss=2.00,
+        )
+    for seed, sps in enumerate((50.0, 55.0, 60.0)):
+        make_run(
+            tmp_path,
+            f"u{seed}",
+            [*common, "optim=ultra", f"seed={seed}"],
+            optim="ultra",
+            seed=seed,
+            samples_per_s=sps,
+            val_loss=2.01,
+            peak_rss_bytes=2**29,
+        )
+    for seed, sps in enumerate((11.0, 12.5)):
+        make_run(
+            tmp_path,
+            f"q{seed}",
+            [*common, "optim=basic", f"seed={seed}"],
+            optim="basic",
+            seed=seed,
+            samples_per_s=sps,
+            val_loss=2.10,
+        )
+    make_run(
+        tmp_path,
+        "f0",
+        [*common, "optim=advanced", "seed=0"],
+        optim="advanced",
+        seed=0,
+        status="failed",
+        error="trainer.batch_size=1 must be >= 2",
+    )
+    return tmp_path
+
+
+def test_speedup_interval_quality_and_verdicts(sweep):
+    result = compare(find_runs([sweep]))
+    rows = {r["config"]: r for r in result["rows"]}
+    assert result["baseline"] == "optim=baseline" and list(rows)[0] == "optim=baseline"
+    ultra = rows["optim=ultra"]
+    assert ultra["seeds"] == [0, 1, 2]
+    assert ultra["speedup"] == pytest.approx(55 / 11)
+    assert (ultra["speedup_lo"], ultra["speedup_hi"]) == (pytest.approx(50 / 12), pytest.approx(60 / 10))
+    assert ultra["peak_rss_ratio"] == pytest.approx(0.5)
+    assert ultra["val_loss_delta"] == pytest.approx(0.005)
+    assert ultra["verdict"] == "faster at equal quality"
+    basic = rows["optim=basic"]  # interval [11/12, 12.5/10] straddles 1, and val loss is 5% worse
+    assert "not above 1" in basic["verdict"] and "+5.0%" in basic["verdict"]
+    failed = rows["optim=advanced"]
+    assert failed["seeds"] == [] and "batch_size=1" in failed["verdict"]
+
+
+def test_cli_writes_every_report_file(sweep, capsys):
+    main([str(sweep)])
+    for name in ("comparison.json", "comparison.csv", "comparison.md", "comparison.png"):
+        assert (sweep / name).stat().st_size > 0
+    saved = json.loads((sweep / "comparison.json").read_text())
+    assert {
+        "config",
+        "optim",
+        "seeds",
+        "samples_per_s",
+        "speedup",
+        "speedup_lo",
+        "speedup_hi",
+        "peak_rss_ratio",
+        "val_loss_delta",
+        "verdict",
+    } <= saved["rows"][0].keys()
+    assert "| `optim=ultra` | 3 | 55 | 5.00x [4.17, 6.00]" in (sweep / "comparison.md").read_text()
+
+
+def test_unknown_baseline_is_a_one_line_error(sweep, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([str(sweep), "--baseline", "optim=nothing"])
+    assert exit_.value.code == 2
+    assert "compare.baseline='optim=nothing' matches 0 configurations" in capsys.readouterr().err
