@@ -72,6 +72,13 @@ class AttentionConfig:
 
 
 @dataclass
+class DropoutConfig:
+    """How dropout masks are drawn (`aamperf/phases/dropout.py`)."""
+
+    impl: str = "standard"  # standard (torch's Bernoulli) | fast (16 random bits per element, CPU)
+
+
+@dataclass
 class MemoryConfig:
     """Activation checkpointing and memory guards (`aamperf/phases/memory.py`)."""
 
@@ -152,6 +159,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    dropout: DropoutConfig = field(default_factory=DropoutConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     aam_ops: AAMOpsConfig = field(default_factory=AAMOpsConfig)

@@ -1,7 +1,7 @@
 """Optimization phases, applied in one fixed order; each records what it did in summary.json `phases`.
 
 Order (torchtitan's): system and loader settings before the data is built; then on the model
-precision -> attention -> AAM ops -> channels_last -> activation checkpointing -> compile
+precision -> attention -> dropout -> AAM ops -> channels_last -> activation checkpointing -> compile
 (-> distributed wrap); the optimizer is built last, over the transformed model's parameters.
 """
 
@@ -18,6 +18,7 @@ from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to
 from aamperf.phases.attention import apply_attention, check_attention
 from aamperf.phases.compile import apply_compile, check_compile
 from aamperf.phases.dataloader import resolve_dataloader
+from aamperf.phases.dropout import apply_dropout, check_dropout
 from aamperf.phases.memory import MemoryGuard, apply_checkpointing, apply_cuda_memory, check_memory
 from aamperf.phases.optimizer import build_optimizer, check_optimizer
 from aamperf.phases.precision import DTYPES, apply_precision, check_precision
@@ -29,6 +30,7 @@ def check_phases(cfg: DictConfig, device: torch.device) -> None:
     problems = check_precision(cfg.precision, device)
     problems += check_attention(cfg.attention, device, DTYPES.get(cfg.precision.dtype, torch.float32))
     problems += check_compile(cfg.compile) + check_memory(cfg.memory) + check_optimizer(cfg.optimizer)
+    problems += check_dropout(cfg.dropout)
     if problems:
         raise UserError("; ".join(problems))
 
@@ -71,6 +73,7 @@ def apply_phases(
     """Transform `model` in the fixed order; `warmup(model, autocast, scaler)` runs one forward+backward."""
     autocast, scaler, records["precision"] = apply_precision(cfg.precision, device)
     records["attention"] = apply_attention(model, cfg.attention)
+    records["dropout"] = apply_dropout(model, cfg.dropout, device)  # after attention: reaches its dropout too
     records["aam_ops"] = apply_aam_ops(model, cfg.aam_ops)
     records["channels_last"] = apply_channels_last(model, cfg.system)
     records["checkpointing"] = apply_checkpointing(model, cfg.memory)

@@ -24,8 +24,13 @@ class SDPAttention(nn.Module):
         super().__init__()
         self.dropout_p = dropout_p
         self.backends = [BACKENDS[b] for b in backends]
+        # No CPU kernel of SDPA has dropout: in training it falls back to this same math. Running it
+        # here keeps its dropout a module, which the dropout phase can make cheaper.
+        self.math = MathAttention(dropout_p)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        if self.training and self.dropout_p > 0 and q.device.type == "cpu":
+            return self.math(q, k, v, mask)
         dropout_p = self.dropout_p if self.training else 0.0
         if not self.backends:  # torch picks the fastest kernel that supports the inputs
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
@@ -60,11 +65,12 @@ def apply_attention(model: nn.Module, cfg: DictConfig) -> dict:
     if cfg.impl == "math":
         return skipped("attention=math (the written-out baseline)")
     swapped = 0
-    for parent in model.modules():
+    for parent in list(model.modules()):
         for name, child in parent.named_children():
             if isinstance(child, MathAttention):
                 setattr(parent, name, SDPAttention(child.dropout_p, list(cfg.backends)))
                 swapped += 1
     if not swapped:
         return skipped("the model has no MathAttention module to replace")
-    return applied(impl="sdpa", backends=list(cfg.backends) or "auto", modules=swapped)
+    note = "on CPU, training with dropout runs SDPA's own math fallback (no CPU kernel has dropout)"
+    return applied(impl="sdpa", backends=list(cfg.backends) or "auto", modules=swapped, note=note)

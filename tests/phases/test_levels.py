@@ -10,17 +10,25 @@ from aamperf.phases import check_phases
 from aamperf.run import train
 
 LEVELS = {
-    "baseline": ("fp32", "disabled", "math", "plain", "simple", "for_loop"),
-    "basic": ("bf16", "disabled", "sdpa", "plain", "tuned", "foreach"),
-    "advanced": ("bf16", "disabled", "sdpa", "fast", "tuned", "fused"),
-    "ultra": ("bf16", "default", "sdpa", "fast", "tuned", "fused"),
+    "baseline": ("fp32", "disabled", "math", "plain", "simple", "for_loop", "standard"),
+    "basic": ("bf16", "disabled", "sdpa", "plain", "tuned", "foreach", "standard"),
+    "advanced": ("bf16", "disabled", "sdpa", "fast", "tuned", "fused", "fast"),
+    "ultra": ("bf16", "default", "sdpa", "fast", "tuned", "fused", "fast"),
 }
 
 
 def choices(cfg):
     aam = {(False, False): "plain", (True, True): "fast"}.get((cfg.aam_ops.dedup, cfg.aam_ops.skip_padding))
     loader = "tuned" if cfg.dataloader.num_workers else "simple"
-    return (cfg.precision.dtype, cfg.compile.mode, cfg.attention.impl, aam, loader, cfg.optimizer.impl)
+    return (
+        cfg.precision.dtype,
+        cfg.compile.mode,
+        cfg.attention.impl,
+        aam,
+        loader,
+        cfg.optimizer.impl,
+        cfg.dropout.impl,
+    )
 
 
 @pytest.mark.parametrize("level", LEVELS)

@@ -109,3 +109,33 @@ def test_bf16_autocast_stays_close_to_fp32_over_steps(tiny, make_cfg):
     assert fp32[-1] < fp32[0]  # it trains
     torch.testing.assert_close(bf16, fp32, rtol=0.02, atol=0)
     assert not torch.equal(bf16, fp32)  # and bf16 really ran in lower precision
+
+
+def test_fast_dropout_keeps_the_distribution():
+    from aamperf.phases.dropout import FastDropout, keep_mask
+
+    torch.manual_seed(0)
+    keep = keep_mask(torch.Size([1000, 1000]), 0.1, torch.device("cpu"))
+    assert abs(keep.float().mean().item() - 0.9) < 0.002  # 1M draws: sd of the mean is 0.0003
+    assert keep_mask(torch.Size([1000, 1000]), 0.1, torch.device("cpu")).ne(keep).any()  # fresh each call
+    x = torch.ones(1000, 1000, requires_grad=True)
+    drop = FastDropout(0.1)
+    y = drop(x)
+    assert y.unique().tolist() == [0.0, pytest.approx(1 / 0.9)]
+    assert abs(y.mean().item() - 1.0) < 0.005  # expectation preserved
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, y.detach())  # gradient flows through kept elements only, scaled
+    assert torch.equal(drop.eval()(x), x)
+
+
+def test_fast_dropout_phase_reaches_every_dropout_and_keeps_eval_exact(make_cfg):
+    from aamperf.phases.dropout import FastDropout, apply_dropout
+
+    cfg = make_cfg("attention=sdpa")
+    model = instantiate(cfg.model)
+    n_dropout = sum(type(m) is torch.nn.Dropout for m in model.modules())
+    apply_attention(model, cfg.attention)  # SDPA on CPU keeps a math path whose dropout is a module
+    record = apply_dropout(model, make_cfg("dropout=fast").dropout, torch.device("cpu"))
+    assert record["modules"] == n_dropout
+    assert not any(type(m) is torch.nn.Dropout for m in model.modules())
+    assert sum(isinstance(m, FastDropout) for m in model.modules()) == n_dropout
