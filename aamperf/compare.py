@@ -2,7 +2,8 @@
 
 Runs that differ only by seed form one configuration; each figure is the median over seeds with its
 min-max spread. Ratios are configuration / baseline; a speed-up counts ("faster at equal quality")
-only when its whole min-max interval lies above 1 and the validation loss is within tolerance.
+only when its whole min-max interval lies above 1 and the validation loss is no worse than the
+tolerance; a loss better by more than the tolerance is flagged too (not the same training).
 """
 
 import argparse
@@ -124,6 +125,7 @@ def compare(
             "data_wait_frac": group.median("data_wait_frac"),
             "peak_rss_bytes": rss[0],
             "peak_rss_ratio": rss[0] / rss[1] if None not in rss else None,
+            "train_rss_growth_bytes": group.median("train_rss_growth_bytes"),
             "val_loss": val,
             "val_loss_delta": val_delta,
             "train_loss": group.median("train_loss"),
@@ -149,11 +151,16 @@ def verdict(row: dict[str, Any], is_baseline: bool, tolerance: float) -> str:
             if row["speedup_lo"] is not None
             else "no speed measured"
         )
-    if row["val_loss_delta"] is None:
+    delta = row["val_loss_delta"]
+    if delta is None:
         reasons.append("no validation loss to compare")
-    elif abs(row["val_loss_delta"]) > tolerance:
-        reasons.append(f"val loss differs by {100 * row['val_loss_delta']:+.1f}% (> {100 * tolerance:.0f}%)")
-    return "faster at equal quality" if not reasons else "not counted: " + "; ".join(reasons)
+    elif delta > tolerance:
+        reasons.append(f"val loss {100 * delta:+.1f}% worse (> {100 * tolerance:.0f}%)")
+    if reasons:
+        return "not counted: " + "; ".join(reasons)
+    if delta < -tolerance:  # not a failure, but not the same training either: say so
+        return f"faster, val loss {100 * delta:+.1f}% (better by more than {100 * tolerance:.0f}%: check why)"
+    return "faster at equal quality"
 
 
 def _fmt(value: Any, spec: str = ".3g") -> str:

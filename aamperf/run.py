@@ -79,6 +79,14 @@ def warmup_step(loss_fn, batch: dict[str, Any]):
     return run
 
 
+def resolved_config(cfg: DictConfig) -> dict[str, Any]:
+    """The config with interpolations resolved, or as written when one cannot be (a failed run)."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # e.g. ${model.max_asvs} with a model that has none: the error is recorded already
+        return OmegaConf.to_container(cfg, resolve=False)
+
+
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Run one training job into `run_dir`; the summary is written there on success and on failure."""
     record = RunRecord(run_dir)
@@ -153,7 +161,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         raise
     finally:
         summary["duration_s"] = time.perf_counter() - meter.start_time
-        summary["config"] = OmegaConf.to_container(cfg, resolve=True)
+        summary["config"] = resolved_config(cfg)
         summary["pid"] = os.getpid()
         record.write_summary(summary)
         record.close()

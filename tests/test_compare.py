@@ -52,6 +52,15 @@ def sweep(tmp_path):
         )
     make_run(
         tmp_path,
+        "l0",
+        [*common, "optim=lucky", "seed=0"],
+        optim="lucky",
+        seed=0,
+        samples_per_s=30.0,
+        val_loss=1.90,
+    )
+    make_run(
+        tmp_path,
         "f0",
         [*common, "optim=advanced", "seed=0"],
         optim="advanced",
@@ -74,7 +83,8 @@ def test_speedup_interval_quality_and_verdicts(sweep):
     assert ultra["val_loss_delta"] == pytest.approx(0.005)
     assert ultra["verdict"] == "faster at equal quality"
     basic = rows["optim=basic"]  # interval [11/12, 12.5/10] straddles 1, and val loss is 5% worse
-    assert "not above 1" in basic["verdict"] and "+5.0%" in basic["verdict"]
+    assert "not above 1" in basic["verdict"] and "+5.0% worse" in basic["verdict"]
+    assert rows["optim=lucky"]["verdict"].startswith("faster, val loss -5.0% (better by more than 2%")
     failed = rows["optim=advanced"]
     assert failed["seeds"] == [] and "batch_size=1" in failed["verdict"]
 

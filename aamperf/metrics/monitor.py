@@ -94,6 +94,7 @@ class SystemMonitor:
 
     def __enter__(self) -> "SystemMonitor":
         self.sample()  # primes cpu_percent; the first reading of each process is 0 by psutil's design
+        self.start_rss_bytes = self.rss_bytes  # model, data and libraries, before the first step
         self._thread.start()
         return self
 
@@ -110,6 +111,8 @@ class SystemMonitor:
         n = max(self._samples - 1, 1)  # the priming sample carries no CPU reading
         out: dict[str, Any] = {
             "peak_rss_bytes": max(self.peak_rss_bytes, self_peak),
+            # what training adds on top (activations, gradients, optimizer state, workers' batches)
+            "train_rss_growth_bytes": max(self.peak_rss_bytes, self_peak) - self.start_rss_bytes,
             "cpu_percent": self._cpu_sum / n,
             "gpu_util_percent": None,
             "peak_gpu_used_bytes": self.peak_gpu_used_bytes,

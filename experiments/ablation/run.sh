@@ -5,7 +5,7 @@
 set -euo pipefail
 out=${1:-outputs/ablation/$(date +%Y-%m-%d_%H-%M-%S)}
 shift || true
-common=(experiment=headline trainer.max_steps=12 trainer.val_every=12 metrics.skip_steps=2 trainer.progress=false "$@")
+common=(experiment=headline trainer.max_steps=8 trainer.val_every=8 metrics.skip_steps=2 trainer.progress=false "$@")
 run() { local name=$1; shift; python -m aamperf.train "${common[@]}" "$@" "hydra.run.dir=$out/$name" || true; }
 
 run baseline optim=baseline
