@@ -75,7 +75,9 @@ def group_runs(runs: list[Run]) -> list[Group]:
 
 
 def pick_baseline(groups: list[Group], baseline: str) -> Group:
-    matches = [g for g in groups if baseline in g.config.split() or g.config == baseline]
+    matches = [g for g in groups if g.config == baseline]  # exact first: "optim=baseline" alone
+    if not matches:
+        matches = [g for g in groups if baseline in g.config.split()]
     if not matches:
         matches = [g for g in groups if baseline == f"optim={g.runs[0].summary.get('optim')}"]
     if len(matches) != 1:
@@ -111,6 +113,7 @@ def compare(
             "config": group.config,
             "optim": group.runs[0].summary.get("optim"),
             "seeds": sorted(r.seed for r in group.ok_runs),
+            "baseline_seeds": len(base.ok_runs),
             "samples_per_s": group.median("samples_per_s"),
             "samples_per_s_min": min(group.values("samples_per_s"), default=None),
             "samples_per_s_max": max(group.values("samples_per_s"), default=None),
@@ -160,6 +163,8 @@ def verdict(row: dict[str, Any], is_baseline: bool, tolerance: float) -> str:
         return "not counted: " + "; ".join(reasons)
     if delta < -tolerance:  # not a failure, but not the same training either: say so
         return f"faster, val loss {100 * delta:+.1f}% (better by more than {100 * tolerance:.0f}%: check why)"
+    if min(len(row["seeds"]), row["baseline_seeds"]) < 2:
+        return "faster at equal quality (one seed: no spread measured)"
     return "faster at equal quality"
 
 
