@@ -29,6 +29,10 @@ def check_config(cfg: DictConfig) -> None:
         problems.append(f"metrics.skip_steps={m.skip_steps} must be >= 0")
     if cfg.device not in ("auto", "cpu") and not str(cfg.device).startswith("cuda"):
         problems.append(f"device={cfg.device} is not one of auto, cpu, cuda, cuda:N")
+    if cfg.logger.backend not in ("none", "wandb", "tensorboard"):
+        problems.append(f"logger.backend={cfg.logger.backend} is not one of none, wandb, tensorboard")
+    if cfg.logger.mode not in ("auto", "online", "offline", "disabled"):
+        problems.append(f"logger.mode={cfg.logger.mode} is not one of auto, online, offline, disabled")
     model_asvs = cfg.model.get("max_asvs")
     if model_asvs is not None and cfg.data.max_asvs > model_asvs:
         problems.append(

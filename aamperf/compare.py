@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from aamperf.errors import UserError
 from aamperf.metrics.record import write_json_atomic
 
-IGNORED_OVERRIDES = ("seed=", "hydra.", "trainer.progress=")
+IGNORED_OVERRIDES = ("seed=", "hydra.", "trainer.progress=", "compare.", "logger.")
 
 
 @dataclass
@@ -75,16 +75,18 @@ def group_runs(runs: list[Run]) -> list[Group]:
 
 
 def pick_baseline(groups: list[Group], baseline: str) -> Group:
+    """The group labelled `baseline`, or the only one whose overrides include all of its overrides."""
     matches = [g for g in groups if g.config == baseline]  # exact first: "optim=baseline" alone
     if not matches:
-        matches = [g for g in groups if baseline in g.config.split()]
+        wanted = set(baseline.split())
+        matches = [g for g in groups if wanted <= set(g.config.split())]
     if not matches:
         matches = [g for g in groups if baseline == f"optim={g.runs[0].summary.get('optim')}"]
     if len(matches) != 1:
-        names = ", ".join(g.config for g in groups)
+        names = ", ".join(f"'{g.config}'" for g in groups)
         raise UserError(
-            f"compare.baseline={baseline!r} matches {len(matches)} configurations ({names}); "
-            "pass --baseline with the override string of one of them"
+            f"compare.baseline={baseline!r} matches {len(matches)} configurations of {names}; "
+            "name one of them with compare.baseline (--baseline for python -m aamperf.compare)"
         )
     return matches[0]
 
@@ -144,7 +146,8 @@ def compare(
 
 def verdict(row: dict[str, Any], is_baseline: bool, tolerance: float) -> str:
     if not row["seeds"]:
-        return "failed: " + "; ".join(row["errors"])
+        errors = sorted({e.split(": ", 1)[-1] for e in row["errors"]})  # one line per distinct error
+        return f"failed ({len(row['errors'])} runs): " + "; ".join(errors)
     if is_baseline:
         return "baseline"
     reasons = []
@@ -198,7 +201,9 @@ def to_markdown(result: dict[str, Any]) -> str:
             f"`{r['config']}`",
             str(len(r["seeds"])),
             _fmt(r["samples_per_s"]),
-            f"{_fmt(r['speedup'], '.2f')}x [{_fmt(r['speedup_lo'], '.2f')}, {_fmt(r['speedup_hi'], '.2f')}]",
+            "n/a"
+            if r["speedup"] is None
+            else f"{r['speedup']:.2f}x [{_fmt(r['speedup_lo'], '.2f')}, {_fmt(r['speedup_hi'], '.2f')}]",
             _fmt(r["step_time_s"]),
             _fmt(r["compile_time_s"], ".1f"),
             _fmt(r["mfu"], ".3f"),
@@ -226,6 +231,16 @@ def write_report(result: dict[str, Any], runs: list[Run], out: Path) -> None:
     plot_comparison(result, group_runs(runs), out / "comparison.png")
 
 
+def make_report(dirs: list[Path], baseline: str, quality_tolerance: float, out: Path) -> dict[str, Any]:
+    """Find the runs under `dirs`, compare them and write the report files into `out`."""
+    runs = find_runs(dirs)
+    if not runs:
+        raise UserError(f"no summary.json under {', '.join(map(str, dirs))}: nothing to compare")
+    result = compare(runs, baseline, quality_tolerance)
+    write_report(result, runs, out)
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m aamperf.compare", description=__doc__.splitlines()[0])
     parser.add_argument("dirs", nargs="+", type=Path, help="run or multirun directories")
@@ -234,20 +249,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="where the report goes (default: the first DIR)")
     args = parser.parse_args(argv)
     missing = [d for d in args.dirs if not d.is_dir()]
-    if missing:
-        print(f"error: not a directory: {missing[0]}", file=sys.stderr)
-        sys.exit(2)
-    runs = find_runs(args.dirs)
-    if not runs:
-        print(f"error: no summary.json under {', '.join(map(str, args.dirs))}", file=sys.stderr)
-        sys.exit(2)
     try:
-        result = compare(runs, args.baseline, args.quality_tolerance)
+        if missing:
+            raise UserError(f"not a directory: {missing[0]}")
+        out = args.out or args.dirs[0]
+        result = make_report(args.dirs, args.baseline, args.quality_tolerance, out)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    out = args.out or args.dirs[0]
-    write_report(result, runs, out)
     print(to_markdown(result))
     print(f"report: {out / 'comparison.md'}, {out / 'comparison.png'}")
 

@@ -1,10 +1,11 @@
 """Config schemas: dataclasses in Hydra's ConfigStore, so a misspelled key is refused at compose time."""
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 @dataclass
@@ -147,6 +148,26 @@ class MetricsConfig:
 
 
 @dataclass
+class LoggerConfig:
+    """Where metrics go beside metrics.jsonl (`aamperf/loggers.py`)."""
+
+    backend: str = "none"  # none | wandb | tensorboard
+    project: str = "aamperf"  # W&B project
+    entity: str | None = None  # W&B team or user; None: the key's default
+    group: str | None = None  # W&B group; None: the sweep's directory name in a multirun
+    mode: str = "auto"  # W&B: auto (online with an API key, else offline) | online | offline | disabled
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CompareConfig:
+    """The report a multirun ends with (`aamperf/callbacks.py`; the same as `python -m aamperf.compare`)."""
+
+    baseline: str = "optim=baseline"  # the override string of the baseline jobs, e.g. "precision=fp32"
+    quality_tolerance: float = 0.02  # val loss may be this much worse (fraction) and still count as equal
+
+
+@dataclass
 class Config:
     """The whole run. `model` is open: any `_target_` returning an nn.Module, with its own kwargs."""
 
@@ -164,10 +185,19 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     aam_ops: AAMOpsConfig = field(default_factory=AAMOpsConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
     optim: str = "baseline"  # the level's name, set by conf/optim/*.yaml
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0
 
 
+def job_dirname(overrides: str) -> str:
+    """A sweep job's directory name from its overrides: no path separator, short enough for any disk."""
+    name = overrides.replace("/", "_")
+    return name if len(name) <= 100 else name[:90] + "..." + hashlib.sha1(name.encode()).hexdigest()[:7]
+
+
 def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
+    OmegaConf.register_new_resolver("aamperf.job_dirname", job_dirname, replace=True)

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from aamperf.checks import check_config
 from aamperf.data import build_data
 from aamperf.errors import UserError
+from aamperf.loggers import open_sinks
 from aamperf.metrics import RunRecord, StepMeter, SystemMonitor, count_flops, peak_flops
 from aamperf.phases import apply_phases, check_phases, setup_phases
 from aamperf.trainer import fit, to_device
@@ -89,7 +90,7 @@ def resolved_config(cfg: DictConfig) -> dict[str, Any]:
 
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Run one training job into `run_dir`; the summary is written there on success and on failure."""
-    record = RunRecord(run_dir)
+    record = RunRecord(run_dir, sinks=open_sinks(cfg, run_dir, resolved_config(cfg)))
     meter = StepMeter(skip_steps=cfg.metrics.skip_steps)
     summary: dict[str, Any] = {
         "status": "running",
@@ -102,6 +103,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "host": platform.node(),
         "torch": torch.__version__,
         "phases": {},
+        "logger": [sink.info for sink in record.sinks],
         "error": None,
     }
     try:
@@ -164,5 +166,5 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         summary["config"] = resolved_config(cfg)
         summary["pid"] = os.getpid()
         record.write_summary(summary)
-        record.close()
+        record.close(failed=summary["status"] != "completed")
     return summary

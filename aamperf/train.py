@@ -1,10 +1,12 @@
 """Entry point: `python -m aamperf.train [overrides]` (Hydra composes conf/ into one run)."""
 
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from aamperf.config import register_configs
@@ -29,12 +31,21 @@ def _print_result(summary: dict, run_dir: Path) -> None:
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
     try:
         summary = train(cfg, run_dir)
     except UserError as exc:
         print("error: " + " ".join(str(exc).split()), file=sys.stderr)  # one line, always
+        if in_sweep:
+            return None  # the sweep goes on; summary.json holds the error and the report lists it
         sys.exit(2)
+    except Exception:
+        if in_sweep:  # a bug, not a user mistake: the traceback is shown, the other jobs still run
+            traceback.print_exc()
+            return None
+        raise
     _print_result(summary, run_dir)
     return summary["samples_per_s"]  # the objective a sweeper maximizes
 

@@ -38,6 +38,13 @@ def _open_gpu(device: torch.device) -> _GPU | None:
         return None
 
 
+def _is_logger(proc: psutil.Process) -> bool:
+    try:
+        return proc.name().startswith("wandb")
+    except psutil.Error:
+        return False
+
+
 class SystemMonitor:
     """Samples memory and CPU % of this process and its children (dataloader workers) every interval.
 
@@ -63,7 +70,8 @@ class SystemMonitor:
         self._samples = 0
 
     def _tree(self) -> list[psutil.Process]:
-        live = [self._root, *self._root.children(recursive=True)]
+        # W&B's service process is a child too, but it is the logger's memory, not training's.
+        live = [self._root, *(p for p in self._root.children(recursive=True) if not _is_logger(p))]
         # Keep Process objects across samples: cpu_percent() measures since the previous call.
         self._procs = {p.pid: self._procs.get(p.pid, p) for p in live}
         return list(self._procs.values())

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,25 +31,41 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 
 
 class RunRecord:
-    """Files of one run directory that the checks and `aamperf.compare` read."""
+    """Files of one run directory that the checks and `aamperf.compare` read, and the extra sinks
+    (W&B, TensorBoard: `aamperf/loggers.py`) that get the same rows."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, sinks: list | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.summary_path = self.run_dir / "summary.json"
+        self.sinks = list(sinks or [])
         self._metrics = None
 
     def log(self, row: dict[str, Any]) -> None:
         if self._metrics is None:
             self._metrics = open(self.metrics_path, "a")
-        self._metrics.write(json.dumps(_clean(row)) + "\n")
+        row = _clean(row)
+        self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()  # a crash loses at most the line being written
+        self._to_sinks("log", row)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         write_json_atomic(self.summary_path, summary)
+        self._to_sinks("summary", _clean(summary))
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+        self._to_sinks("close", failed)
+        self.sinks = []
+
+    def _to_sinks(self, method: str, arg: Any) -> None:
+        """A sink that fails is dropped with a warning: the files above are the record, not the sinks."""
+        for sink in list(self.sinks):
+            try:
+                getattr(sink, method)(arg)
+            except Exception as exc:
+                warnings.warn(f"{type(sink).__name__} switched off: {method} failed: {exc}", stacklevel=2)
+                self.sinks.remove(sink)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Ablation: each phase alone on the baseline, and each phase removed from ultra, at the headline
-# shapes (conf/experiment/headline.yaml), one seed, short runs. Then one comparison report.
+# shapes, one seed, short runs (conf/experiment/ablation.yaml). Then one comparison report.
 #   bash experiments/ablation/run.sh [OUT_DIR] [extra overrides...]
 set -euo pipefail
 out=${1:-outputs/ablation/$(date +%Y-%m-%d_%H-%M-%S)}
 shift || true
-common=(experiment=headline trainer.max_steps=8 trainer.val_every=8 metrics.skip_steps=2 trainer.progress=false "$@")
+common=(experiment=ablation trainer.progress=false "$@")
 run() { local name=$1; shift; python -m aamperf.train "${common[@]}" "$@" "hydra.run.dir=$out/$name" || true; }
 
 run baseline optim=baseline

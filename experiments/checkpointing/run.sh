@@ -4,14 +4,10 @@
 #   bash experiments/checkpointing/run.sh [OUT_DIR]
 set -euo pipefail
 out=${1:-outputs/checkpointing/$(date +%Y-%m-%d_%H-%M-%S)}
-common=(experiment=headline optim=advanced trainer.val_every=1000 trainer.progress=false)
+common=(experiment=checkpointing trainer.progress=false)
 
-# 1. the three modes, same batch
-for memory in none selective checkpointing; do
-  python -m aamperf.train "${common[@]}" memory=$memory trainer.max_steps=10 metrics.skip_steps=2 \
-    "hydra.run.dir=$out/modes/$memory"
-done
-python -m aamperf.compare "$out/modes" --baseline memory=none
+# 1. the three modes, same batch: a sweep (conf/experiment/checkpointing.yaml) whose report lands in $out/modes
+python -m aamperf.train -m "${common[@]}" "hydra.sweep.dir=$out/modes"
 
 # 2. growing batches, with and without full checkpointing: peak memory per batch size
 for memory in none checkpointing; do

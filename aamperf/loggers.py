@@ -1,0 +1,193 @@
+"""Metric sinks beside metrics.jsonl (`conf/logger/`): Weights & Biases and TensorBoard.
+
+A sink gets every logged row and the final summary. It never stops training: a sink that fails
+says so once on stderr and in summary.json (`logger`) and is switched off.
+"""
+
+import netrc
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+from omegaconf import DictConfig
+
+BACKENDS = ("none", "wandb", "tensorboard")
+SECTIONS = {  # metrics.jsonl key -> the panel section it belongs to in W&B / TensorBoard
+    "loss": "train",
+    "lr": "train",
+    "grad_norm": "train",
+    "step_time_s": "perf",
+    "samples_per_s": "perf",
+    "tokens_per_s": "perf",
+    "data_wait_frac": "perf",
+    "rss_bytes": "mem",
+    "cpu_percent": "sys",
+    "elapsed_s": "sys",
+}
+
+
+def metric_name(key: str) -> str:
+    """`loss_unifrac` -> `train/loss_unifrac`, `val_loss` -> `val/loss`, `rss_bytes` -> `mem/rss_bytes`."""
+    if key.startswith("val_"):
+        return "val/" + key.removeprefix("val_")
+    if key.startswith("loss_"):
+        return "train/" + key
+    if key.endswith("_bytes"):
+        return "mem/" + key
+    return f"{SECTIONS.get(key, 'sys')}/{key}"
+
+
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    return {
+        metric_name(k): v
+        for k, v in row.items()
+        if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
+class Sink(Protocol):
+    info: dict[str, Any]
+
+    def log(self, row: dict[str, Any]) -> None: ...
+    def summary(self, summary: dict[str, Any]) -> None: ...
+    def close(self, failed: bool) -> None: ...
+
+
+def job_identity(cfg: DictConfig) -> tuple[str | None, str]:
+    """(group, name) of this job: the sweep's directory name and the job's overrides under Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():  # train() called from Python
+        return cfg.logger.group, f"optim={cfg.optim}"
+    hydra_cfg = HydraConfig.get()
+    group = cfg.logger.group
+    if group is None and hydra_cfg.mode == RunMode.MULTIRUN:
+        group = sweep_group(hydra_cfg.sweep.dir)
+    return group, " ".join(hydra_cfg.overrides.task) or f"optim={cfg.optim}"
+
+
+def sweep_group(sweep_dir: str | Path) -> str:
+    """outputs/multirun/2026-11-22/04-50-00 -> 2026-11-22_04-50-00; any other directory -> its name."""
+    parts = Path(sweep_dir).parts
+    if "multirun" in parts[:-1]:
+        return "_".join(parts[parts.index("multirun") + 1 :])
+    return parts[-1]
+
+
+def wandb_mode(cfg: DictConfig) -> str | None:
+    """The W&B mode to start in: online only where an API key is configured (env or netrc)."""
+    if cfg.logger.mode != "auto":
+        return cfg.logger.mode
+    if os.environ.get("WANDB_MODE"):
+        return None  # the user's environment decides
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return "online" if netrc.netrc().authenticators(host) else "offline"
+    except (OSError, netrc.NetrcParseError):
+        return "offline"
+
+
+def start_wandb(cfg: DictConfig, directory: Path, **init: Any):
+    """wandb.init in the configured mode, falling back to offline when online fails (no network, bad key).
+    Returns (run, info)."""
+    import wandb
+
+    directory.mkdir(parents=True, exist_ok=True)
+    settings = wandb.Settings(console="off", init_timeout=30, x_disable_stats=True)
+    kwargs = dict(project=cfg.logger.project, entity=cfg.logger.entity, dir=str(directory), settings=settings)
+    mode = wandb_mode(cfg)
+    try:
+        run = wandb.init(mode=mode, tags=list(cfg.logger.tags), **kwargs, **init)
+        return run, {"backend": "wandb", "mode": run.settings.mode}
+    except Exception as exc:  # never let W&B stop training: keep the run on disk for `wandb sync`
+        reason = " ".join(str(exc).split())[:200]
+        print(f"warning: W&B could not start {mode or 'online'} ({reason}); logging offline", file=sys.stderr)
+        run = wandb.init(mode="offline", tags=list(cfg.logger.tags), **kwargs, **init)
+        return run, {"backend": "wandb", "mode": "offline", "fallback": reason}
+
+
+class WandbSink:
+    """One W&B run per job: group = the sweep, job_type = the optimization level, name = the overrides."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, config: dict[str, Any]):
+        group, name = job_identity(cfg)
+        self.run, self.info = start_wandb(
+            cfg, run_dir, group=group, job_type=str(cfg.optim), name=name, config=config, reinit="create_new"
+        )
+        self.info.update(group=group, dir=self.run.dir)
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.run.log(scalars(row), step=row["step"])
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        self.run.summary.update({k: v for k, v in summary.items() if k != "config" and v is not None})
+
+    def close(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+class TensorBoardSink:
+    """The same scalars as W&B, as event files in <run_dir>/tensorboard (`tensorboard --logdir outputs`)."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, config: dict[str, Any]):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise RuntimeError("needs the tensorboard package: pip install tensorboard") from exc
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.info = {"backend": "tensorboard", "dir": self.writer.log_dir}
+        self._last_step = 0
+
+    def log(self, row: dict[str, Any]) -> None:
+        self._last_step = row["step"]
+        for name, value in scalars(row).items():
+            self.writer.add_scalar(name, value, row["step"])
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        for key, value in summary.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self.writer.add_scalar(f"summary/{key}", value, self._last_step)
+
+    def close(self, failed: bool) -> None:
+        self.writer.close()
+
+
+SINKS = {"wandb": WandbSink, "tensorboard": TensorBoardSink}
+
+
+def open_sinks(cfg: DictConfig, run_dir: Path, config: dict[str, Any]) -> list[Sink]:
+    """The sinks `logger.backend` asks for; one that cannot start is reported and left out."""
+    backend = cfg.logger.backend
+    if backend not in SINKS:
+        return []  # none, or a bad value that check_config reports
+    try:
+        return [SINKS[backend](cfg, run_dir, config)]
+    except Exception as exc:
+        warnings.warn(f"logger={backend} is off for this run: {exc}", stacklevel=2)
+        return []
+
+
+def log_comparison(result: dict[str, Any], sweep_dir: Path, config: DictConfig) -> None:
+    """The comparison as a W&B Table (and the figure) in a `comparison` run of the sweep's group."""
+    import wandb
+
+    rows = [
+        {k: (" ".join(map(str, v)) if isinstance(v, list) else v) for k, v in row.items()}
+        for row in result["rows"]
+    ]
+    columns = list(rows[0])
+    group = config.logger.group or sweep_group(sweep_dir)
+    try:
+        run, _ = start_wandb(config, sweep_dir, group=group, job_type="comparison", name="comparison")
+        table = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])
+        run.log({"comparison": table, "comparison_plot": wandb.Image(str(sweep_dir / "comparison.png"))})
+        run.summary.update({"baseline": result["baseline"]})
+        run.finish()
+    except Exception as exc:  # the local report is written already
+        print(f"warning: comparison not logged to W&B: {exc}", file=sys.stderr)
