@@ -231,6 +231,64 @@ def write_report(result: dict[str, Any], runs: list[Run], out: Path) -> None:
     plot_comparison(result, group_runs(runs), out / "comparison.png")
 
 
+def fraction(text: str) -> float:
+    """ "5%" or "0.05" -> 0.05 (argparse type)."""
+    try:
+        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction like 5% or 0.05") from None
+
+
+def check_regression(
+    result: dict[str, Any], stored_path: Path, max_regression: float
+) -> list[dict[str, Any]]:
+    """Each configuration's samples/s against the same configuration in a stored comparison.json.
+    A row regresses when it is slower than the stored figure by more than `max_regression`."""
+    try:
+        stored = json.loads(stored_path.read_text())
+        before = {row["config"]: row["samples_per_s"] for row in stored["rows"]}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(
+            f"--against {stored_path}: not a comparison.json of aamperf.compare ({exc}); "
+            "pass the comparison.json of an earlier sweep"
+        ) from exc
+    checks = []
+    for row in result["rows"]:
+        old, new = before.get(row["config"]), row["samples_per_s"]
+        change = new / old - 1 if old and new else None
+        checks.append(
+            {
+                "config": row["config"],
+                "stored_samples_per_s": old,
+                "samples_per_s": new,
+                "change": change,
+                "regressed": change is not None and change < -max_regression,
+            }
+        )
+    if not any(c["change"] is not None for c in checks):
+        raise UserError(
+            f"--against {stored_path}: no configuration of this report is in it; nothing to check"
+        )
+    return checks
+
+
+def regression_table(checks: list[dict[str, Any]], max_regression: float) -> str:
+    lines = [
+        f"Regression check: slower than stored by more than {100 * max_regression:.1f}% fails.",
+        "",
+        "| config | stored samples/s | samples/s | change | result |",
+        "|---|---|---|---|---|",
+    ]
+    for c in checks:
+        outcome = "not in stored report" if c["change"] is None else "REGRESSED" if c["regressed"] else "ok"
+        change = "n/a" if c["change"] is None else f"{100 * c['change']:+.1f}%"
+        lines.append(
+            f"| `{c['config']}` | {_fmt(c['stored_samples_per_s'])} | {_fmt(c['samples_per_s'])} | "
+            f"{change} | {outcome} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def make_report(dirs: list[Path], baseline: str, quality_tolerance: float, out: Path) -> dict[str, Any]:
     """Find the runs under `dirs`, compare them and write the report files into `out`."""
     runs = find_runs(dirs)
@@ -247,6 +305,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", default="optim=baseline", help="override string of the baseline runs")
     parser.add_argument("--quality-tolerance", type=float, default=0.02)
     parser.add_argument("--out", type=Path, help="where the report goes (default: the first DIR)")
+    parser.add_argument("--against", type=Path, help="a stored comparison.json to check for regressions")
+    parser.add_argument(
+        "--max-regression", type=fraction, default=0.05, help="allowed slow-down against --against (5%%)"
+    )
     args = parser.parse_args(argv)
     missing = [d for d in args.dirs if not d.is_dir()]
     try:
@@ -254,11 +316,22 @@ def main(argv: list[str] | None = None) -> None:
             raise UserError(f"not a directory: {missing[0]}")
         out = args.out or args.dirs[0]
         result = make_report(args.dirs, args.baseline, args.quality_tolerance, out)
+        checks = check_regression(result, args.against, args.max_regression) if args.against else []
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     print(to_markdown(result))
     print(f"report: {out / 'comparison.md'}, {out / 'comparison.png'}")
+    if checks:
+        print(regression_table(checks, args.max_regression))
+        regressed = [c["config"] for c in checks if c["regressed"]]
+        if regressed:
+            print(
+                f"error: slower than {args.against} by more than {args.max_regression:.1%}: "
+                + ", ".join(regressed),
+                file=sys.stderr,
+            )
+            sys.exit(1)
 
 
 if __name__ == "__main__":

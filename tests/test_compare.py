@@ -92,3 +92,31 @@ def test_unknown_baseline_is_a_one_line_error(sweep, capsys):
         main([str(sweep), "--baseline", "optim=nothing"])
     assert exit_.value.code == 2
     assert "compare.baseline='optim=nothing' matches 0 configurations" in capsys.readouterr().err
+
+
+def test_regression_check_fails_only_beyond_the_bound(sweep, tmp_path, capsys):
+    main([str(sweep)])
+    stored = sweep / "comparison.json"
+    saved = json.loads(stored.read_text())
+    for row in saved["rows"]:  # pretend the stored sweep was faster: ultra 11 -> 10% slower now
+        if row["config"] == "optim=ultra":
+            row["samples_per_s"] = 55 / 0.90
+        if row["config"] == "optim=baseline":
+            row["samples_per_s"] = 11 / 0.97  # 3% slower now: inside a 5% bound
+    (tmp_path / "stored.json").write_text(json.dumps(saved))
+    with pytest.raises(SystemExit) as exit_:
+        main([str(sweep), "--against", str(tmp_path / "stored.json"), "--max-regression", "5%"])
+    assert exit_.value.code == 1
+    out, err = capsys.readouterr()
+    assert "| `optim=ultra` | 61.1 | 55 | -10.0% | REGRESSED |" in out
+    assert "| `optim=baseline` | 11.3 | 11 | -3.0% | ok |" in out
+    assert "optim=ultra" in err and "optim=baseline" not in err
+    main([str(sweep), "--against", str(tmp_path / "stored.json"), "--max-regression", "0.12"])  # exit 0
+
+
+def test_regression_check_refuses_a_file_that_is_not_a_report(sweep, tmp_path, capsys):
+    (tmp_path / "summary.json").write_text(json.dumps({"samples_per_s": 3.0}))
+    with pytest.raises(SystemExit) as exit_:
+        main([str(sweep), "--against", str(tmp_path / "summary.json")])
+    assert exit_.value.code == 2
+    assert "not a comparison.json" in capsys.readouterr().err

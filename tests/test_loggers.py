@@ -1,0 +1,86 @@
+"""Logger sinks: TensorBoard read back, W&B falling back to offline, a broken sink never stops a run."""
+
+import json
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from aamperf.loggers import metric_name, sweep_group
+from aamperf.metrics import RunRecord
+from aamperf.run import train
+
+
+def test_metric_names_fall_into_sections():
+    names = {
+        k: metric_name(k)
+        for k in (
+            "loss",
+            "loss_unifrac",
+            "val_loss",
+            "val_loss_target",
+            "samples_per_s",
+            "rss_bytes",
+            "cpu_percent",
+        )
+    }
+    assert names == {
+        "loss": "train/loss",
+        "loss_unifrac": "train/loss_unifrac",
+        "val_loss": "val/loss",
+        "val_loss_target": "val/loss_target",
+        "samples_per_s": "perf/samples_per_s",
+        "rss_bytes": "mem/rss_bytes",
+        "cpu_percent": "sys/cpu_percent",
+    }
+    assert sweep_group("outputs/multirun/2026-11-22/04-50-00") == "2026-11-22_04-50-00"
+    assert sweep_group("/data/my_study") == "my_study"
+
+
+def test_tensorboard_events_hold_the_logged_scalars(make_cfg, tmp_path):
+    summary = train(make_cfg("logger=tensorboard"), tmp_path)
+    assert summary["status"] == "completed" and summary["logger"][0]["backend"] == "tensorboard"
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == [r["step"] for r in rows] == [1, 2, 3]
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    assert {"perf/samples_per_s", "mem/rss_bytes", "val/loss", "summary/samples_per_s"} <= set(
+        events.Tags()["scalars"]
+    )
+    assert events.Scalars("summary/samples_per_s")[-1].value == pytest.approx(
+        summary["samples_per_s"], rel=1e-6
+    )
+
+
+def test_wandb_with_an_invalid_key_continues_offline(make_cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "not-a-key")  # W&B refuses it at init
+    summary = train(make_cfg("logger=wandb", "logger.mode=online"), tmp_path)
+    assert summary["status"] == "completed"
+    info = summary["logger"][0]
+    assert info["mode"] == "offline" and "API key" in info["fallback"]
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # kept for `wandb sync`
+
+
+class BrokenSink:
+    info = {"backend": "broken"}
+
+    def log(self, row):
+        raise ConnectionError("server went away")
+
+    def summary(self, summary):
+        pass
+
+    def close(self, failed):
+        pass
+
+
+def test_a_failing_sink_is_dropped_and_the_files_stay_complete(tmp_path):
+    record = RunRecord(tmp_path, sinks=[BrokenSink()])
+    with pytest.warns(UserWarning, match="BrokenSink switched off: log failed: server went away"):
+        record.log({"step": 1, "loss": 2.0})
+    record.log({"step": 2, "loss": 1.5})
+    record.write_summary({"status": "completed"})
+    record.close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert record.sinks == []

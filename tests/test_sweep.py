@@ -1,0 +1,111 @@
+"""A real multirun as a user starts it: the comparison callback's report and the W&B offline runs."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TINY
+
+from aamperf.loggers import sweep_group
+
+
+def wandb_records(path: Path) -> list[dict]:
+    """The records of one offline W&B run, read back by W&B's own tool."""
+    wandb_cli = shutil.which("wandb") or str(Path(sys.executable).with_name("wandb"))
+    out = subprocess.run(
+        [wandb_cli, "leet", "inspect", "--json", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, cache_dir):
+    root = tmp_path_factory.mktemp("sweep")
+    sweep_dir = root / "multirun" / "study"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["HOME"] = str(root)  # no ~/.netrc: W&B has no key and must go offline by itself
+    cmd = [
+        sys.executable,
+        "-m",
+        "aamperf.train",
+        "-m",
+        *TINY,
+        f"data.cache_dir={cache_dir}",
+        "optim=baseline,ultra",
+        "seed=0,1",
+        "logger=wandb",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep_dir, proc
+
+
+def test_sweep_ends_with_the_report_of_its_own_runs(sweep):
+    sweep_dir, proc = sweep
+    for name in ("comparison.json", "comparison.csv", "comparison.md", "comparison.png"):
+        assert (sweep_dir / name).stat().st_size > 0
+    assert "| `optim=ultra` |" in proc.stdout  # the table is printed at the end of the sweep
+    result = json.loads((sweep_dir / "comparison.json").read_text())
+    summaries = [json.loads(p.read_text()) for p in sweep_dir.glob("*/summary.json")]
+    by_optim = {
+        o: sorted(s["samples_per_s"] for s in summaries if s["optim"] == o) for o in ("baseline", "ultra")
+    }
+    rows = {r["config"]: r for r in result["rows"]}
+    assert result["baseline"] == "optim=baseline" and set(rows) == {"optim=baseline", "optim=ultra"}
+    ultra, base = by_optim["ultra"], by_optim["baseline"]
+    median = lambda xs: sum(xs) / len(xs)  # noqa: E731  (two seeds: the median is the mean)
+    assert rows["optim=ultra"]["seeds"] == [0, 1]
+    assert rows["optim=ultra"]["speedup"] == pytest.approx(median(ultra) / median(base))
+    assert rows["optim=ultra"]["speedup_lo"] == pytest.approx(ultra[0] / base[1])
+    assert rows["optim=ultra"]["speedup_hi"] == pytest.approx(ultra[1] / base[0])
+
+
+def test_each_job_is_an_offline_wandb_run_with_group_job_type_config_and_metrics(sweep):
+    sweep_dir, _ = sweep
+    job_dirs = sorted(p.parent for p in sweep_dir.glob("*/summary.json"))
+    assert len(job_dirs) == 4
+    for job in job_dirs:
+        summary = json.loads((job / "summary.json").read_text())
+        assert summary["logger"][0]["mode"] == "offline"
+        records = wandb_records(job / "wandb" / "latest-run")
+        run = next(r["run"] for r in records if r["type"] == "run")
+        assert run["run_group"] == sweep_group(sweep_dir) == "study"
+        assert run["job_type"] == summary["optim"]
+        assert f"seed={summary['seed']}" in run["display_name"].split()
+        config = run["config"]["update"]
+        assert config["trainer"]["max_steps"] == 3 and config["optim"] == summary["optim"]
+        history = [r["history"]["item"] for r in records if r["type"] == "history"]
+        steps = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+        assert [h["train/loss"] for h in history] == pytest.approx([s["loss"] for s in steps])
+        assert {"perf/samples_per_s", "mem/rss_bytes", "sys/cpu_percent", "train/lr"} <= set(history[-1])
+        final = {}
+        for r in records:
+            if r["type"] == "summary":
+                final.update(r["summary"].get("update", {}))
+        assert final["samples_per_s"] == pytest.approx(summary["samples_per_s"])
+        assert final["status"] == "completed"
+
+
+def test_the_comparison_is_a_wandb_table_in_the_same_group(sweep):
+    sweep_dir, _ = sweep
+    records = wandb_records(sweep_dir / "wandb" / "latest-run")
+    run = next(r["run"] for r in records if r["type"] == "run")
+    assert run["job_type"] == "comparison" and run["run_group"] == "study"
+    logged = {}
+    for r in records:
+        if r["type"] == "history":
+            logged.update(r["history"]["item"])
+    assert logged["comparison._type"] == "table-file" and logged["comparison_plot._type"] == "image-file"
+    table_path = next((sweep_dir / "wandb" / "latest-run" / "files").rglob("comparison_*.table.json"))
+    table = json.loads(table_path.read_text())
+    report = json.loads((sweep_dir / "comparison.json").read_text())
+    config_col = table["columns"].index("config")
+    speedup_col = table["columns"].index("speedup")
+    assert {row[config_col]: row[speedup_col] for row in table["data"]} == {
+        row["config"]: pytest.approx(row["speedup"]) for row in report["rows"]
+    }
