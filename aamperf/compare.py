@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from aamperf.errors import UserError
 from aamperf.metrics.record import write_json_atomic
 
-IGNORED_OVERRIDES = ("seed=", "hydra.", "trainer.progress=", "compare.", "logger.")
+IGNORED_OVERRIDES = ("seed=", "hydra.", "trainer.progress=", "compare.", "logger.", "hparams_search=")
 
 
 @dataclass
@@ -309,6 +309,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--max-regression", type=fraction, default=0.05, help="allowed slow-down against --against (5%%)"
     )
+    parser.add_argument(
+        "--wandb-report", action="store_true", help="build a W&B report for the sweep's group (online only)"
+    )
     args = parser.parse_args(argv)
     missing = [d for d in args.dirs if not d.is_dir()]
     try:
@@ -317,6 +320,12 @@ def main(argv: list[str] | None = None) -> None:
         out = args.out or args.dirs[0]
         result = make_report(args.dirs, args.baseline, args.quality_tolerance, out)
         checks = check_regression(result, args.against, args.max_regression) if args.against else []
+        if args.wandb_report:
+            from aamperf.dashboard import build_report  # wandb-workspaces only when asked for
+
+            url = build_report(result, find_runs(args.dirs))
+            if url:
+                print(f"W&B report: {url}")
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

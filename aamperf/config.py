@@ -168,6 +168,13 @@ class CompareConfig:
 
 
 @dataclass
+class SearchConfig:
+    """Auto-tuning (`aamperf/search.py`, conf/hparams_search/): set by hparams_search=fastest."""
+
+    reference: str | None = None  # summary.json of the baseline run that sets the quality bar
+
+
+@dataclass
 class Config:
     """The whole run. `model` is open: any `_target_` returning an nn.Module, with its own kwargs."""
 
@@ -187,6 +194,7 @@ class Config:
     system: SystemConfig = field(default_factory=SystemConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
     optim: str = "baseline"  # the level's name, set by conf/optim/*.yaml
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0

@@ -1,10 +1,11 @@
 """Fixtures: the real Hydra config, composed with tiny CPU settings."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from aamperf.config import register_configs
@@ -38,12 +39,21 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def make_cfg(cache_dir: Path) -> Callable[..., DictConfig]:
+def make_cfg(cache_dir: Path) -> Iterator[Callable[..., DictConfig]]:
     """compose("config") with the tiny settings, then the test's own overrides (which win)."""
     register_configs()
 
-    def make(*overrides: str) -> DictConfig:
+    def make(*overrides: str, hydra: bool = False) -> DictConfig:
+        """hydra=True: with the `hydra` node, set as the current HydraConfig (for ${hydra:...})."""
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            return compose("config", overrides=[*TINY, f"data.cache_dir={cache_dir}", *overrides])
+            cfg = compose(
+                "config",
+                overrides=[*TINY, f"data.cache_dir={cache_dir}", *overrides],
+                return_hydra_config=hydra,
+            )
+        if hydra:
+            HydraConfig.instance().set_config(cfg)
+        return cfg
 
-    return make
+    yield make
+    HydraConfig.instance().cfg = None  # no HydraConfig left behind for the next test

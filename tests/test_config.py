@@ -18,8 +18,9 @@ def test_groups_of_the_design_exist():
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_option_composes(make_cfg, group, option):
-    cfg = make_cfg(f"{group}={option}")
-    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    cfg = make_cfg(f"{group}={option}", hydra=group == "hparams_search")  # it reads ${hydra:sweep.dir}
+    job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])  # the job's config, as a run sees it
+    OmegaConf.to_container(job, resolve=True)  # every interpolation resolves
     if group in ("model", "loss"):
         assert isinstance(instantiate(cfg[group]), object)
 

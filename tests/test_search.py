@@ -1,0 +1,65 @@
+"""hparams_search=fastest: the Optuna search end to end on aam_tiny, and its quality bar."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import CONF_DIR, TINY
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from aamperf.compare import find_runs
+from aamperf.config import register_configs
+from aamperf.search import objective
+
+
+def test_a_trial_that_loses_quality_scores_zero(tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps({"val_loss": 2.0}))
+    cfg = OmegaConf.create(
+        {"search": {"reference": str(tmp_path / "summary.json")}, "compare": {"quality_tolerance": 0.02}}
+    )
+    assert objective(cfg, {"samples_per_s": 50.0, "val_loss": 2.039}) == 50.0  # +1.95%: within 2%
+    assert objective(cfg, {"samples_per_s": 50.0, "val_loss": 2.05}) == 0.0  # +2.5%: not the same training
+    assert objective(cfg, {"samples_per_s": 50.0, "val_loss": None}) == 0.0  # no validation: not counted
+
+
+def test_search_runs_trials_and_writes_a_ready_optim_level(tmp_path, cache_dir):
+    sweep_dir = tmp_path / "search"
+    cmd = [
+        sys.executable,
+        "-m",
+        "aamperf.train",
+        "-m",
+        "hparams_search=fastest",
+        *TINY,
+        f"data.cache_dir={cache_dir}",
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.params.compile=disabled",  # compiling each trial would take minutes here
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = json.loads((sweep_dir / "reference" / "summary.json").read_text())
+    assert reference["optim"] == "baseline" and reference["status"] == "completed"
+    trials = [r for r in find_runs([sweep_dir]) if r.path.name != "reference"]
+    assert len(trials) == 3
+    feasible = [r for r in trials if r.summary["val_loss"] <= reference["val_loss"] * 1.02]
+    best = max(feasible, key=lambda r: r.summary["samples_per_s"])
+    results = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+    assert results["best_value"] == pytest.approx(best.summary["samples_per_s"])  # Optuna saw our objective
+
+    # The level composes to the same config as the best trial's own choices on the command line.
+    searched = yaml.safe_load((CONF_DIR / "hparams_search" / "fastest.yaml").read_text())["hydra"]["sweeper"]
+    chosen = [o for o in best.overrides if o.split("=")[0] in searched["params"]]  # fixed ones included
+    assert {f"{k}={v}" for k, v in results["best_params"].items()} <= set(chosen)
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        level = compose("config", overrides=["optim=fastest", f"hydra.searchpath=[file://{sweep_dir}]"])
+        trial = compose("config", overrides=chosen)
+    assert level.optim == "fastest"
+    level.optim = trial.optim
+    assert level == trial
+    assert (sweep_dir / "comparison.md").exists()  # the usual report, reference as the baseline
+    assert json.loads((sweep_dir / "comparison.json").read_text())["baseline"] == "optim=baseline"
