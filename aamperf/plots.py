@@ -1,6 +1,7 @@
 """The comparison figure: throughput, step time, peak memory and loss curves, baseline beside the rest."""
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,9 @@ def _loss_curve(run_dir: Path) -> tuple[list[int], list[float]]:
 def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> None:
     rows = result["rows"]
     labels = [r["config"] for r in rows]
+    ticks = [textwrap.fill(label, 40) for label in labels]  # long override strings on several lines
     colors = ["tab:gray" if r["config"] == result["baseline"] else f"C{i}" for i, r in enumerate(rows)]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    fig, axes = plt.subplots(2, 2, figsize=(14, 4 + 1.2 * len(rows)))
 
     def bars(ax, key: str, title: str, scale: float = 1.0, spread: tuple[str, str] | None = None) -> None:
         values = [(r[key] or 0) / scale for r in rows]
@@ -36,7 +38,7 @@ def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> None:
                 max(0.0, (r[spread[1]] or v * scale) / scale - v) for v, r in zip(values, rows, strict=True)
             ]
             err = [lo, hi]
-        ax.barh(labels, values, xerr=err, color=colors, capsize=4)
+        ax.barh(ticks, values, xerr=err, color=colors, capsize=4)
         ax.set_title(title)
         ax.invert_yaxis()
         for y, (v, r) in enumerate(zip(values, rows, strict=True)):

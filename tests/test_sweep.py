@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import TINY
 
+from aamperf.compare import main
+from aamperf.dashboard import make_report
 from aamperf.loggers import sweep_group
 
 
@@ -109,3 +111,24 @@ def test_the_comparison_is_a_wandb_table_in_the_same_group(sweep):
     assert {row[config_col]: row[speedup_col] for row in table["data"]} == {
         row["config"]: pytest.approx(row["speedup"]) for row in report["rows"]
     }
+
+
+def test_wandb_report_offline_says_so_and_keeps_the_local_report(sweep, tmp_path, monkeypatch, capsys):
+    sweep_dir, _ = sweep
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    main([str(sweep_dir), "--wandb-report", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert err.startswith("W&B is offline here") and f"wandb sync '{sweep_dir}'/*/wandb/offline-run-*" in err
+    assert (tmp_path / "comparison.md").exists()
+
+
+def test_the_wandb_report_holds_the_verdicts_and_panels_of_the_group(sweep):
+    sweep_dir, _ = sweep
+    result = json.loads((sweep_dir / "comparison.json").read_text())
+    report = make_report(result, {"project": "aamperf", "entity": "team"}, "study")
+    heading, verdicts, grid = report.blocks
+    assert "`optim=ultra`: " + result["rows"][1]["verdict"] in verdicts.text
+    assert grid.runsets[0].filters == "Group = 'study'" and grid.runsets[0].project == "aamperf"
+    assert [p.title for p in grid.panels][:2] == ["throughput (samples/s)", "step time (s)"]
