@@ -111,6 +111,7 @@ def compare(
         rss = group.median("peak_rss_bytes"), base.median("peak_rss_bytes")
         val, base_val = group.median("val_loss"), base.median("val_loss")
         val_delta = val / base_val - 1 if val is not None and base_val else None
+        train, base_train = group.median("train_loss"), base.median("train_loss")  # both at the last step
         row = {
             "config": group.config,
             "optim": group.runs[0].summary.get("optim"),
@@ -133,7 +134,8 @@ def compare(
             "train_rss_growth_bytes": group.median("train_rss_growth_bytes"),
             "val_loss": val,
             "val_loss_delta": val_delta,
-            "train_loss": group.median("train_loss"),
+            "train_loss": train,
+            "train_loss_delta": train / base_train - 1 if train is not None and base_train else None,
             "errors": [
                 f"{r.path.name}: {r.summary.get('error')}" for r in group.runs if r not in group.ok_runs
             ],
@@ -175,17 +177,24 @@ def _fmt(value: Any, spec: str = ".3g") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def _pct(fraction: float | None) -> str:
+    return "n/a" if fraction is None else f"{100 * fraction:+.2f}"
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     header = [
         "config",
         "seeds",
         "samples/s",
         "speed-up [min, max]",
-        "step s",
+        "step s (speed-up)",
+        "first step s",
         "compile s",
+        "data wait",
         "MFU",
         "peak RSS GiB (ratio)",
         "val loss (delta %)",
+        "train loss (delta %)",
         "verdict",
     ]
     lines = [
@@ -196,7 +205,6 @@ def to_markdown(result: dict[str, Any]) -> str:
     ]
     for r in result["rows"]:
         rss = None if r["peak_rss_bytes"] is None else r["peak_rss_bytes"] / 2**30
-        delta = None if r["val_loss_delta"] is None else 100 * r["val_loss_delta"]
         cells = [
             f"`{r['config']}`",
             str(len(r["seeds"])),
@@ -204,11 +212,14 @@ def to_markdown(result: dict[str, Any]) -> str:
             "n/a"
             if r["speedup"] is None
             else f"{r['speedup']:.2f}x [{_fmt(r['speedup_lo'], '.2f')}, {_fmt(r['speedup_hi'], '.2f')}]",
-            _fmt(r["step_time_s"]),
+            f"{_fmt(r['step_time_s'])} ({_fmt(r['step_time_speedup'], '.2f')}x)",
+            _fmt(r["time_to_first_step_s"], ".1f"),
             _fmt(r["compile_time_s"], ".1f"),
+            "n/a" if r["data_wait_frac"] is None else f"{100 * r['data_wait_frac']:.1f}%",
             _fmt(r["mfu"], ".3f"),
             f"{_fmt(rss, '.2f')} ({_fmt(r['peak_rss_ratio'], '.2f')})",
-            f"{_fmt(r['val_loss'], '.4f')} ({_fmt(delta, '+.2f')})",
+            f"{_fmt(r['val_loss'], '.4f')} ({_pct(r['val_loss_delta'])})",
+            f"{_fmt(r['train_loss'], '.4f')} ({_pct(r['train_loss_delta'])})",
             r["verdict"],
         ]
         lines.append("| " + " | ".join(cells) + " |")

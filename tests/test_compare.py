@@ -11,7 +11,13 @@ def make_run(root, name, overrides, **summary):
     run = root / name
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
-    defaults = {"status": "completed", "peak_rss_bytes": 2**30, "step_time_s": 1.0, "mfu": 0.1}
+    defaults = {
+        "status": "completed",
+        "peak_rss_bytes": 2**30,
+        "step_time_s": 1.0,
+        "mfu": 0.1,
+        "train_loss": 2.0,
+    }
     (run / "summary.json").write_text(json.dumps({**defaults, **summary}))
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
 
@@ -21,7 +27,11 @@ def sweep(tmp_path):
     # optim level -> (samples/s per seed, val loss, extra summary fields)
     levels = {
         "baseline": ((10.0, 11.0, 12.0), 2.00, {}),
-        "ultra": ((50.0, 55.0, 60.0), 2.01, {"peak_rss_bytes": 2**29}),
+        "ultra": (
+            (50.0, 55.0, 60.0),
+            2.01,
+            {"peak_rss_bytes": 2**29, "step_time_s": 0.25, "train_loss": 2.1},
+        ),
         "basic": ((11.0, 12.5), 2.10, {}),
         "lucky": ((30.0,), 1.90, {}),
     }
@@ -59,6 +69,9 @@ def test_speedup_interval_quality_and_verdicts(sweep):
     assert (ultra["speedup_lo"], ultra["speedup_hi"]) == (pytest.approx(50 / 12), pytest.approx(60 / 10))
     assert ultra["peak_rss_ratio"] == pytest.approx(0.5)
     assert ultra["val_loss_delta"] == pytest.approx(0.005)
+    assert ultra["train_loss_delta"] == pytest.approx(0.05) and ultra["step_time_speedup"] == pytest.approx(
+        4.0
+    )
     assert ultra["verdict"] == "faster at equal quality"
     basic = rows["optim=basic"]  # interval [11/12, 12.5/10] straddles 1, and val loss is 5% worse
     assert "not above 1" in basic["verdict"] and "+5.0% worse" in basic["verdict"]

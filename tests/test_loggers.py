@@ -1,10 +1,15 @@
 """Logger sinks: TensorBoard read back, W&B falling back to offline, a broken sink never stops a run."""
 
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from aamperf.errors import UserError
 from aamperf.loggers import metric_name, sweep_group
 from aamperf.metrics import RunRecord
 from aamperf.run import train
@@ -84,3 +89,20 @@ def test_a_failing_sink_is_dropped_and_the_files_stay_complete(tmp_path):
     record.close()
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert record.sinks == []
+
+
+def test_a_failed_job_still_finishes_its_wandb_run(make_cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no key: offline
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with pytest.raises(UserError):
+        train(make_cfg("logger=wandb", "trainer.batch_size=1"), tmp_path)
+    wandb_cli = shutil.which("wandb") or str(Path(sys.executable).with_name("wandb"))
+    out = subprocess.run(
+        [wandb_cli, "leet", "inspect", "--summary", "--json", str(tmp_path / "wandb" / "latest-run")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    state = json.loads(out)
+    assert state["exit_code"] == 1 and state["summary"]["status"] == "failed"
+    assert "trainer.batch_size=1" in state["summary"]["error"]
