@@ -1,8 +1,10 @@
 """Background sampling of the process tree (psutil) and of the GPU (pynvml) around the loop."""
 
+import ctypes
 import resource
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -36,6 +38,24 @@ def _open_gpu(device: torch.device) -> _GPU | None:
     except Exception as exc:  # NVML missing or driver too old: utilisation stays null, training goes on
         print(f"aamperf: GPU utilisation not monitored ({exc})", file=sys.stderr)
         return None
+
+
+def reset_peak_rss() -> None:
+    """Restart this process's peak-RSS counter (Linux: VmHWM and ru_maxrss), so that a job of an
+    in-process multirun measures its own peak, not the largest of the jobs before it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:  # not Linux, or not permitted: the peak then covers the whole process lifetime
+        pass
+
+
+def release_freed_memory() -> None:
+    """Give memory freed by earlier jobs of this process back to the OS (glibc keeps it otherwise),
+    so a job starts from what it really holds."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _is_logger(proc: psutil.Process) -> bool:
@@ -101,6 +121,7 @@ class SystemMonitor:
             self.sample()
 
     def __enter__(self) -> "SystemMonitor":
+        reset_peak_rss()
         self.sample()  # primes cpu_percent; the first reading of each process is 0 by psutil's design
         self.start_rss_bytes = self.rss_bytes  # model, data and libraries, before the first step
         self._thread.start()

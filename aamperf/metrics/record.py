@@ -69,3 +69,18 @@ class RunRecord:
             except Exception as exc:
                 warnings.warn(f"{type(sink).__name__} switched off: {method} failed: {exc}", stacklevel=2)
                 self.sinks.remove(sink)
+
+
+class NullRecord:
+    """The run record of a rank other than the first: everything is recorded by rank 0 only."""
+
+    sinks: list = []
+
+    def log(self, row: dict[str, Any]) -> None:
+        pass
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        pass
+
+    def close(self, failed: bool = False) -> None:
+        pass

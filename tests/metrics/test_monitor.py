@@ -2,6 +2,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -43,3 +45,15 @@ def test_monitor_reads_gpu_memory_and_utilisation():
     s = monitor.summary()
     assert s["peak_device_bytes"] >= 4096 * 4096 * 4
     assert s["gpu_util_percent"] > 10 and s["peak_gpu_used_bytes"] >= s["peak_device_bytes"]
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the peak-RSS reset is Linux's /proc/self/clear_refs"
+)
+def test_a_job_does_not_inherit_the_peak_of_an_earlier_job_in_the_same_process():
+    earlier_job = np.ones(400 * 2**20 // 8)  # 400 MiB touched, then freed, as a previous multirun job would
+    del earlier_job
+    with SystemMonitor(torch.device("cpu"), interval_s=0.05) as monitor:
+        time.sleep(0.2)
+    summary = monitor.summary()
+    assert summary["peak_rss_bytes"] < psutil.Process().memory_info().rss + 200 * 2**20
