@@ -2,6 +2,7 @@
 
 from omegaconf import DictConfig
 
+from aamperf.distributed import check_distributed
 from aamperf.errors import UserError
 
 
@@ -15,6 +16,13 @@ def check_config(cfg: DictConfig) -> None:
         problems.append(f"trainer.max_steps={t.max_steps} must be > 0")
     if t.grad_accum_steps < 1:
         problems.append(f"trainer.grad_accum_steps={t.grad_accum_steps} must be >= 1")
+    elif t.batch_size >= 2 and t.batch_size // t.grad_accum_steps < 2:
+        problems.append(
+            f"trainer.batch_size={t.batch_size} / trainer.grad_accum_steps={t.grad_accum_steps} leaves fewer "
+            "than 2 samples per micro-batch (UniFrac compares pairs)"
+        )
+    else:
+        problems += check_distributed(cfg)
     if t.lr <= 0:
         problems.append(f"trainer.lr={t.lr} must be > 0")
     if t.weight_decay < 0:

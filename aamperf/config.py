@@ -1,9 +1,13 @@
 """Config schemas: dataclasses in Hydra's ConfigStore, so a misspelled key is refused at compose time."""
 
+import datetime
 import hashlib
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
@@ -122,7 +126,7 @@ class TrainerConfig:
     """The training loop (`aamperf/trainer.py`)."""
 
     max_steps: int = 100
-    batch_size: int = 8  # samples per optimizer step (UniFrac needs pairs: >= 2)
+    batch_size: int = 8  # samples per optimizer step, over all ranks (the global batch; UniFrac needs >= 2)
     grad_accum_steps: int = 1  # micro-batches per optimizer step; each has batch_size / grad_accum_steps
     lr: float = 1e-4
     weight_decay: float = 0.01
@@ -145,6 +149,22 @@ class MetricsConfig:
     flop_batches: int = 8  # batches the FLOPs per step are averaged over (AAM's work varies per batch)
     monitor_interval_s: float = 0.2  # psutil / pynvml sampling period (background thread)
     peak_flops_cache: str = "${data.cache_dir}/peak_flops.json"
+
+
+@dataclass
+class DistributedConfig:
+    """torch.distributed via torchrun (`aamperf/distributed.py`); trainer.batch_size is the global batch."""
+
+    strategy: str = "none"  # none (one process) | ddp | fsdp (FSDP2: fully_shard per layer + root)
+    backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
+    timeout_s: int = 600  # a collective waiting longer than this fails instead of hanging
+    # ddp
+    bucket_cap_mb: float = 25.0  # gradients all-reduced in buckets of this size, overlapping backward
+    static_graph: bool = False  # the same used parameters every step: lets DDP skip per-step bookkeeping
+    comm_hook: str = "none"  # none | fp16 | bf16: compress gradients for the all-reduce (half the bytes)
+    find_unused_parameters: bool = False  # a model with parameters some steps do not use
+    # fsdp
+    reshard_after_forward: bool = True  # free gathered parameters after forward: less memory, 1 more gather
 
 
 @dataclass
@@ -192,6 +212,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     aam_ops: AAMOpsConfig = field(default_factory=AAMOpsConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
@@ -206,6 +227,22 @@ def job_dirname(overrides: str) -> str:
     return name if len(name) <= 100 else name[:90] + "..." + hashlib.sha1(name.encode()).hexdigest()[:7]
 
 
+def launch_time(fmt: str) -> str:
+    """When this run was started, for its directory name. Under torchrun: when torchrun started (the
+    parent of every rank on a node), so that all its ranks name the same directory."""
+    started = psutil.Process(os.getppid()).create_time() if "LOCAL_RANK" in os.environ else time.time()
+    return datetime.datetime.fromtimestamp(started).strftime(fmt)
+
+
+def rank_suffix() -> str:
+    """ "" for the first (or only) process, "_rank<N>" for the others: one log file per rank."""
+    rank = int(os.environ.get("RANK", 0))
+    return f"_rank{rank}" if rank else ""
+
+
 def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
     OmegaConf.register_new_resolver("aamperf.job_dirname", job_dirname, replace=True)
+    # cached: the directory is named once per process, like Hydra's ${now:}
+    OmegaConf.register_new_resolver("aamperf.launch_time", launch_time, replace=True, use_cache=True)
+    OmegaConf.register_new_resolver("aamperf.rank_suffix", rank_suffix, replace=True)

@@ -17,16 +17,29 @@ from omegaconf import DictConfig, OmegaConf
 
 from aamperf.checks import check_config
 from aamperf.data import build_data
+from aamperf.distributed import close_world, init_world
 from aamperf.errors import UserError
 from aamperf.loggers import open_sinks
-from aamperf.metrics import RunRecord, StepMeter, SystemMonitor, count_flops, peak_flops
+from aamperf.metrics import (
+    NullRecord,
+    RunRecord,
+    StepMeter,
+    SystemMonitor,
+    count_flops,
+    peak_flops,
+    release_freed_memory,
+)
 from aamperf.phases import apply_phases, check_phases, setup_phases
 from aamperf.trainer import fit, to_device
 
 
 def resolve_device(name: str) -> torch.device:
+    """`device` -> a torch device; under torchrun each process takes the GPU of its local rank."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if name == "cuda":
+        name = f"cuda:{local_rank}"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device={name} but no CUDA device is available here; use device=cpu or device=auto")
@@ -88,9 +101,22 @@ def resolved_config(cfg: DictConfig) -> dict[str, Any]:
         return OmegaConf.to_container(cfg, resolve=False)
 
 
+def per_rank(summary: dict[str, Any], keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    """These summary figures of every rank, in rank order (a collective: every rank calls it)."""
+    mine = {"rank": summary["rank"], **{k: summary.get(k) for k in keys}}
+    everyone: list[dict[str, Any]] = [{} for _ in range(summary["world_size"])]
+    torch.distributed.all_gather_object(everyone, mine)
+    return everyone
+
+
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Run one training job into `run_dir`; the summary is written there on success and on failure."""
-    record = RunRecord(run_dir, sinks=open_sinks(cfg, run_dir, resolved_config(cfg)))
+    release_freed_memory()  # what earlier jobs of a multirun freed: not this job's memory
+    main = cfg.distributed.strategy == "none" or int(os.environ.get("RANK", 0)) == 0
+    # Only the first rank writes the run record and the logger runs; the others record nothing.
+    record = (
+        RunRecord(run_dir, sinks=open_sinks(cfg, run_dir, resolved_config(cfg))) if main else NullRecord()
+    )
     meter = StepMeter(skip_steps=cfg.metrics.skip_steps)
     summary: dict[str, Any] = {
         "status": "running",
@@ -111,15 +137,19 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         device = resolve_device(cfg.device)
         summary["device"] = str(device)
         check_phases(cfg, device)
+        world = init_world(cfg, device)
+        summary.update(world_size=world.world_size, rank=world.rank)
         setup = setup_phases(cfg, device)
         summary["phases"] = setup.records
         seed_everything(cfg.seed)
         data = build_data(
             cfg.data,
-            batch_size=cfg.trainer.batch_size,
+            batch_size=cfg.trainer.batch_size // cfg.trainer.grad_accum_steps,  # one micro-batch, all ranks
             seed=cfg.seed,
             loader=setup.loader,
             pad_to=setup.pad_to,
+            rank=world.rank,
+            world_size=world.world_size,
         )
         model = build(cfg, "model").to(device)
         loss_fn = build(cfg, "loss")
@@ -128,7 +158,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         # A model without an analytic count is counted by torch now, eager and before any phase
         # (FlopCounterMode cannot see inside compiled kernels); AAM is counted after its phases.
         counted = None if hasattr(model, "flops_per_step") else counted_flops(model, loss_fn, first)
-        plan = apply_phases(model, cfg, device, warmup_step(loss_fn, first), setup.records)
+        plan = apply_phases(model, cfg, device, warmup_step(loss_fn, first), setup.records, world)
         flops = cfg.trainer.grad_accum_steps * (counted or analytic_flops(model, host_batches))
         peak = peak_flops(device, cfg.precision.dtype, cfg.metrics.peak_flops_cache)
         summary.update(
@@ -147,6 +177,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         if timing["compile_time_s"] is not None:
             timing["compile_time_s"] += plan.records["compile"].get("compile_time_s", 0.0)
         summary.update(timing, **monitor.summary(), memory_cleanups=plan.memory_guard.cleanups)
+        if world.world_size > 1:  # each rank's own figures, and the job's total memory
+            summary["per_rank"] = per_rank(summary, ("peak_rss_bytes", "step_time_s", "peak_device_bytes"))
+            summary["peak_rss_bytes_all_ranks"] = sum(r["peak_rss_bytes"] for r in summary["per_rank"])
         summary.update(
             status="completed",
             steps=result.steps,
@@ -167,4 +200,5 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         summary["pid"] = os.getpid()
         record.write_summary(summary)
         record.close(failed=summary["status"] != "completed")
+        close_world()
     return summary

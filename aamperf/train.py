@@ -47,7 +47,8 @@ def main(cfg: DictConfig) -> float | None:
             traceback.print_exc()
             return None
         raise
-    _print_result(summary, run_dir)
+    if summary.get("rank", 0) == 0:
+        _print_result(summary, run_dir)
     return objective(cfg, summary)  # what a sweeper maximizes: samples/s (at equal quality in a search)
 
 

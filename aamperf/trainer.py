@@ -10,6 +10,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from aamperf.distributed import all_sum, full_value, world_size
 from aamperf.metrics import RunRecord, StepMeter, SystemMonitor
 from aamperf.phases import Plan
 
@@ -60,8 +61,9 @@ def validate(model: torch.nn.Module, loss_fn: LossFn, loader, n_batches: int, de
         if n == n_batches:
             break
     model.train()
+    world = world_size()  # each rank holds its share of every part: the global value is their mean
     return {
-        f"val_{name}": (total / n).item() for name, total in sums.items()
+        f"val_{name}": (all_sum(total) / (n * world)).item() for name, total in sums.items()
     }  # host sync: once per validation
 
 
@@ -97,21 +99,25 @@ def fit(
     loss_sum = torch.zeros((), device=device)
     nonfinite = torch.zeros((), device=device, dtype=torch.long)
     interval: dict[str, float] = {"time_s": 0.0, "wait_s": 0.0, "samples": 0, "tokens": 0, "steps": 0}
-    bar = tqdm(total=tc.max_steps, desc="train", unit="step", disable=not tc.progress, dynamic_ncols=True)
+    world = world_size()
+    show = tc.progress and plan.is_main  # one bar per job, on rank 0
+    bar = tqdm(total=tc.max_steps, desc="train", unit="step", disable=not show, dynamic_ncols=True)
     model.train()
     for step in range(1, tc.max_steps + 1):
         start = time.perf_counter()
         wait_s, samples, tokens = 0.0, 0, 0
         step_loss = torch.zeros((), device=device)
-        for _ in range(tc.grad_accum_steps):
+        for micro in range(1, tc.grad_accum_steps + 1):
             fetch = time.perf_counter()
             batch = to_device(next(batches), device, non_blocking)
             wait_s += time.perf_counter() - fetch
-            with autocast():
-                loss, parts = loss_fn(model, batch, step)
-            scaler.scale(loss / tc.grad_accum_steps).backward()
+            # distributed: gradients are reduced across ranks only after the last micro-batch
+            with plan.grad_sync(micro == tc.grad_accum_steps):
+                with autocast():
+                    loss, parts = loss_fn(model, batch, step)
+                scaler.scale(loss / tc.grad_accum_steps).backward()
             step_loss += loss.detach() / tc.grad_accum_steps
-            samples += batch["tokens"].shape[0]
+            samples += batch["n_samples"]  # of the global batch: all ranks' work
             tokens += batch["n_tokens"]
         loss_sum += step_loss
         nonfinite += (~torch.isfinite(step_loss)).long()  # a device-side count: no sync here
@@ -134,12 +140,14 @@ def fit(
         val_due = step % tc.val_every == 0 or step == tc.max_steps
         if step % cfg.metrics.log_every and not val_due:
             continue
-        row: dict[str, Any] = {"step": step, "loss": loss_sum.item() / interval["steps"]}  # host sync
-        row.update({f"loss_{k}": v.detach().float().item() for k, v in parts.items()})
+        # host sync (and, distributed, one all-reduce): the global loss is the mean of the ranks' shares
+        global_loss = all_sum(loss_sum) / (interval["steps"] * world)
+        row: dict[str, Any] = {"step": step, "loss": global_loss.item()}
+        row.update({f"loss_{k}": (all_sum(v.detach().float()) / world).item() for k, v in parts.items()})
         row.update(
             {
                 "lr": scheduler.get_last_lr()[0],
-                "grad_norm": grad_norm.item(),
+                "grad_norm": full_value(grad_norm).item(),
                 "step_time_s": interval["time_s"] / interval["steps"],
                 "samples_per_s": interval["samples"] / interval["time_s"],
                 "tokens_per_s": interval["tokens"] / interval["time_s"],

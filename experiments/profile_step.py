@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from aamperf.config import register_configs
 from aamperf.data import build_data
+from aamperf.distributed import World
 from aamperf.phases import apply_phases, setup_phases
 from aamperf.run import warmup_step
 
@@ -36,7 +37,7 @@ def main(overrides: list[str]) -> None:
     torch.manual_seed(cfg.seed)
     model, loss_fn = instantiate(cfg.model), instantiate(cfg.loss)
     batches = list(itertools.islice(data.train_loader, 4))
-    plan = apply_phases(model, cfg, device, warmup_step(loss_fn, batches[0]), setup.records)
+    plan = apply_phases(model, cfg, device, warmup_step(loss_fn, batches[0]), setup.records, World())
 
     def step(batch: dict) -> None:
         with plan.autocast():

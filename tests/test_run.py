@@ -66,10 +66,15 @@ def test_same_seed_same_losses_other_seed_other_losses(make_cfg, tmp_path):
     assert losses["a"] != losses["c"]
 
 
-def test_gradient_accumulation_counts_every_micro_batch(make_cfg, tmp_path):
-    summary = train(make_cfg("trainer.grad_accum_steps=2", "trainer.max_steps=4"), tmp_path)
-    one = train(make_cfg("trainer.max_steps=4"), tmp_path / "one")
-    assert summary["flops_per_step"] == pytest.approx(2 * one["flops_per_step"])
+def test_gradient_accumulation_splits_the_batch_into_micro_batches(make_cfg, tmp_path):
+    summary = train(
+        make_cfg("trainer.grad_accum_steps=2", "trainer.batch_size=8", "trainer.max_steps=4"), tmp_path
+    )
+    one = train(make_cfg("trainer.batch_size=4", "trainer.max_steps=4"), tmp_path / "one")
+    # two micro-batches of 4: the FLOPs of two forward + backward passes of batch 4 (same batches first)
+    assert summary["flops_per_step"] == pytest.approx(2 * one["flops_per_step"], rel=0.25)
+    for row in read_metrics(tmp_path):  # every optimizer step saw the whole batch of 8
+        assert row["samples_per_s"] * row["step_time_s"] == pytest.approx(8)
     assert summary["steps"] == 4
 
 

@@ -71,15 +71,25 @@ class Collate:
 
     Batch: tokens int64 [B, S, 151], counts float32 [B, S, 1], unifrac float32 [B, B],
     sample_idx int64 [B], asv_ids int64 [B, S] (each slot's row of the token table, -1 on padding),
-    target float32 [B, 1] (when the data has one), n_tokens int.
+    target float32 [B, 1] (when the data has one), n_samples and n_tokens int.
+    Under torch.distributed B is this rank's slice b of the global batch, and unifrac is [b, B]:
+    its rows against every sample of the global batch; n_samples and n_tokens count the global batch.
     Padding rows are all zero (START included), so `tokens[..., 0] == 0` marks padding.
     """
 
     tokens: torch.Tensor  # [n_asvs, 151] uint8, every distinct ASV tokenized once
     unifrac: torch.Tensor  # [n_samples, n_samples] float32, the whole data set
     pad_to: int | None
+    rank: int = 0  # under torch.distributed: the items are the global batch, this rank takes its slice
+    world_size: int = 1
 
     def __call__(self, items: list[dict]) -> dict:
+        # Counted over the global batch: what one optimizer (micro-)step processes on all ranks.
+        n_samples, n_tokens = len(items), sum(item["n_tokens"] for item in items)
+        batch_idx = torch.tensor([item["sample_idx"] for item in items])
+        if self.world_size > 1:
+            share = len(items) // self.world_size
+            items = items[self.rank * share : (self.rank + 1) * share]
         lengths = torch.tensor([len(item["asv_idx"]) for item in items])
         width = int(lengths.max()) if self.pad_to is None else self.pad_to
         assert int(lengths.max()) <= width, "a sample has more ASVs than pad_to"
@@ -96,11 +106,12 @@ class Collate:
         batch = {
             "tokens": tokens,
             "counts": counts,
-            "unifrac": self.unifrac[sample_idx][:, sample_idx],
+            "unifrac": self.unifrac[sample_idx][:, batch_idx],  # this rank's rows, every sample's column
             "sample_idx": sample_idx,
             "asv_ids": asv_ids,
-            # counted here, on the host, so the trainer's tokens/s needs no device sync
-            "n_tokens": sum(item["n_tokens"] for item in items),
+            # counted here, on the host, so the trainer's samples/s and tokens/s need no device sync
+            "n_samples": n_samples,
+            "n_tokens": n_tokens,
         }
         if "target" in items[0]:
             batch["target"] = torch.stack([item["target"] for item in items]).float().unsqueeze(1)
@@ -153,10 +164,15 @@ def make_loaders(
         generator=torch.Generator().manual_seed(seed),
         **kwargs,
     )
-    # a val set smaller than one batch is still used, as one batch of all of it
-    val = DataLoader(
-        Subset(dataset, val_idx), batch_size=min(batch_size, len(val_idx)), shuffle=False, **kwargs
-    )
+    # a val set smaller than one batch is still used, as one batch of all of it (split evenly over ranks)
+    world = collate.world_size
+    val_batch = min(batch_size, len(val_idx)) // world * world
+    if val_batch < max(2, world):
+        raise UserError(
+            f"only {len(val_idx)} validation samples for {world} ranks (UniFrac needs >= 2 per batch); "
+            "raise data.val_fraction"
+        )
+    val = DataLoader(Subset(dataset, val_idx), batch_size=val_batch, shuffle=False, **kwargs)
     return train, val
 
 
@@ -187,10 +203,13 @@ def build_data(
     seed: int,
     loader: DictConfig,
     pad_to: int | None | Literal["max"] = "max",
+    rank: int = 0,
+    world_size: int = 1,
 ) -> Data:
     """data config -> loaders: read (or simulate), rarefy, UniFrac (cached), tokenize, split.
 
     `cfg` is the `data` node, `loader` the `dataloader` node; `seed` drives rarefaction, split and shuffle.
+    `batch_size` is the global batch of one forward pass; `rank` of `world_size` encodes its slice.
     `pad_to`: the `S` of a batch: "max" pads every batch to data.max_asvs (fixed shapes, as the original
     AAM), None each batch to its longest sample (`aamperf.phases.aam_ops.collate_pad_to`), an int to
     that many ASVs (>= data.max_asvs).
@@ -247,7 +266,7 @@ def build_data(
     dataset = SampleDataset(asv_idx, counts, n_tokens, target)
 
     train_idx, val_idx = split_indices(len(sample_ids), cfg.val_fraction, seed)
-    collate = Collate(tokens, torch.from_numpy(unifrac).float(), pad_to=pad_to)
+    collate = Collate(tokens, torch.from_numpy(unifrac).float(), pad_to, rank, world_size)
     train_loader, val_loader = make_loaders(
         dataset, collate, train_idx, val_idx, batch_size=batch_size, seed=seed, loader=loader
     )

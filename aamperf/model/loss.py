@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aamperf.distributed import all_sum, gather, gather_constant, world_size
 from aamperf.model.aam import MASK, A, T
 
 _M32 = 0xFFFFFFFF
@@ -61,12 +62,21 @@ class AAMLoss(nn.Module):
         hidden = nucleotide_mask(tokens, asv_ids, step, self.seed, self.mask_fraction)
         out = model(tokens.masked_fill(hidden, MASK), batch["counts"], asv_ids=asv_ids)
 
+        # Under torch.distributed each rank holds a slice of the global batch. Every part is the
+        # global batch's, scaled so that DDP's mean of the ranks' gradients is its gradient: UniFrac
+        # on the gathered embeddings (every pair of the global batch, the same value on every rank),
+        # the others as world x (this rank's sum / the global count).
+        world = world_size()
         parts: dict[str, Tensor] = {}
         if "sample_embedding" in out:
-            parts["unifrac"] = unifrac_loss(out["sample_embedding"], batch["unifrac"])
+            parts["unifrac"] = unifrac_loss(
+                gather(out["sample_embedding"]), gather_constant(batch["unifrac"])
+            )
         if "nuc_logits" in out:
-            parts["nucleotide"] = masked_nucleotide_loss(out["nuc_logits"], tokens, hidden)
+            total_ce, n_hidden = masked_nucleotide_sums(out["nuc_logits"], tokens, hidden)
+            parts["nucleotide"] = world * total_ce / all_sum(n_hidden).clamp(min=1.0)
         if "target" in out and batch.get("target") is not None:
+            # equal slices: world x (local sum / global count) is the local mean
             parts["target"] = F.mse_loss(out["target"].float(), batch["target"].float())
         if not parts:
             raise ValueError("model output has no sample_embedding, nuc_logits or target: nothing to train")
@@ -86,11 +96,11 @@ def unifrac_loss(embedding: Tensor, unifrac: Tensor) -> Tensor:
     return F.mse_loss(torch.tanh(distance / 10.0), unifrac[i, j].float())
 
 
-def masked_nucleotide_loss(logits: Tensor, tokens: Tensor, hidden: Tensor) -> Tensor:
-    """Cross-entropy of the original base at the hidden positions (mean over them; 0 if none).
+def masked_nucleotide_sums(logits: Tensor, tokens: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+    """(sum of the cross-entropy of the original base at the hidden positions, their number).
 
     Computed on every position and weighted by the mask, not gathered with a boolean index,
     which would need a host sync to size its output."""
     ce = F.cross_entropy(logits.flatten(0, -2).float(), tokens.flatten(), reduction="none")
     weight = hidden.flatten().to(ce.dtype)
-    return (ce * weight).sum() / weight.sum().clamp(min=1.0)
+    return (ce * weight).sum(), weight.sum()

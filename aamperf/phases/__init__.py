@@ -2,7 +2,7 @@
 
 Order (torchtitan's): system and loader settings before the data is built; then on the model
 precision -> attention -> dropout -> AAM ops -> channels_last -> activation checkpointing -> compile
-(-> distributed wrap); the optimizer is built last, over the transformed model's parameters.
+-> distributed wrap (DDP / FSDP2); the optimizer is built last, over the transformed model's parameters.
 """
 
 from collections.abc import Callable
@@ -13,11 +13,13 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from aamperf.distributed import World
 from aamperf.errors import UserError
 from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to
 from aamperf.phases.attention import apply_attention, check_attention
 from aamperf.phases.compile import apply_compile, check_compile
 from aamperf.phases.dataloader import resolve_dataloader
+from aamperf.phases.distributed import grad_sync, wrap_model
 from aamperf.phases.dropout import apply_dropout, check_dropout
 from aamperf.phases.memory import MemoryGuard, apply_checkpointing, apply_cuda_memory, check_memory
 from aamperf.phases.optimizer import build_optimizer, check_optimizer
@@ -61,6 +63,8 @@ class Plan:
     optimizer: torch.optim.Optimizer
     memory_guard: MemoryGuard
     records: dict[str, dict]
+    grad_sync: Callable[[bool], AbstractContextManager]  # off: gradients stay local (accumulation)
+    is_main: bool = True  # rank 0 (or the only process): the one that shows progress
 
 
 def apply_phases(
@@ -69,6 +73,7 @@ def apply_phases(
     device: torch.device,
     warmup: Callable[[nn.Module, Callable, object], None],
     records: dict[str, dict],
+    world: World,
 ) -> Plan:
     """Transform `model` in the fixed order; `warmup(model, autocast, scaler)` runs one forward+backward."""
     autocast, scaler, records["precision"] = apply_precision(cfg.precision, device)
@@ -78,6 +83,9 @@ def apply_phases(
     records["channels_last"] = apply_channels_last(model, cfg.system)
     records["checkpointing"] = apply_checkpointing(model, cfg.memory)
     records["compile"] = apply_compile(model, cfg.compile, lambda: warmup(model, autocast, scaler))
+    param_dtype = DTYPES.get(cfg.precision.dtype, torch.float32)
+    model, records["distributed"] = wrap_model(model, cfg, world, device, param_dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, records["optimizer"] = build_optimizer(params, cfg.trainer, cfg.optimizer)
-    return Plan(model, autocast, scaler, optimizer, MemoryGuard(cfg.memory, device), records)
+    guard = MemoryGuard(cfg.memory, device)
+    return Plan(model, autocast, scaler, optimizer, guard, records, grad_sync(model), world.is_main)

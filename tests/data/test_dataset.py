@@ -35,7 +35,16 @@ def decode(row: torch.Tensor) -> str:
 def test_batch_layout(cache_dir):
     data = build_data(data_cfg(cache_dir), batch_size=8, seed=0, loader=LOADER)
     batch = next(iter(data.train_loader))
-    assert set(batch) == {"tokens", "counts", "unifrac", "target", "sample_idx", "asv_ids", "n_tokens"}
+    assert set(batch) == {
+        "tokens",
+        "counts",
+        "unifrac",
+        "target",
+        "sample_idx",
+        "asv_ids",
+        "n_samples",
+        "n_tokens",
+    }
     assert batch["tokens"].shape == (8, 32, 151) and batch["tokens"].dtype == torch.int64
     assert batch["counts"].shape == (8, 32, 1) and batch["counts"].dtype == torch.float32
     assert batch["unifrac"].shape == (8, 8) and batch["unifrac"].dtype == torch.float32

@@ -1,0 +1,126 @@
+"""torch.distributed: the process group from torchrun's environment and the collectives of the global
+batch (`conf/distributed/`; the DDP / FSDP2 wrap is the phase `aamperf/phases/distributed.py`).
+
+Every rank iterates the same seeded global batches and encodes its contiguous slice of each
+(`aamperf/data/dataset.py` Collate), so the data order is that of one process with the whole batch.
+Losses that need the whole batch (UniFrac pairs) gather across ranks with autograd.
+"""
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import Tensor
+
+STRATEGIES = ("none", "ddp", "fsdp")
+COMM_HOOKS = ("none", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def torchrun_env() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def check_distributed(cfg: DictConfig) -> list[str]:
+    problems = []
+    if cfg.distributed.strategy not in STRATEGIES:
+        problems.append(f"distributed={cfg.distributed.strategy} is not one of {', '.join(STRATEGIES)}")
+    elif cfg.distributed.strategy != "none" and not torchrun_env():
+        problems.append(
+            f"distributed={cfg.distributed.strategy} needs torchrun's environment (RANK, WORLD_SIZE, ...): "
+            f"torchrun --nproc_per_node=2 -m aamperf.train distributed={cfg.distributed.strategy}"
+        )
+    if cfg.distributed.comm_hook not in COMM_HOOKS:
+        problems.append(
+            f"distributed.comm_hook={cfg.distributed.comm_hook} is not one of {', '.join(COMM_HOOKS)}"
+        )
+    world = int(os.environ.get("WORLD_SIZE", 1)) if cfg.distributed.strategy != "none" else 1
+    if cfg.trainer.batch_size % (world * cfg.trainer.grad_accum_steps):
+        problems.append(
+            f"trainer.batch_size={cfg.trainer.batch_size} (the global batch) must divide evenly into "
+            f"{world} ranks x trainer.grad_accum_steps={cfg.trainer.grad_accum_steps}"
+        )
+    return problems
+
+
+def init_world(cfg: DictConfig, device: torch.device) -> World:
+    """Join the process group torchrun set up (a no-op for distributed=none)."""
+    if cfg.distributed.strategy == "none":
+        return World()
+    backend = cfg.distributed.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.distributed.timeout_s))
+    return World(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]))
+
+
+def close_world() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class _Gather(torch.autograd.Function):
+    """all_gather forward; backward: each slice's gradient summed over the ranks that used it."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        # an all-reduce, not a reduce-scatter: gloo has only the former, and these are [B, D] embeddings
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        share = grad.shape[0] // dist.get_world_size()
+        return grad[dist.get_rank() * share : (dist.get_rank() + 1) * share]
+
+
+def gather(x: Tensor) -> Tensor:
+    """[b, ...] on each rank -> [world * b, ...] in rank order, differentiable: every rank computes the
+    whole batch's loss from it, and each rank's slice gets the gradient summed over the ranks."""
+    return x if world_size() == 1 else _Gather.apply(x)
+
+
+@torch.no_grad()
+def gather_constant(x: Tensor) -> Tensor:
+    """Like `gather` for tensors that need no gradient (UniFrac rows, targets)."""
+    if world_size() == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=0)
+
+
+@torch.no_grad()
+def all_sum(x: Tensor) -> Tensor:
+    """The sum over ranks (a new tensor; no gradient)."""
+    if world_size() == 1:
+        return x
+    x = x.detach().clone()
+    dist.all_reduce(x)
+    return x
+
+
+def full_value(x: Tensor) -> Tensor:
+    """A tensor as one process sees it: FSDP2's sharded DTensors (a gradient norm) gathered whole."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x

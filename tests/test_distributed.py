@@ -1,0 +1,133 @@
+"""torch.distributed with real processes on CPU (gloo): 2 ranks train exactly as 1 process with the batch."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import TINY
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from aamperf.data import build_data
+from aamperf.distributed import close_world, init_world
+from aamperf.phases import apply_phases, setup_phases
+
+# Dropout off: its masks are drawn per rank. Everything else (nucleotide masks, batch order) does
+# not depend on how the global batch is split. 8 validation samples: one val batch of 8 either way.
+SAME_TRAINING = ["model.dropout=0", "data.val_fraction=0.31", "trainer.batch_size=8", "trainer.max_steps=4"]
+
+
+def launch(tmp_path, cache_dir, name, *overrides, ranks=1):
+    run_dir = tmp_path / name
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    cmd = [
+        *(launcher if ranks > 1 else [sys.executable]),
+        "-m",
+        "aamperf.train",
+        *TINY,
+        f"data.cache_dir={cache_dir}",
+        *SAME_TRAINING,
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return rows, json.loads((run_dir / "summary.json").read_text()), run_dir
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_train_like_one_process_with_the_whole_batch(tmp_path, cache_dir, strategy):
+    one, _, _ = launch(tmp_path, cache_dir, "one")
+    two, summary, run_dir = launch(tmp_path, cache_dir, "two", f"distributed={strategy}", ranks=2)
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4]
+    # the logged loss is the global one (every UniFrac pair of the batch), not a mean of rank means
+    for key in ("loss", "loss_unifrac", "loss_nucleotide", "loss_target", "grad_norm"):
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-5), key
+    assert [r["val_loss"] for r in two if "val_loss" in r] == pytest.approx(
+        [r["val_loss"] for r in one if "val_loss" in r], rel=1e-5
+    )
+    assert summary["world_size"] == 2 and summary["phases"]["distributed"]["strategy"] == strategy
+    assert [r["rank"] for r in summary["per_rank"]] == [0, 1]
+    assert summary["peak_rss_bytes_all_ranks"] == sum(r["peak_rss_bytes"] for r in summary["per_rank"])
+    # one run record, written by rank 0; each rank its own log
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        ".hydra",
+        "metrics.jsonl",
+        "summary.json",
+        "train.log",
+        "train_rank1.log",
+    ]
+
+
+def test_distributed_without_torchrun_is_a_one_line_error(tmp_path, cache_dir):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    cmd = [sys.executable, "-m", "aamperf.train", *TINY, f"data.cache_dir={cache_dir}", "distributed=ddp"]
+    proc = subprocess.run(cmd + [f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: distributed=ddp needs torchrun's environment")
+    assert "torchrun --nproc_per_node=2 -m aamperf.train distributed=ddp" in last
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def first_step_gradients(config: dict, rank: int, world: int, port: int, out: str | None) -> dict:
+    """One forward + backward of the first global batch through the real stack; the gradients after
+    DDP's all-reduce (for rank 0: saved to `out`)."""
+    cfg = OmegaConf.create(config)
+    if world > 1:
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+    device = torch.device("cpu")
+    world_info = init_world(cfg, device)
+    setup = setup_phases(cfg, device)
+    torch.manual_seed(cfg.seed)
+    data = build_data(
+        cfg.data,
+        batch_size=cfg.trainer.batch_size,
+        seed=cfg.seed,
+        loader=setup.loader,
+        pad_to=setup.pad_to,
+        rank=world_info.rank,
+        world_size=world_info.world_size,
+    )
+    model, loss_fn = instantiate(cfg.model), instantiate(cfg.loss)
+    plan = apply_phases(model, cfg, device, lambda *a: None, setup.records, world_info)
+    loss, _ = loss_fn(plan.model, next(iter(data.train_loader)), 1)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    close_world()
+    if out is not None and rank == 0:
+        torch.save(grads, out)
+    return grads
+
+
+def _rank_main(rank: int, config: dict, port: int, out: str) -> None:
+    first_step_gradients(config, rank, 2, port, out)
+
+
+def test_ddp_gradients_equal_one_process_parameter_by_parameter(make_cfg, tmp_path):
+    ddp = OmegaConf.to_container(make_cfg(*SAME_TRAINING, "distributed=ddp"), resolve=True)
+    single = OmegaConf.to_container(make_cfg(*SAME_TRAINING), resolve=True)
+    reference = first_step_gradients(single, 0, 1, 0, None)
+    mp.spawn(_rank_main, args=(ddp, free_port(), str(tmp_path / "grads.pt")), nprocs=2, join=True)
+    distributed = torch.load(tmp_path / "grads.pt", weights_only=True)
+    assert distributed.keys() == reference.keys() and len(reference) > 20
+    for name, grad in reference.items():
+        torch.testing.assert_close(distributed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
