@@ -228,9 +228,10 @@ def job_dirname(overrides: str) -> str:
 
 
 def launch_time(fmt: str) -> str:
-    """When this run was started, for its directory name. Under torchrun: when torchrun started (the
-    parent of every rank on a node), so that all its ranks name the same directory."""
-    started = psutil.Process(os.getppid()).create_time() if "LOCAL_RANK" in os.environ else time.time()
+    """When this run was started, for its directory name. Under torchrun (or srun): when the launcher
+    started (the parent of every rank on a node), so that all its ranks name the same directory."""
+    launched = "LOCAL_RANK" in os.environ or "SLURM_LOCALID" in os.environ  # torchrun or srun
+    started = psutil.Process(os.getppid()).create_time() if launched else time.time()
     return datetime.datetime.fromtimestamp(started).strftime(fmt)
 
 

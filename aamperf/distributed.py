@@ -34,20 +34,39 @@ def torchrun_env() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def slurm_env() -> bool:
+    """A SLURM task (hydra/launcher=slurm): the task layout is in SLURM's variables, not torchrun's."""
+    return all(k in os.environ for k in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID"))
+
+
+def adopt_slurm_env() -> None:
+    """Set torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) from SLURM's, with
+    submitit's helper, so that one code path serves torchrun and SLURM tasks."""
+    if torchrun_env() or not slurm_env():
+        return
+    from submitit.helpers import TorchDistributedEnvironment  # hydra-submitit-launcher's dependency
+
+    os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")  # set by submitit's jobs; plain srun has not
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
 def check_distributed(cfg: DictConfig) -> list[str]:
     problems = []
     if cfg.distributed.strategy not in STRATEGIES:
         problems.append(f"distributed={cfg.distributed.strategy} is not one of {', '.join(STRATEGIES)}")
-    elif cfg.distributed.strategy != "none" and not torchrun_env():
+    elif cfg.distributed.strategy != "none" and not (torchrun_env() or slurm_env()):
         problems.append(
             f"distributed={cfg.distributed.strategy} needs torchrun's environment (RANK, WORLD_SIZE, ...): "
-            f"torchrun --nproc_per_node=2 -m aamperf.train distributed={cfg.distributed.strategy}"
+            f"torchrun --nproc_per_node=2 -m aamperf.train distributed={cfg.distributed.strategy} "
+            "(or a SLURM task: hydra/launcher=slurm)"
         )
     if cfg.distributed.comm_hook not in COMM_HOOKS:
         problems.append(
             f"distributed.comm_hook={cfg.distributed.comm_hook} is not one of {', '.join(COMM_HOOKS)}"
         )
-    world = int(os.environ.get("WORLD_SIZE", 1)) if cfg.distributed.strategy != "none" else 1
+    world = 1
+    if cfg.distributed.strategy != "none":
+        world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
     if cfg.trainer.batch_size % (world * cfg.trainer.grad_accum_steps):
         problems.append(
             f"trainer.batch_size={cfg.trainer.batch_size} (the global batch) must divide evenly into "

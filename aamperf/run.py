@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from aamperf.checks import check_config
 from aamperf.data import build_data
-from aamperf.distributed import close_world, init_world
+from aamperf.distributed import adopt_slurm_env, close_world, init_world
 from aamperf.errors import UserError
 from aamperf.loggers import open_sinks
 from aamperf.metrics import (
@@ -112,6 +112,8 @@ def per_rank(summary: dict[str, Any], keys: tuple[str, ...]) -> list[dict[str, A
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Run one training job into `run_dir`; the summary is written there on success and on failure."""
     release_freed_memory()  # what earlier jobs of a multirun freed: not this job's memory
+    if cfg.distributed.strategy != "none":
+        adopt_slurm_env()  # a SLURM task: torchrun's variables from SLURM's
     main = cfg.distributed.strategy == "none" or int(os.environ.get("RANK", 0)) == 0
     # Only the first rank writes the run record and the logger runs; the others record nothing.
     record = (

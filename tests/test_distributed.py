@@ -131,3 +131,29 @@ def test_ddp_gradients_equal_one_process_parameter_by_parameter(make_cfg, tmp_pa
     assert distributed.keys() == reference.keys() and len(reference) > 20
     for name, grad in reference.items():
         torch.testing.assert_close(distributed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_slurm_tasks_train_like_torchrun_ranks(tmp_path, cache_dir):
+    """Two tasks of a SLURM job step on one node, as srun (or hydra/launcher=slurm) starts them."""
+    pytest.importorskip("submitit")
+    one, _, _ = launch(tmp_path, cache_dir, "one")
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    }
+    env.update(SLURM_JOB_ID=str(free_port()), SLURM_NTASKS="2", SLURM_JOB_NUM_NODES="1", SLURM_NODEID="0")
+    env["SLURM_JOB_NODELIST"] = "localhost"
+    cmd = [sys.executable, "-m", "aamperf.train", *TINY, f"data.cache_dir={cache_dir}", *SAME_TRAINING]
+    cmd += ["distributed=ddp", f"hydra.run.dir={tmp_path / 'slurm'}"]
+    tasks = [
+        subprocess.Popen(
+            cmd, env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}, stderr=subprocess.PIPE
+        )
+        for r in (0, 1)
+    ]
+    for task in tasks:
+        _, err = task.communicate(timeout=300)
+        assert task.returncode == 0, err.decode()[-3000:]
+    summary = json.loads((tmp_path / "slurm" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["phases"]["distributed"]["backend"] == "gloo"
+    rows = [json.loads(line) for line in (tmp_path / "slurm" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in one], rel=1e-5)

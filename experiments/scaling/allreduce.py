@@ -23,6 +23,6 @@ for _ in range(20):
 if dist.get_rank() == 0:
     median = statistics.median(times[3:])
     megabytes = n_params * 4 / 1e6
-    print(f"all-reduce of {n_params} fp32 values ({megabytes:.1f} MB) on gloo, 2 ranks: median {median * 1e3:.2f} ms")
+    print(f"all-reduce of {n_params} fp32 values ({megabytes:.1f} MB), gloo, 2 ranks: {median * 1e3:.2f} ms")
     print(f"effective bandwidth {2 * megabytes / median / 1e3:.2f} GB/s (ring: 2 (W-1)/W x bytes per rank)")
 dist.destroy_process_group()
