@@ -1,6 +1,6 @@
 """Time DDP's gradient all-reduce alone: one fp32 tensor of the model's parameter count, gloo, 2 ranks.
 
-    torchrun --standalone --nproc_per_node=2 experiments/scaling/allreduce.py RUN_DIR/summary.json
+torchrun --standalone --nproc_per_node=2 experiments/scaling/allreduce.py RUN_DIR/summary.json
 """
 
 import json
