@@ -31,6 +31,10 @@ def check_config(cfg: DictConfig) -> None:
         problems.append(f"trainer.warmup_steps={t.warmup_steps} must be >= 0")
     if t.val_every < 1 or t.val_batches < 1:
         problems.append("trainer.val_every and trainer.val_batches must be >= 1")
+    if t.checkpoint_every < 0 or t.keep_last < 1:
+        problems.append("trainer.checkpoint_every must be >= 0 (0: none) and trainer.keep_last >= 1")
+    if t.resume not in ("disabled", "auto"):
+        problems.append(f"trainer.resume={t.resume} is not one of disabled, auto")
     if m.log_every < 1:
         problems.append(f"metrics.log_every={m.log_every} must be >= 1")
     if m.skip_steps < 0:

@@ -135,8 +135,9 @@ class TrainerConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     val_every: int = 50  # steps between validations (and one at the end)
     val_batches: int = 4  # batches per validation, so validation cost does not grow with data
-    checkpoint_every: int = 0  # 0: no checkpoints
-    resume: str = "disabled"  # disabled | auto
+    checkpoint_every: int = 0  # steps between checkpoints in <run dir>/checkpoints; 0: none
+    keep_last: int = 2  # checkpoints kept, newest first
+    resume: str = "disabled"  # disabled | auto: go on from the newest checkpoint of this run directory
     progress: bool = True  # tqdm bar with loss and samples/s
 
 

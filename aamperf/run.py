@@ -172,7 +172,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             unifrac_cached=data.unifrac_cached,
         )
         with SystemMonitor(device, cfg.metrics.monitor_interval_s) as monitor:
-            result = fit(plan, loss_fn, data, cfg, device, record, monitor, meter, setup.loader.non_blocking)
+            result = fit(
+                plan, loss_fn, data, cfg, device, record, monitor, meter, setup.loader.non_blocking, run_dir
+            )
         timing = meter.summary()
         step_time = timing["step_time_s"]
         # Compilation done in the compile phase's warm-up counts too, not only the warm-up steps' excess.
@@ -189,6 +191,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             val_loss=result.val.get("val_loss"),
             val=result.val,
             nonfinite_steps=result.nonfinite_steps,
+            resumed_from_step=result.resumed_from,
             # Achieved FLOP/s over the measured steps against the device's peak for this dtype.
             mfu=flops / step_time / peak if peak and step_time else None,
         )

@@ -4,12 +4,14 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from aamperf import checkpoint
 from aamperf.distributed import all_sum, full_value, world_size
 from aamperf.metrics import RunRecord, StepMeter, SystemMonitor
 from aamperf.phases import Plan
@@ -30,10 +32,42 @@ def warmup_cosine(cfg: DictConfig) -> Callable[[int], float]:
     return factor
 
 
-def forever(loader: torch.utils.data.DataLoader) -> Iterator[dict[str, Any]]:
-    """Endless batches; each pass re-shuffles through the loader's own seeded generator."""
-    while True:
-        yield from loader
+class BatchStream:
+    """Endless batches; each pass re-shuffles through the loader's own seeded generator. Its position
+    (the generator's state when the pass began, batches taken since) goes into checkpoints."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader):
+        self.loader = loader
+        self._iter: Iterator[dict[str, Any]] | None = None
+        self._pass_state: torch.Tensor | None = None
+        self._taken = 0
+
+    def __next__(self) -> dict[str, Any]:
+        while True:
+            if self._iter is None:
+                self._pass_state = self.loader.generator.get_state()
+                self._iter, self._taken = iter(self.loader), 0
+            try:
+                batch = next(self._iter)
+            except StopIteration:
+                self._iter = None
+                continue
+            self._taken += 1
+            return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pass_state": self._pass_state, "taken": self._taken}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replay the pass from its start: the same shuffle, the batches already trained on skipped."""
+        self._iter = None
+        if state["pass_state"] is None:
+            return
+        self.loader.generator.set_state(state["pass_state"])
+        self._pass_state, self._iter = state["pass_state"], iter(self.loader)
+        for _ in range(state["taken"]):
+            next(self._iter)
+        self._taken = state["taken"]
 
 
 def to_device(batch: dict[str, Any], device: torch.device, non_blocking: bool) -> dict[str, Any]:
@@ -74,6 +108,7 @@ class FitResult:
     val: dict[str, float] = field(default_factory=dict)
     nonfinite_steps: int = 0
     steps: int = 0
+    resumed_from: int | None = None  # the checkpoint's step, when the run went on from one
 
 
 def fit(
@@ -86,6 +121,7 @@ def fit(
     monitor: SystemMonitor,
     meter: StepMeter,
     non_blocking: bool = False,
+    run_dir: Path | None = None,
 ) -> FitResult:
     """Train for `trainer.max_steps` optimizer steps; log every `metrics.log_every` steps."""
     tc = cfg.trainer
@@ -93,17 +129,33 @@ def fit(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(tc))
     max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf  # inf: the norm is measured, nothing clipped
-    batches = forever(data.train_loader)
+    batches = BatchStream(data.train_loader)
     result = FitResult(meter=meter)
     # Loss sums stay on the device between log lines: reading them is a host sync, done once per line.
     loss_sum = torch.zeros((), device=device)
     nonfinite = torch.zeros((), device=device, dtype=torch.long)
     interval: dict[str, float] = {"time_s": 0.0, "wait_s": 0.0, "samples": 0, "tokens": 0, "steps": 0}
+    first_step = 1
+    saved = checkpoint.checkpoints(run_dir) if tc.resume == "auto" else []
+    if saved:  # go on from the newest checkpoint, as if the run had never stopped
+        state = checkpoint.load(saved[-1], model, optimizer)
+        first_step = state["step"] + 1
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        batches.load_state_dict(state["stream"])
+        meter.load_state_dict(state["meter"])
+        loss_sum.copy_(state["loss_sum"])
+        nonfinite.copy_(state["nonfinite"])
+        interval = state["interval"]
+        result.train_loss, result.val = state["result"]["train_loss"], state["result"]["val"]
+        record.truncate_after(state["step"])  # lines logged after the checkpoint are logged again
+        result.resumed_from = state["step"]
     world = world_size()
     show = tc.progress and plan.is_main  # one bar per job, on rank 0
     bar = tqdm(total=tc.max_steps, desc="train", unit="step", disable=not show, dynamic_ncols=True)
+    bar.update(first_step - 1)
     model.train()
-    for step in range(1, tc.max_steps + 1):
+    for step in range(first_step, tc.max_steps + 1):
         start = time.perf_counter()
         wait_s, samples, tokens = 0.0, 0, 0
         step_loss = torch.zeros((), device=device)
@@ -138,35 +190,43 @@ def fit(
         bar.update()
 
         val_due = step % tc.val_every == 0 or step == tc.max_steps
-        if step % cfg.metrics.log_every and not val_due:
-            continue
-        # host sync (and, distributed, one all-reduce): the global loss is the mean of the ranks' shares
-        global_loss = all_sum(loss_sum) / (interval["steps"] * world)
-        row: dict[str, Any] = {"step": step, "loss": global_loss.item()}
-        row.update({f"loss_{k}": (all_sum(v.detach().float()) / world).item() for k, v in parts.items()})
-        row.update(
-            {
-                "lr": scheduler.get_last_lr()[0],
-                "grad_norm": full_value(grad_norm).item(),
-                "step_time_s": interval["time_s"] / interval["steps"],
-                "samples_per_s": interval["samples"] / interval["time_s"],
-                "tokens_per_s": interval["tokens"] / interval["time_s"],
-                "data_wait_frac": interval["wait_s"] / interval["time_s"],
-                "rss_bytes": monitor.rss_bytes,
-                "cpu_percent": monitor.cpu_percent,
-                "elapsed_s": time.perf_counter() - meter.start_time,
-            }
-        )
-        plan.memory_guard.check()
-        if val_due:
-            with autocast():
-                result.val = validate(model, loss_fn, data.val_loader, tc.val_batches, device, non_blocking)
-            row.update(result.val)
-        record.log(row)
-        bar.set_postfix(loss=f"{row['loss']:.4f}", samples_s=f"{row['samples_per_s']:.1f}")
-        result.train_loss = row["loss"]
-        loss_sum.zero_()
-        interval = dict.fromkeys(interval, 0)
+        if step % cfg.metrics.log_every == 0 or val_due:
+            # host sync (and, distributed, one all-reduce): the global loss is the mean of the ranks' shares
+            global_loss = all_sum(loss_sum) / (interval["steps"] * world)
+            row: dict[str, Any] = {"step": step, "loss": global_loss.item()}
+            row.update({f"loss_{k}": (all_sum(v.detach().float()) / world).item() for k, v in parts.items()})
+            row.update(
+                {
+                    "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": full_value(grad_norm).item(),
+                    "step_time_s": interval["time_s"] / interval["steps"],
+                    "samples_per_s": interval["samples"] / interval["time_s"],
+                    "tokens_per_s": interval["tokens"] / interval["time_s"],
+                    "data_wait_frac": interval["wait_s"] / interval["time_s"],
+                    "rss_bytes": monitor.rss_bytes,
+                    "cpu_percent": monitor.cpu_percent,
+                    "elapsed_s": time.perf_counter() - meter.start_time,
+                }
+            )
+            plan.memory_guard.check()
+            if val_due:
+                with autocast():
+                    result.val = validate(
+                        model, loss_fn, data.val_loader, tc.val_batches, device, non_blocking
+                    )
+                row.update(result.val)
+            record.log(row)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", samples_s=f"{row['samples_per_s']:.1f}")
+            result.train_loss = row["loss"]
+            loss_sum.zero_()
+            interval = dict.fromkeys(interval, 0)
+        if tc.checkpoint_every and step % tc.checkpoint_every == 0:
+            loop = {"loss_sum": loss_sum, "nonfinite": nonfinite, "interval": interval}
+            loop["result"] = {"train_loss": result.train_loss, "val": result.val}
+            objects = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "stream": batches}
+            checkpoint.save(
+                run_dir, step, model, {**objects, **loop, "meter": meter.state_dict()}, tc.keep_last
+            )
     bar.close()
     result.nonfinite_steps = int(nonfinite.item())
     result.steps = tc.max_steps

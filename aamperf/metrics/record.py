@@ -54,6 +54,16 @@ class RunRecord:
         write_json_atomic(self.summary_path, summary)
         self._to_sinks("summary", _clean(summary))
 
+    def truncate_after(self, step: int) -> None:
+        """Drop the lines of steps after `step` (a resumed run logs them again): no gap, no duplicate."""
+        if not self.metrics_path.exists():
+            return
+        lines = self.metrics_path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+        tmp = self.metrics_path.with_name(".metrics.jsonl.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.metrics_path)
+
     def close(self, failed: bool = False) -> None:
         if self._metrics is not None:
             self._metrics.close()
@@ -77,6 +87,9 @@ class NullRecord:
     sinks: list = []
 
     def log(self, row: dict[str, Any]) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
         pass
 
     def write_summary(self, summary: dict[str, Any]) -> None:

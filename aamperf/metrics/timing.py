@@ -29,6 +29,14 @@ class StepMeter:
         self.samples += samples
         self.tokens += tokens
 
+    def state_dict(self) -> dict:
+        """The counters, for a checkpoint (wall-clock origins are per process and not kept)."""
+        return {k: v for k, v in vars(self).items() if k != "start_time"}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
     def summary(self) -> dict[str, float | int | None]:
         measured_s = sum(self.step_times_s)
         median = statistics.median(self.step_times_s) if self.step_times_s else None
