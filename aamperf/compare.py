@@ -212,7 +212,9 @@ def to_markdown(result: dict[str, Any]) -> str:
             "n/a"
             if r["speedup"] is None
             else f"{r['speedup']:.2f}x [{_fmt(r['speedup_lo'], '.2f')}, {_fmt(r['speedup_hi'], '.2f')}]",
-            f"{_fmt(r['step_time_s'])} ({_fmt(r['step_time_speedup'], '.2f')}x)",
+            "n/a"
+            if r["step_time_s"] is None
+            else f"{r['step_time_s']:.3g} ({_fmt(r['step_time_speedup'], '.2f')}x)",
             _fmt(r["time_to_first_step_s"], ".1f"),
             _fmt(r["compile_time_s"], ".1f"),
             "n/a" if r["data_wait_frac"] is None else f"{100 * r['data_wait_frac']:.1f}%",

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 from conftest import TINY
@@ -124,5 +125,40 @@ def test_distributed_checkpoint_saved_and_resumed(tmp_path, cache_dir, strategy)
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads((again / "summary.json").read_text())["resumed_from_step"] == 4
     assert [loss for _, loss, _ in losses(again)] == pytest.approx(
+        [loss for _, loss, _ in losses(whole)], rel=1e-6
+    )
+
+
+def test_torchrun_restarts_a_killed_rank_and_goes_on_from_the_last_checkpoint(tmp_path, cache_dir):
+    """Elastic restart (torchrun --max-restarts): one rank dies, torchrun restarts both, they resume."""
+    settings = [*RESUMABLE, "model.dropout=0", "data.val_fraction=0.31", "trainer.batch_size=8"]
+    settings += ["distributed=ddp"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    whole = tmp_path / "whole"
+    run = subprocess.run(
+        command(cache_dir, whole, *settings, ranks=2), capture_output=True, text=True, env=env
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    restarted = tmp_path / "restarted"
+    cmd = command(cache_dir, restarted, *settings, ranks=2)
+    cmd.insert(cmd.index("--standalone"), "--max-restarts=1")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    metrics = restarted / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5) and time.time() < deadline:
+        time.sleep(0.01)
+    ranks = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "aamperf.train" in " ".join(p.cmdline())
+    ]
+    assert len(ranks) == 2
+    ranks[1].kill()  # one rank dies (SIGKILL); torchrun tears the group down and starts it again
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    summary = json.loads((restarted / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["resumed_from_step"] in (4, 6, 8, 10)
+    assert [loss for _, loss, _ in losses(restarted)] == pytest.approx(
         [loss for _, loss, _ in losses(whole)], rel=1e-6
     )
