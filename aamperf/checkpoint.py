@@ -35,25 +35,26 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's random generators, as tensors and plain values (loadable with weights_only)."""
+    """This process's random generators as plain Python values: loadable with weights_only, and safe
+    to send through all_gather_object (which fails on tensors inside objects in torch 2.13)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss),
-        "torch": torch.get_rng_state(),
+        "numpy": (kind, keys.tolist(), pos, has_gauss, gauss),
+        "torch": torch.get_rng_state().tolist(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
 def all_rng_states() -> list[dict[str, Any]]:

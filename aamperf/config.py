@@ -149,6 +149,8 @@ class MetricsConfig:
     skip_steps: int = 3  # warm-up steps excluded from timing
     flop_batches: int = 8  # batches the FLOPs per step are averaged over (AAM's work varies per batch)
     monitor_interval_s: float = 0.2  # psutil / pynvml sampling period (background thread)
+    # torch.profiler over this many steps after warm-up (trace, top ops, comm share; left out of timing)
+    profile_steps: int = 0
     peak_flops_cache: str = "${data.cache_dir}/peak_flops.json"
 
 

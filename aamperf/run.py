@@ -192,6 +192,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             val=result.val,
             nonfinite_steps=result.nonfinite_steps,
             resumed_from_step=result.resumed_from,
+            profile=result.profile,
             # Achieved FLOP/s over the measured steps against the device's peak for this dtype.
             mfu=flops / step_time / peak if peak and step_time else None,
         )

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from aamperf import checkpoint
 from aamperf.distributed import all_sum, full_value, world_size
 from aamperf.metrics import RunRecord, StepMeter, SystemMonitor
+from aamperf.metrics.profile import StepProfiler
 from aamperf.phases import Plan
 
 LossFn = Callable[[torch.nn.Module, dict[str, Any], int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -109,6 +110,7 @@ class FitResult:
     nonfinite_steps: int = 0
     steps: int = 0
     resumed_from: int | None = None  # the checkpoint's step, when the run went on from one
+    profile: dict[str, Any] | None = None  # metrics.profile_steps: what torch.profiler saw
 
 
 def fit(
@@ -155,7 +157,9 @@ def fit(
     bar = tqdm(total=tc.max_steps, desc="train", unit="step", disable=not show, dynamic_ncols=True)
     bar.update(first_step - 1)
     model.train()
+    profiler = StepProfiler(cfg.metrics.profile_steps, cfg.metrics.skip_steps, run_dir, plan.rank)
     for step in range(first_step, tc.max_steps + 1):
+        profiler.begin(step)
         start = time.perf_counter()
         wait_s, samples, tokens = 0.0, 0, 0
         step_loss = torch.zeros((), device=device)
@@ -181,7 +185,9 @@ def fit(
         optimizer.zero_grad(set_to_none=True)
         sync(device)
         step_time_s = time.perf_counter() - start
-        meter.add(step_time_s, wait_s, samples, tokens)
+        profiler.end(step)
+        if not profiler.covers(step):
+            meter.add(step_time_s, wait_s, samples, tokens)
         interval["time_s"] += step_time_s
         interval["wait_s"] += wait_s
         interval["samples"] += samples
@@ -228,6 +234,7 @@ def fit(
                 run_dir, step, model, {**objects, **loop, "meter": meter.state_dict()}, tc.keep_last
             )
     bar.close()
+    result.profile = profiler.result
     result.nonfinite_steps = int(nonfinite.item())
     result.steps = tc.max_steps
     return result

@@ -65,6 +65,7 @@ class Plan:
     records: dict[str, dict]
     grad_sync: Callable[[bool], AbstractContextManager]  # off: gradients stay local (accumulation)
     is_main: bool = True  # rank 0 (or the only process): the one that shows progress
+    rank: int = 0
 
 
 def apply_phases(
@@ -88,4 +89,6 @@ def apply_phases(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, records["optimizer"] = build_optimizer(params, cfg.trainer, cfg.optimizer)
     guard = MemoryGuard(cfg.memory, device)
-    return Plan(model, autocast, scaler, optimizer, guard, records, grad_sync(model), world.is_main)
+    return Plan(
+        model, autocast, scaler, optimizer, guard, records, grad_sync(model), world.is_main, world.rank
+    )
