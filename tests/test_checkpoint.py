@@ -102,7 +102,7 @@ def test_a_corrupt_checkpoint_is_refused_with_the_fix(make_cfg, tmp_path):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_distributed_checkpoint_saved_and_resumed(tmp_path, cache_dir, strategy):
     """2 ranks: a full (DDP, rank 0) or sharded (FSDP2, torch.distributed.checkpoint) checkpoint,
-    resumed by a new launch with the losses of the run that went through."""
+    resumed by a new 2-rank launch and by one process, with the losses of the run that went through."""
     settings = [*RESUMABLE, "trainer.max_steps=6", "model.dropout=0", "data.val_fraction=0.31"]
     settings += ["trainer.batch_size=8", f"distributed={strategy}", "trainer.keep_last=3"]
     whole = tmp_path / "whole"
@@ -119,6 +119,8 @@ def test_distributed_checkpoint_saved_and_resumed(tmp_path, cache_dir, strategy)
     shutil.copytree(whole, again)
     stale = again / "checkpoints" / newest.name
     shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+    one = tmp_path / "one"  # the same checkpoint, resumed by a single process (another world size)
+    shutil.copytree(again, one)
     run = subprocess.run(
         command(cache_dir, again, *settings, ranks=2), capture_output=True, text=True, env=env
     )
@@ -126,6 +128,13 @@ def test_distributed_checkpoint_saved_and_resumed(tmp_path, cache_dir, strategy)
     assert json.loads((again / "summary.json").read_text())["resumed_from_step"] == 4
     assert [loss for _, loss, _ in losses(again)] == pytest.approx(
         [loss for _, loss, _ in losses(whole)], rel=1e-6
+    )
+    single = [o for o in settings if not o.startswith("distributed=")] + ["distributed=none"]
+    run = subprocess.run(command(cache_dir, one, *single), capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((one / "summary.json").read_text())["resumed_from_step"] == 4
+    assert [loss for _, loss, _ in losses(one)] == pytest.approx(
+        [loss for _, loss, _ in losses(whole)], rel=1e-5
     )
 
 
