@@ -158,3 +158,15 @@ def test_slurm_tasks_train_like_torchrun_ranks(tmp_path, cache_dir):
     assert summary["world_size"] == 2 and summary["phases"]["distributed"]["backend"] == "gloo"
     rows = [json.loads(line) for line in (tmp_path / "slurm" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp_with_activation_checkpointing_and_compile_trains_like_one_process(tmp_path, cache_dir):
+    """The model phases in their order (checkpointing -> compile -> shard) under FSDP2."""
+    one, _, _ = launch(tmp_path, cache_dir, "one")
+    phases = ["distributed=fsdp", "memory=checkpointing", "compile=default"]
+    two, summary, _ = launch(tmp_path, cache_dir, "two", *phases, ranks=2)
+    assert {
+        k: summary["phases"][k]["status"] for k in ("checkpointing", "compile", "distributed")
+    } == dict.fromkeys(("checkpointing", "compile", "distributed"), "applied")
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
