@@ -151,7 +151,9 @@ def test_torchrun_restarts_a_killed_rank_and_goes_on_from_the_last_checkpoint(tm
 
     restarted = tmp_path / "restarted"
     cmd = command(cache_dir, restarted, *settings, ranks=2)
-    cmd.insert(cmd.index("--standalone"), "--max-restarts=1")
+    # 2 restarts allowed: once in CI (under load) the first restarted round failed to connect its gloo
+    # mesh ("Connection refused" from the peer); a user's --max-restarts absorbs such a transient
+    cmd.insert(cmd.index("--standalone"), "--max-restarts=2")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     metrics = restarted / "metrics.jsonl"
     deadline = time.time() + 240
