@@ -154,6 +154,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             world_size=world.world_size,
         )
         model = build(cfg, "model").to(device)
+        if world.world_size > 1:  # the same initial weights everywhere; from here each rank its own draws
+            seed_everything(cfg.seed + world.rank)
         loss_fn = build(cfg, "loss")
         host_batches = list(itertools.islice(data.train_loader, cfg.metrics.flop_batches))
         first = to_device(host_batches[0], device, False)
