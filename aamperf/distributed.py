@@ -83,8 +83,28 @@ def init_world(cfg: DictConfig, device: torch.device) -> World:
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.distributed.timeout_s))
+        timeout = datetime.timedelta(seconds=cfg.distributed.timeout_s)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(
+            backend, store=attempt_store(rank, world, timeout), rank=rank, world_size=world
+        )
     return World(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]))
+
+
+def attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store of env:// (torchrun's agent store, or one hosted by rank 0), with keys under
+    this restart attempt: after torchrun --max-restarts, the process group of the new ranks must not
+    read the addresses the killed attempt left in the agent's store."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent_store and rank == 0,
+        timeout=timeout,
+        multi_tenant=not agent_store,
+    )
+    return dist.PrefixStore(f"aamperf/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def close_world() -> None:
