@@ -198,9 +198,14 @@ def fit(
         val_due = step % tc.val_every == 0 or step == tc.max_steps
         if step % cfg.metrics.log_every == 0 or val_due:
             # host sync (and, distributed, one all-reduce): the global loss is the mean of the ranks' shares
-            global_loss = all_sum(loss_sum) / (interval["steps"] * world)
-            row: dict[str, Any] = {"step": step, "loss": global_loss.item()}
-            row.update({f"loss_{k}": (all_sum(v.detach().float()) / world).item() for k, v in parts.items()})
+            names = ["loss", *(f"loss_{k}" for k in parts)]
+            shares = torch.stack(
+                [loss_sum / interval["steps"], *(v.detach().float() for v in parts.values())]
+            )
+            row: dict[str, Any] = {
+                "step": step,
+                **dict(zip(names, (all_sum(shares) / world).tolist(), strict=True)),
+            }
             row.update(
                 {
                     "lr": scheduler.get_last_lr()[0],
