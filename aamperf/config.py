@@ -90,6 +90,7 @@ class MemoryConfig:
     checkpointing: str = "none"  # none | full (every transformer layer) | selective (every k-th layer)
     checkpoint_every: int = 2  # selective: checkpoint layers 0, k, 2k, ...
     warn_fraction: float = 0.90  # of system RAM (CPU) or device memory: gc + cache clearing, warning
+    max_fraction: float = 0.97  # ... checkpoint and stop (status aborted) before the system's OOM killer
     cuda_memory_fraction: float | None = None  # cap this process's share of the GPU
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (GPU)
 
@@ -133,6 +134,7 @@ class TrainerConfig:
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at max_steps
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    max_nonfinite: int = 10  # non-finite steps in a row (each skipped) before the run stops as aborted
     val_every: int = 50  # steps between validations (and one at the end)
     val_batches: int = 4  # batches per validation, so validation cost does not grow with data
     checkpoint_every: int = 0  # steps between checkpoints in <run dir>/checkpoints; 0: none

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from aamperf.checks import check_config
 from aamperf.data import build_data
 from aamperf.distributed import adopt_slurm_env, close_world, init_world
-from aamperf.errors import UserError
+from aamperf.errors import RunAborted, UserError
 from aamperf.loggers import open_sinks
 from aamperf.metrics import (
     NullRecord,
@@ -193,11 +193,24 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             val_loss=result.val.get("val_loss"),
             val=result.val,
             nonfinite_steps=result.nonfinite_steps,
+            nonfinite_check=result.nonfinite_check,
             resumed_from_step=result.resumed_from,
             profile=result.profile,
             # Achieved FLOP/s over the measured steps against the device's peak for this dtype.
             mfu=flops / step_time / peak if peak and step_time else None,
         )
+    except RunAborted as exc:
+        summary.update(
+            meter.summary(), status="aborted", error=str(exc), memory_cleanups=plan.memory_guard.cleanups
+        )
+        summary.update(
+            steps=exc.result.steps,
+            nonfinite_steps=exc.result.nonfinite_steps,
+            nonfinite_check=exc.result.nonfinite_check,
+            train_loss=exc.result.train_loss,
+            resumed_from_step=exc.result.resumed_from,
+        )
+        raise
     except BaseException as exc:
         summary.update(status="failed", error=str(exc) if isinstance(exc, UserError) else repr(exc))
         summary.update(meter.summary())

@@ -10,7 +10,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from aamperf.config import register_configs
-from aamperf.errors import UserError
+from aamperf.errors import RunAborted, UserError
 from aamperf.run import train
 from aamperf.search import objective
 
@@ -42,6 +42,11 @@ def main(cfg: DictConfig) -> float | None:
         if in_sweep:
             return None  # the sweep goes on; summary.json holds the error and the report lists it
         sys.exit(2)
+    except RunAborted as exc:  # a guard stopped the run and kept its last good state
+        print("aborted: " + " ".join(str(exc).split()), file=sys.stderr)
+        if in_sweep:
+            return None
+        sys.exit(3)
     except Exception:
         if in_sweep:  # a bug, not a user mistake: the traceback is shown, the other jobs still run
             traceback.print_exc()

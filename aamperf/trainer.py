@@ -13,8 +13,10 @@ from tqdm.auto import tqdm
 
 from aamperf import checkpoint
 from aamperf.distributed import all_sum, full_value, world_size
+from aamperf.errors import RunAborted
 from aamperf.metrics import RunRecord, StepMeter, SystemMonitor
 from aamperf.metrics.profile import StepProfiler
+from aamperf.nonfinite import NonfiniteGuard
 from aamperf.phases import Plan
 
 LossFn = Callable[[torch.nn.Module, dict[str, Any], int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -108,6 +110,7 @@ class FitResult:
     train_loss: float | None = None
     val: dict[str, float] = field(default_factory=dict)
     nonfinite_steps: int = 0
+    nonfinite_check: str = ""  # how bad steps are skipped (aamperf/nonfinite.py)
     steps: int = 0
     resumed_from: int | None = None  # the checkpoint's step, when the run went on from one
     profile: dict[str, Any] | None = None  # metrics.profile_steps: what torch.profiler saw
@@ -132,10 +135,10 @@ def fit(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(tc))
     max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf  # inf: the norm is measured, nothing clipped
     batches = BatchStream(data.train_loader)
-    result = FitResult(meter=meter)
+    guard = NonfiniteGuard(optimizer, scaler, device, tc.max_nonfinite)
+    result = FitResult(meter=meter, nonfinite_check=guard.check)
     # Loss sums stay on the device between log lines: reading them is a host sync, done once per line.
-    loss_sum = torch.zeros((), device=device)
-    nonfinite = torch.zeros((), device=device, dtype=torch.long)
+    loss_sum = torch.zeros((), device=device)  # of the finite steps
     interval: dict[str, float] = {"time_s": 0.0, "wait_s": 0.0, "samples": 0, "tokens": 0, "steps": 0}
     first_step = 1
     saved = checkpoint.checkpoints(run_dir) if tc.resume == "auto" else []
@@ -147,7 +150,7 @@ def fit(
         batches.load_state_dict(state["stream"])
         meter.load_state_dict(state["meter"])
         loss_sum.copy_(state["loss_sum"])
-        nonfinite.copy_(state["nonfinite"])
+        guard.load_state_dict(state["nonfinite"])
         interval = state["interval"]
         result.train_loss, result.val = state["result"]["train_loss"], state["result"]["val"]
         record.truncate_after(state["step"])  # lines logged after the checkpoint are logged again
@@ -158,6 +161,15 @@ def fit(
     bar.update(first_step - 1)
     model.train()
     profiler = StepProfiler(cfg.metrics.profile_steps, cfg.metrics.skip_steps, run_dir, plan.rank)
+
+    def save_checkpoint(step: int) -> Path:
+        loop = {"loss_sum": loss_sum, "nonfinite": guard.state_dict(), "interval": interval}
+        loop["result"] = {"train_loss": result.train_loss, "val": result.val}
+        objects = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "stream": batches}
+        return checkpoint.save(
+            run_dir, step, model, {**objects, **loop, "meter": meter.state_dict()}, tc.keep_last
+        )
+
     for step in range(first_step, tc.max_steps + 1):
         profiler.begin(step)
         start = time.perf_counter()
@@ -175,12 +187,12 @@ def fit(
             step_loss += loss.detach() / tc.grad_accum_steps
             samples += batch["n_samples"]  # of the global batch: all ranks' work
             tokens += batch["n_tokens"]
-        loss_sum += step_loss
-        nonfinite += (~torch.isfinite(step_loss)).long()  # a device-side count: no sync here
         scaler.unscale_(optimizer)  # clip the true gradients (identity without fp16)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        scaler.step(optimizer)
-        scaler.update()
+        # FSDP2: a replicated DTensor, made a plain tensor without communication
+        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        losses = torch.stack([step_loss.float(), *(v.detach().float() for v in parts.values())])
+        bad = guard.step(step, step_loss, losses, grad_norm)  # a non-finite step changes nothing
+        loss_sum += torch.where(bad, 0.0, step_loss)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         sync(device)
@@ -196,20 +208,25 @@ def fit(
         bar.update()
 
         val_due = step % tc.val_every == 0 or step == tc.max_steps
-        if step % cfg.metrics.log_every == 0 or val_due:
+        log_due = step % cfg.metrics.log_every == 0 or val_due
+        # Memory: every step in one process (read at most every 0.1 s); distributed, at log lines,
+        # where the ranks agree through the all-reduce below (one rank over the limit stops all).
+        memory_stop = plan.memory_guard.check() if world == 1 or log_due else None
+        if log_due or memory_stop:
             # host sync (and, distributed, one all-reduce): the global loss is the mean of the ranks' shares
             names = ["loss", *(f"loss_{k}" for k in parts)]
-            shares = torch.stack(
-                [loss_sum / interval["steps"], *(v.detach().float() for v in parts.values())]
-            )
-            row: dict[str, Any] = {
-                "step": step,
-                **dict(zip(names, (all_sum(shares) / world).tolist(), strict=True)),
-            }
+            n_bad, stop = guard.end_interval(step, names)
+            over = torch.tensor([float(memory_stop is not None)], device=device)
+            shares = all_sum(torch.cat([loss_sum[None], losses[1:], over])).tolist()
+            shares[0] /= interval["steps"] - n_bad or math.nan  # NaN: no step of the interval was finite
+            if shares.pop() and not memory_stop:
+                memory_stop = f"another rank's memory went over memory.max_fraction={cfg.memory.max_fraction}"
+            row: dict[str, Any] = {"step": step, **{n: v / world for n, v in zip(names, shares, strict=True)}}
             row.update(
                 {
                     "lr": scheduler.get_last_lr()[0],
-                    "grad_norm": full_value(grad_norm).item(),
+                    "grad_norm": grad_norm.item(),
+                    "nonfinite_steps": n_bad,
                     "step_time_s": interval["time_s"] / interval["steps"],
                     "samples_per_s": interval["samples"] / interval["time_s"],
                     "tokens_per_s": interval["tokens"] / interval["time_s"],
@@ -219,8 +236,8 @@ def fit(
                     "elapsed_s": time.perf_counter() - meter.start_time,
                 }
             )
-            plan.memory_guard.check()
-            if val_due:
+            stop = stop or memory_stop
+            if val_due and not stop:
                 with autocast():
                     result.val = validate(
                         model, loss_fn, data.val_loader, tc.val_batches, device, non_blocking
@@ -231,15 +248,17 @@ def fit(
             result.train_loss = row["loss"]
             loss_sum.zero_()
             interval = dict.fromkeys(interval, 0)
+            if stop:  # the state now is the last good one (bad steps changed nothing): keep it, then stop
+                bar.close()
+                result.steps, result.nonfinite_steps = step, int(guard.total.item())
+                path = save_checkpoint(step) if run_dir is not None else None
+                raise RunAborted(
+                    f"{stop}; checkpoint of step {step}: {path} (trainer.resume=auto goes on)", result
+                )
         if tc.checkpoint_every and step % tc.checkpoint_every == 0:
-            loop = {"loss_sum": loss_sum, "nonfinite": nonfinite, "interval": interval}
-            loop["result"] = {"train_loss": result.train_loss, "val": result.val}
-            objects = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "stream": batches}
-            checkpoint.save(
-                run_dir, step, model, {**objects, **loop, "meter": meter.state_dict()}, tc.keep_last
-            )
+            save_checkpoint(step)
     bar.close()
     result.profile = profiler.result
-    result.nonfinite_steps = int(nonfinite.item())
+    result.nonfinite_steps = int(guard.total.item())
     result.steps = tc.max_steps
     return result

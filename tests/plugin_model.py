@@ -1,7 +1,10 @@
-"""A model that is not AAM, to show any nn.Module plugs in through model._target_."""
+"""Plug-ins for the tests: a model that is not AAM (any nn.Module plugs in through model._target_),
+and losses that go wrong on purpose (NaN, a memory leak)."""
 
 import torch
 from torch import nn
+
+from aamperf.model import AAMLoss
 
 
 class MeanPoolModel(nn.Module):
@@ -19,3 +22,49 @@ def pair_loss(model: nn.Module, batch: dict, step: int) -> tuple[torch.Tensor, d
     pred = torch.tanh(torch.cdist(emb, emb) / 10)
     loss = ((pred - batch["unifrac"]) ** 2).mean()
     return loss, {"unifrac": loss}
+
+
+class _NaNGradient(torch.autograd.Function):
+    """Adds 0 to the loss; puts NaN into the gradient of `x`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.shape = x.shape
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.full(ctx.shape, float("nan"), dtype=grad.dtype)
+
+
+class PoisonedLoss(AAMLoss):
+    """AAM's loss with NaN put in at `steps` (step >= from_step too, when from_step is set): into the
+    batch (its UniFrac distances) or into one parameter's gradient (the loss itself stays finite)."""
+
+    def __init__(self, steps=(), into: str = "batch", from_step: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.steps, self.into, self.from_step = set(steps), into, from_step
+
+    def forward(self, model: nn.Module, batch: dict, step: int):
+        poisoned = step in self.steps or (self.from_step is not None and step >= self.from_step)
+        if poisoned and self.into == "batch":
+            batch = {**batch, "unifrac": torch.full_like(batch["unifrac"], float("nan"))}
+        loss, parts = super().forward(model, batch, step)
+        if poisoned and self.into == "grad":
+            loss = loss + _NaNGradient.apply(next(model.parameters()))
+        return loss, parts
+
+
+_leaked: list[torch.Tensor] = []
+
+
+class LeakyLoss(AAMLoss):
+    """AAM's loss that keeps `mb_per_step` MiB alive at every step, as a memory leak would."""
+
+    def __init__(self, mb_per_step: int = 256, **kwargs):
+        super().__init__(**kwargs)
+        self.numel = mb_per_step * 2**20 // 4
+
+    def forward(self, model: nn.Module, batch: dict, step: int):
+        _leaked.append(torch.ones(self.numel))  # written, so the pages are really in use
+        return super().forward(model, batch, step)

@@ -2,7 +2,9 @@
 
 import gc
 import logging
+import math
 import os
+import time
 
 import psutil
 import torch
@@ -25,6 +27,8 @@ def check_memory(cfg: DictConfig) -> list[str]:
         problems.append(f"memory.checkpoint_every={cfg.checkpoint_every} must be >= 1")
     if not 0 < cfg.warn_fraction <= 1:
         problems.append(f"memory.warn_fraction={cfg.warn_fraction} must be in (0, 1]")
+    if not 0 < cfg.max_fraction <= 1:
+        problems.append(f"memory.max_fraction={cfg.max_fraction} must be in (0, 1]")
     return problems
 
 
@@ -65,13 +69,18 @@ def apply_cuda_memory(cfg: DictConfig, device: torch.device) -> dict:
 
 
 class MemoryGuard:
-    """At each log step: above `warn_fraction` of RAM (CPU) or device memory, collect garbage and
-    empty the CUDA cache, once per crossing, with a warning. Never every step: clearing costs time."""
+    """Memory in use, as a fraction of system RAM (CPU) or of the device's memory (CUDA), checked at
+    every step but read at most every `interval_s` (a read costs ~40 us). Above `warn_fraction`:
+    collect garbage and empty the CUDA cache, once per crossing, with a warning (never every step:
+    clearing costs time). Above `max_fraction`: a message for the trainer, which checkpoints and stops
+    the run before the operating system kills it."""
 
-    def __init__(self, cfg: DictConfig, device: torch.device):
-        self.warn_fraction, self.device = cfg.warn_fraction, device
+    def __init__(self, cfg: DictConfig, device: torch.device, interval_s: float = 0.1):
+        self.warn_fraction, self.max_fraction, self.device = cfg.warn_fraction, cfg.max_fraction, device
+        self.interval_s = interval_s
         self.cleanups = 0
         self._above = False
+        self._last_read = -math.inf
 
     def used_fraction(self) -> float:
         if self.device.type == "cuda":
@@ -79,8 +88,20 @@ class MemoryGuard:
             return 1 - free / total
         return psutil.virtual_memory().percent / 100
 
-    def check(self) -> None:
+    def check(self) -> str | None:
+        """None, or why the run must stop now."""
+        now = time.perf_counter()
+        if now - self._last_read < self.interval_s:
+            return None
+        self._last_read = now
         fraction = self.used_fraction()
+        if fraction >= self.max_fraction:
+            where = "device memory" if self.device.type == "cuda" else "system RAM"
+            return (
+                f"memory at {100 * fraction:.0f}% of {where}, over memory.max_fraction="
+                f"{self.max_fraction:g}; lower trainer.batch_size (or trainer.batch_size=auto), use "
+                "memory=checkpointing or precision=bf16, or raise memory.max_fraction"
+            )
         above = fraction >= self.warn_fraction
         if above and not self._above:
             gc.collect()
@@ -93,3 +114,4 @@ class MemoryGuard:
                 self.warn_fraction,
             )
         self._above = above
+        return None

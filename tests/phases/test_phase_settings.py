@@ -81,15 +81,25 @@ def test_tuned_loader_on_cpu_keeps_workers_and_drops_pinning(make_cfg):
 
 
 def test_memory_guard_cleans_once_per_crossing():
-    guard = MemoryGuard(OmegaConf.create({"warn_fraction": 1e-6}), CPU)  # any use crosses it
-    guard.check()
-    guard.check()
+    limits = OmegaConf.create({"warn_fraction": 1e-6, "max_fraction": 1.0})  # any use crosses warn
+    guard = MemoryGuard(limits, CPU, interval_s=0.0)
+    assert guard.check() is None
+    assert guard.check() is None
     assert guard.cleanups == 1  # still above: no second clean-up, so it never runs every step
     guard.warn_fraction = 1.0
     guard.check()
     guard.warn_fraction = 1e-6
     guard.check()
     assert guard.cleanups == 2
+
+
+def test_memory_guard_says_stop_above_max_and_reads_at_most_every_interval():
+    guard = MemoryGuard(OmegaConf.create({"warn_fraction": 1.0, "max_fraction": 1.0}), CPU, interval_s=60)
+    assert guard.check() is None  # the first read: below 100%
+    guard.max_fraction = 1e-6
+    assert guard.check() is None  # read 0 s ago: not read again
+    guard.interval_s = 0.0
+    assert guard.check().startswith("memory at ") and "memory.max_fraction=1e-06" in guard.check()
 
 
 def test_cuda_memory_settings_skip_on_cpu(make_cfg):

@@ -1,0 +1,123 @@
+"""The run's guards: a non-finite step changes nothing and too many in a row stop the run (status
+aborted, the last good state checkpointed); memory over memory.max_fraction stops the run too."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import TINY
+
+from aamperf.nonfinite import NonfiniteGuard
+from aamperf.run import train
+
+TESTS = Path(__file__).resolve().parent
+EVERY_STEP = ["trainer.checkpoint_every=1", "trainer.keep_last=50", "trainer.max_steps=6"]
+
+
+def poisoned(into: str, **where) -> list[str]:
+    """The AAM loss with NaN at the given steps (tests/plugin_model.py)."""
+    return ["loss._target_=plugin_model.PoisonedLoss", f"+loss.into={into}"] + [
+        f"+loss.{key}={value}" for key, value in where.items()
+    ]
+
+
+def saved(run_dir: Path, step: int) -> dict:
+    return torch.load(run_dir / "checkpoints" / f"step_{step:08d}.pt", weights_only=True)
+
+
+def same_state(a: dict, b: dict) -> bool:
+    """Equal model weights and optimizer state (moments and step counts)."""
+    flat = [(a["model"], b["model"])] + [
+        (a["optimizer"]["state"][i], b["optimizer"]["state"][i]) for i in a["optimizer"]["state"]
+    ]
+    return all(torch.equal(x[k], y[k]) for x, y in flat for k in x)
+
+
+def run_plugged(run_dir: Path, cache_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`python -m aamperf.train` as a user runs it, with tests/plugin_model.py importable."""
+    cmd = [sys.executable, "-m", "aamperf.train", *TINY, f"data.cache_dir={cache_dir}", *overrides]
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    return subprocess.run(
+        [*cmd, f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300, env=env
+    )
+
+
+def rows(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])  # host flag read / found_inf in the kernel
+@pytest.mark.parametrize("into", ["batch", "grad"])
+def test_a_nonfinite_step_is_skipped_and_counted(make_cfg, tmp_path, optimizer, into):
+    cfg = make_cfg(*EVERY_STEP, f"optimizer={optimizer}", *poisoned(into, steps="[3,4]"))
+    summary = train(cfg, tmp_path)
+    assert summary["status"] == "completed" and summary["nonfinite_steps"] == 2
+    assert summary["nonfinite_check"] == ("fused_optimizer" if optimizer == "adamw_fused" else "cpu_read")
+    assert same_state(saved(tmp_path, 2), saved(tmp_path, 4))  # steps 3 and 4 changed nothing
+    assert not same_state(saved(tmp_path, 4), saved(tmp_path, 5))  # step 5 trained again
+    logged = rows(tmp_path)
+    assert [logged[s]["nonfinite_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 0, 0]
+    assert logged[3]["loss"] is None and logged[5]["loss"] is not None  # no finite step to average
+    assert all(p is not None for p in summary["val"].values())
+
+
+def test_nonfinite_steps_in_a_row_abort_with_the_last_good_state(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    overrides = [*EVERY_STEP, "trainer.max_steps=12", "trainer.max_nonfinite=3", "metrics.log_every=2"]
+    proc = run_plugged(run_dir, cache_dir, *overrides, *poisoned("batch", from_step=5))
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    # steps 5, 6, 7 in a row; seen at the log line of step 8 (metrics.log_every=2)
+    assert last.startswith("aborted: 3 non-finite steps in a row from step 5 (trainer.max_nonfinite=3)")
+    assert "stopped at step 8" in last and "loss_unifrac=nan" in last and "step_00000008.pt" in last
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "aborted" and summary["nonfinite_steps"] == 4 and summary["steps"] == 8
+    assert summary["error"] == last.removeprefix("aborted: ")
+    assert same_state(saved(run_dir, 4), saved(run_dir, 8))  # the last good state
+    assert max(rows(run_dir)) == 8
+
+
+def test_grad_scaler_backs_off_on_a_nonfinite_step():
+    layer = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # fp16's scaler; here on CPU
+    guard = NonfiniteGuard(optimizer, scaler, torch.device("cpu"), limit=3)
+    before = [p.detach().clone() for p in layer.parameters()]
+    loss = layer(torch.full((2, 4), float("inf"))).sum()
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(list(layer.parameters()), 1.0)
+    bad = guard.step(1, loss.detach(), loss.detach()[None], grad_norm)
+    assert guard.check == "grad_scaler" and bad.item()
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters(), strict=True))
+    assert scaler.get_scale() == 512.0
+
+
+def test_memory_over_max_fraction_checkpoints_and_stops(tmp_path, cache_dir):
+    vm = psutil.virtual_memory()
+    used = (vm.total - vm.available) / vm.total
+    limit = used + 1.5 * 2**30 / vm.total  # 1.5 GiB from now; the loss keeps 256 MiB more each step
+    run_dir = tmp_path / "run"
+    proc = run_plugged(
+        run_dir,
+        cache_dir,
+        "trainer.max_steps=60",
+        "loss._target_=plugin_model.LeakyLoss",
+        "+loss.mb_per_step=256",
+        f"memory.warn_fraction={used + 0.5 * 2**30 / vm.total:.4f}",
+        f"memory.max_fraction={limit:.4f}",
+    )
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("aborted: memory at ") and f"memory.max_fraction={limit:.4g}" in last
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "aborted" and 2 <= summary["steps"] < 60
+    assert summary["memory_cleanups"] == 1  # warn_fraction was crossed first: gc and a warning
+    assert "memory.warn_fraction" in (run_dir / "train.log").read_text()
+    assert (run_dir / "checkpoints" / f"step_{summary['steps']:08d}.pt").exists()
