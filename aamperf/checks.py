@@ -9,14 +9,16 @@ from aamperf.errors import UserError
 def check_config(cfg: DictConfig) -> None:
     """Raise one UserError listing every problem of `cfg`, or return."""
     t, m = cfg.trainer, cfg.metrics
-    problems = []
-    if t.batch_size < 2:
+    problems = check_auto_batch(t) if t.batch_size == "auto" else []
+    if t.batch_size != "auto" and (isinstance(t.batch_size, bool) or not isinstance(t.batch_size, int)):
+        problems.append(f"trainer.batch_size={t.batch_size} must be an integer >= 2 or auto")
+    elif t.batch_size != "auto" and t.batch_size < 2:
         problems.append(f"trainer.batch_size={t.batch_size} must be >= 2 (UniFrac compares pairs of samples)")
     if t.max_steps <= 0:
         problems.append(f"trainer.max_steps={t.max_steps} must be > 0")
     if t.grad_accum_steps < 1:
         problems.append(f"trainer.grad_accum_steps={t.grad_accum_steps} must be >= 1")
-    elif t.batch_size >= 2 and t.batch_size // t.grad_accum_steps < 2:
+    elif isinstance(t.batch_size, int) and t.batch_size >= 2 and t.batch_size // t.grad_accum_steps < 2:
         problems.append(
             f"trainer.batch_size={t.batch_size} / trainer.grad_accum_steps={t.grad_accum_steps} leaves fewer "
             "than 2 samples per micro-batch (UniFrac compares pairs)"
@@ -53,3 +55,14 @@ def check_config(cfg: DictConfig) -> None:
         )
     if problems:
         raise UserError("; ".join(problems))
+
+
+def check_auto_batch(t: DictConfig) -> list[str]:
+    a, problems = t.auto_batch, []
+    if not 0 < a.budget_fraction < 1:
+        problems.append(f"trainer.auto_batch.budget_fraction={a.budget_fraction} must be in (0, 1)")
+    if a.max_batch < 2 or a.tolerance <= 0:
+        problems.append("trainer.auto_batch.max_batch must be >= 2 and trainer.auto_batch.tolerance > 0")
+    if a.effective_batch is not None and a.effective_batch < 2:
+        problems.append(f"trainer.auto_batch.effective_batch={a.effective_batch} must be >= 2")
+    return problems

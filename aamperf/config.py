@@ -123,11 +123,24 @@ class SystemConfig:
 
 
 @dataclass
+class AutoBatchConfig:
+    """The batch-size finder, for trainer.batch_size=auto (`aamperf/batch_size.py`)."""
+
+    budget_fraction: float = 0.6  # of device memory (CUDA) or of the RAM this run can have (CPU), per rank
+    max_batch: int = 1024  # the search stops here (and at the number of training samples)
+    tolerance: float = 0.1  # bisect until the largest fitting batch is known within this fraction
+    effective_batch: int | None = None  # samples per optimizer step to keep: grad_accum_steps is derived
+
+
+@dataclass
 class TrainerConfig:
     """The training loop (`aamperf/trainer.py`)."""
 
     max_steps: int = 100
-    batch_size: int = 8  # samples per optimizer step, over all ranks (the global batch; UniFrac needs >= 2)
+    # samples per optimizer step, over all ranks (the global batch; UniFrac needs >= 2), or "auto": the
+    # largest that fits trainer.auto_batch's memory budget, measured before training (summary: batch_finder)
+    batch_size: Any = 8
+    auto_batch: AutoBatchConfig = field(default_factory=AutoBatchConfig)
     grad_accum_steps: int = 1  # micro-batches per optimizer step; each has batch_size / grad_accum_steps
     lr: float = 1e-4
     weight_decay: float = 0.01

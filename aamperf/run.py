@@ -15,8 +15,9 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from aamperf.batch_size import find_batch_size
 from aamperf.checks import check_config
-from aamperf.data import build_data
+from aamperf.data import build_data, rebatch
 from aamperf.distributed import adopt_slurm_env, close_world, init_world
 from aamperf.errors import RunAborted, UserError
 from aamperf.loggers import open_sinks
@@ -144,9 +145,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         setup = setup_phases(cfg, device)
         summary["phases"] = setup.records
         seed_everything(cfg.seed)
+        auto_batch = cfg.trainer.batch_size == "auto"  # found below; the smallest batch until then
+        micro_batch = (
+            2 * world.world_size if auto_batch else cfg.trainer.batch_size // cfg.trainer.grad_accum_steps
+        )
         data = build_data(
             cfg.data,
-            batch_size=cfg.trainer.batch_size // cfg.trainer.grad_accum_steps,  # one micro-batch, all ranks
+            batch_size=micro_batch,  # one micro-batch, all ranks
             seed=cfg.seed,
             loader=setup.loader,
             pad_to=setup.pad_to,
@@ -163,6 +168,17 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         # (FlopCounterMode cannot see inside compiled kernels); AAM is counted after its phases.
         counted = None if hasattr(model, "flops_per_step") else counted_flops(model, loss_fn, first)
         plan = apply_phases(model, cfg, device, warmup_step(loss_fn, first), setup.records, world)
+        if auto_batch:
+            found = find_batch_size(plan, loss_fn, data, cfg, device, world.world_size)
+            summary["batch_finder"] = found
+            cfg.trainer.batch_size, cfg.trainer.grad_accum_steps = (
+                found["batch_size"],
+                found["grad_accum_steps"],
+            )
+            rebatch(data, found["micro_batch"], cfg.seed, setup.loader)
+            host_batches = list(itertools.islice(data.train_loader, cfg.metrics.flop_batches))
+            if counted is not None:  # a model torch counts: counted again at the batch it will train on
+                counted = counted_flops(model, loss_fn, to_device(host_batches[0], device, False))
         flops = cfg.trainer.grad_accum_steps * (counted or analytic_flops(model, host_batches))
         peak = peak_flops(device, cfg.precision.dtype, cfg.metrics.peak_flops_cache)
         summary.update(

@@ -28,6 +28,13 @@ def _print_result(summary: dict, run_dir: Path) -> None:
         f"MFU {fmt('mfu')} | peak RSS {fmt('peak_rss_bytes', ' GiB', 2**30)} | "
         f"train loss {fmt('train_loss')} | val loss {fmt('val_loss')}"
     )
+    found = summary.get("batch_finder")
+    if found:
+        print(
+            f"  trainer.batch_size=auto: {found['batch_size']} = {found['micro_batch']} x "
+            f"{found['grad_accum_steps']} accumulated (largest fitting {found['largest_fitting']}, "
+            f"limited by {found['limited_by']})"
+        )
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")

@@ -48,7 +48,13 @@ def test_two_ranks_train_like_one_process_with_the_whole_batch(tmp_path, cache_d
     # the profiler on the DDP run only: one CI run saw an FSDP2 rank abort at exit after profiling
     # ("terminate called without an active exception"), not reproduced locally; see the issue notes
     profile = ["metrics.profile_steps=1"] if strategy == "ddp" else []
-    two, summary, run_dir = launch(tmp_path, cache_dir, "two", f"distributed={strategy}", *profile, ranks=2)
+    # FSDP finds its batch size (the 8 of the one process): the ranks agree, the probes leave no trace
+    auto = ["trainer.batch_size=auto", "trainer.auto_batch.max_batch=8"] if strategy == "fsdp" else []
+    two, summary, run_dir = launch(
+        tmp_path, cache_dir, "two", f"distributed={strategy}", *profile, *auto, ranks=2
+    )
+    if auto:
+        assert [p["batch"] for p in summary["batch_finder"]["probes"]] == [4, 8]  # multiples of 2 x 2 ranks
     assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4]
     # the logged loss is the global one (every UniFrac pair of the batch), not a mean of rank means
     for key in ("loss", "loss_unifrac", "loss_nucleotide", "loss_target", "grad_norm"):

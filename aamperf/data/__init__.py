@@ -1,5 +1,5 @@
 """Data for the AAM workload: simulated or the user's BIOM table, rarefied, tokenized, with UniFrac."""
 
-from aamperf.data.dataset import Data, build_data
+from aamperf.data.dataset import Data, build_data, rebatch
 
-__all__ = ["Data", "build_data"]
+__all__ = ["Data", "build_data", "rebatch"]

@@ -196,6 +196,19 @@ class Data:
     collate: Collate
 
 
+def rebatch(data: Data, batch_size: int, seed: int, loader: DictConfig) -> None:
+    """New loaders over the same split for another (global micro-)batch size: the batch-size finder's."""
+    data.train_loader, data.val_loader = make_loaders(
+        data.dataset,
+        data.collate,
+        list(data.train_loader.dataset.indices),
+        list(data.val_loader.dataset.indices),
+        batch_size=batch_size,
+        seed=seed,
+        loader=loader,
+    )
+
+
 def build_data(
     cfg: DictConfig,
     *,

@@ -1,0 +1,171 @@
+"""The batch-size finder (`trainer.batch_size=auto`): the largest even batch whose training step fits
+a memory budget, measured with the run's own model, phases, optimizer and heaviest samples.
+
+A probe is one full step (forward, backward, optimizer step) on the `m` training samples with the
+most ASVs; its peak memory is this process's peak RSS (CPU: the kernel's high-water mark, reset
+before each probe) or the CUDA allocator's peak (GPU, where an out-of-memory error is caught and
+counts as "does not fit"). The batch doubles while it fits, then a bisection narrows the gap to
+within `trainer.auto_batch.tolerance`. On a CPU a batch predicted (linearly, from the last two
+probes) to exceed memory.max_fraction is not tried: running out of RAM ends the process instead of
+raising; a batch between the budget and that limit is measured, and does not fit.
+The model, optimizer state and random generators are put back afterwards, so the run starts as if
+its batch size had been given. Under torch.distributed the ranks agree on every decision (the
+largest peak of all ranks counts) and split the budget of a machine they share.
+"""
+
+import logging
+import math
+import os
+import resource
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from aamperf.checkpoint import rng_state, set_rng_state
+from aamperf.errors import UserError
+from aamperf.metrics.monitor import release_freed_memory, reset_peak_rss
+from aamperf.phases import Plan
+
+log = logging.getLogger(__name__)
+
+
+def memory_budget(fraction: float, device: torch.device) -> int:
+    """Bytes one rank may use: `fraction` of the device's memory (CUDA), or of the RAM this run can
+    have (available now + this process's RSS), shared by the ranks on this machine (CPU)."""
+    if device.type == "cuda":
+        return int(fraction * torch.cuda.get_device_properties(device).total_memory)
+    usable = psutil.virtual_memory().available + psutil.Process().memory_info().rss
+    return int(fraction * usable / int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def _peak_after(run: Callable[[], None], device: torch.device) -> float:
+    """Peak bytes while `run()` runs; inf when the GPU runs out of memory."""
+    release_freed_memory()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            run()
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return math.inf
+        return float(torch.cuda.max_memory_reserved(device))
+    reset_peak_rss()
+    run()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+
+
+def _largest_of_all_ranks(peak: float, device: torch.device) -> float:
+    if not (dist.is_available() and dist.is_initialized()):
+        return peak
+    value = torch.tensor([peak], device=device, dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
+def find_batch_size(
+    plan: Plan, loss_fn, data, cfg: DictConfig, device: torch.device, world: int
+) -> dict[str, Any]:
+    """Search the global micro-batch (a multiple of 2 * world); return what the run should use and
+    the probes behind it (for summary.json)."""
+    ac = cfg.trainer.auto_batch
+    grid = 2 * world  # even, and split evenly over the ranks
+    train_idx = list(data.train_loader.dataset.indices)
+    heaviest = sorted(train_idx, key=lambda i: -len(data.dataset[i]["asv_idx"]))
+    cap = min(ac.max_batch, len(train_idx)) // grid * grid
+    budget = memory_budget(ac.budget_fraction, device)
+    unsafe = memory_budget(max(cfg.memory.max_fraction, ac.budget_fraction), device)  # never probed on a CPU
+    model, optimizer = plan.model, plan.optimizer
+    params = [p.detach().clone() for p in model.parameters()]
+    rngs, optimizer_state = rng_state(), optimizer.state_dict()
+    probes: list[dict[str, Any]] = []
+
+    def step(m: int) -> None:
+        batch = data.collate([data.dataset[i] for i in heaviest[:m]])
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        with plan.autocast():
+            loss, _ = loss_fn(model, batch, 0)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def fits(m: int) -> bool:
+        peak = _largest_of_all_ranks(_peak_after(lambda: step(m), device), device)
+        probes.append(
+            {"batch": m, "peak_bytes": None if math.isinf(peak) else int(peak), "fits": peak <= budget}
+        )
+        log.info(
+            "batch-size finder: batch %d -> peak %.2f GiB (budget %.2f GiB)", m, peak / 2**30, budget / 2**30
+        )
+        return peak <= budget
+
+    def predicted_over(m: int) -> bool:
+        """CPU: would `m` go over memory.max_fraction, on the line through the last two probes that fit?"""
+        done = [(p["batch"], p["peak_bytes"]) for p in probes if p["fits"]][-2:]
+        if device.type == "cuda" or len(done) < 2:
+            return False
+        (m0, p0), (m1, p1) = done
+        expected = p1 + (p1 - p0) / (m1 - m0) * (m - m1)
+        if expected <= unsafe:
+            return False
+        probes.append({"batch": m, "predicted_bytes": int(expected), "fits": False})  # not run
+        return True
+
+    try:
+        if cap < grid or not fits(grid):
+            raise UserError(
+                f"trainer.batch_size=auto: not even a batch of {grid} fits "
+                f"trainer.auto_batch.budget_fraction={ac.budget_fraction} ({budget / 2**30:.2f} GiB) "
+                f"with {len(train_idx)} training samples; raise the budget, use memory=checkpointing or "
+                "precision=bf16, or give trainer.batch_size"
+            )
+        lo, hi = grid, None  # lo fits; hi (when known) does not, or is predicted not to
+        while hi is None and lo < cap:
+            m = min(2 * lo, cap)
+            if predicted_over(m) or not fits(m):
+                hi = m
+            else:
+                lo = m
+        while hi is not None and hi - lo > max(grid, ac.tolerance * lo):
+            m = (lo + hi) // 2 // grid * grid
+            if m == lo:
+                break
+            if predicted_over(m) or not fits(m):
+                hi = m
+            else:
+                lo = m
+    finally:  # the run starts from the state it had before the probes
+        with torch.no_grad():
+            for p, saved in zip(model.parameters(), params, strict=True):
+                p.copy_(saved)
+        optimizer.load_state_dict(optimizer_state)
+        optimizer.zero_grad(set_to_none=True)
+        set_rng_state(rngs)
+        release_freed_memory()
+    micro, accum = lo, cfg.trainer.grad_accum_steps
+    batch_size = micro * accum
+    if ac.effective_batch is not None:  # keep the requested samples per step: accumulate micro-batches
+        batch_size = ac.effective_batch
+        splits = [a for a in range(1, batch_size // grid + 1) if batch_size % (a * grid) == 0]
+        fitting = [a for a in splits if batch_size // a <= lo]
+        if not fitting:
+            raise UserError(
+                f"trainer.auto_batch.effective_batch={batch_size} cannot be split into micro-batches of at "
+                f"most {lo} samples that are multiples of {grid}; give a multiple of {grid}"
+            )
+        accum = fitting[0]
+        micro = batch_size // accum
+    limit = "memory" if hi is not None else ("data" if cap < ac.max_batch else "max_batch")
+    return {
+        "batch_size": batch_size,
+        "grad_accum_steps": accum,
+        "micro_batch": micro,
+        "largest_fitting": lo,
+        "limited_by": limit,
+        "budget_bytes": budget,
+        "probes": probes,
+    }
