@@ -49,11 +49,11 @@ class NonfiniteGuard:
         self.in_interval += bad
         self.streak.add_(1).mul_(bad)
         starts = bad & (self.streak == 1)
-        self.streak_start.copy_(torch.where(starts, step, self.streak_start))
-        self.start_parts.copy_(torch.where(starts, parts, self.start_parts))
+        self.streak_start.masked_fill_(starts, step)
+        torch.where(starts, parts, self.start_parts, out=self.start_parts)
         crossing = (self.streak >= self.limit) & ~self.crossed  # the first streak that is too long
-        self.crossed_start.copy_(torch.where(crossing, self.streak_start, self.crossed_start))
-        self.crossed_parts.copy_(torch.where(crossing, self.start_parts, self.crossed_parts))
+        torch.where(crossing, self.streak_start, self.crossed_start, out=self.crossed_start)
+        torch.where(crossing, self.start_parts, self.crossed_parts, out=self.crossed_parts)
         self.crossed |= crossing
         if self.check == "grad_scaler":
             self.scaler.step(self.optimizer)  # skips on inf/NaN gradients; update() backs the scale off
