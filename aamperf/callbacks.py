@@ -1,14 +1,78 @@
-"""Hydra callbacks: the comparison report a multirun ends with (registered in conf/config.yaml)."""
+"""Hydra callbacks (registered in conf/config.yaml): the checks before a single run writes anything,
+and the comparison report a multirun ends with."""
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from aamperf.checks import check_config
 from aamperf.compare import find_runs, make_report, to_markdown
-from aamperf.errors import UserError
+from aamperf.data.tables import resolve_files
+from aamperf.errors import UserError, exit_bad_input, no_such_option
+from aamperf.phases import check_phases
+from aamperf.run import resolve_device
+
+
+def check_start(config: DictConfig) -> None:
+    """What can be checked without data and without writing: the values, the phases on this device,
+    the user's files, the run directory and the chosen options."""
+    check_config(config)
+    check_phases(config, resolve_device(config.device))
+    if config.data.source != "simulated":  # simulated data would be generated here: train() does that
+        resolve_files(config.data)
+    run_dir = Path(config.hydra.run.dir).absolute()
+    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(
+            f"hydra.run.dir={config.hydra.run.dir}: cannot create the run directory ({existing} is not a "
+            "writable directory); choose another hydra.run.dir"
+        )
+    loader = GlobalHydra.instance().config_loader()
+    for group, option in config.hydra.runtime.choices.items():
+        # Hydra skips an option of an optional group (experiment=...) that does not exist, silently
+        if option is not None and not group.startswith("hydra/"):
+            options = loader.get_group_options(group)
+            if option not in options:
+                raise UserError(no_such_option(group, option, options))
+
+
+class CheckBeforeRun(Callback):
+    """A single run (not a sweep's job) is checked before Hydra creates its directory or writes
+    .hydra/ in it: a config mistake writes nothing at all.
+
+    Bad input found later (a damaged BIOM table, a checkpoint of another model, ...) refuses the start
+    too, and a refused start leaves an earlier run in its directory (one with a summary.json) as it
+    was: train() writes its summary to summary.refused.json instead, and this callback puts back the
+    .hydra/ files and logs Hydra rewrote. A start that fails any other way is a run that failed.
+    """
+
+    def __init__(self) -> None:
+        self.earlier_files: dict[Path, bytes] = {}
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            check_start(config)
+        except UserError as exc:
+            exit_bad_input(exc)  # SystemExit: Hydra turns an Exception of a callback into a warning
+        run_dir = Path(config.hydra.run.dir)
+        if (run_dir / "summary.json").is_file():
+            kept = [*run_dir.glob(".hydra/*"), *run_dir.glob("*.log")]
+            self.earlier_files = {path: path.read_bytes() for path in kept if path.is_file()}
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        try:
+            _ = job_return.return_value  # re-raises the job's exception
+        except UserError:
+            for path, content in self.earlier_files.items():
+                path.write_bytes(content)
+        except Exception:
+            pass  # a failed run, not a refused start: its files say what happened
 
 
 class CompareReport(Callback):

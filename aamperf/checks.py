@@ -25,6 +25,8 @@ def check_config(cfg: DictConfig) -> None:
         )
     else:
         problems += check_distributed(cfg)
+    if t.max_nonfinite < 1:
+        problems.append(f"trainer.max_nonfinite={t.max_nonfinite} must be >= 1")
     if t.lr <= 0:
         problems.append(f"trainer.lr={t.lr} must be > 0")
     if t.weight_decay < 0:

@@ -1,6 +1,16 @@
-"""User mistakes (a one-line message that names the fix) and runs that stop themselves."""
+"""User mistakes: the one exception type, and the one `error:` line (exit code 2) each one becomes;
+runs that stop themselves (exit code 3)."""
 
-from typing import Any
+import dataclasses
+import difflib
+import sys
+from typing import Any, NoReturn
+
+from hydra.errors import CompactHydraException, MissingConfigException, OverrideParseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+EXIT_BAD_INPUT = 2  # 0: done; 1: a bug, or a failed job of a sweep; 2: bad input; 3: aborted by a guard
+EXIT_ABORTED = 3
 
 
 class UserError(Exception):
@@ -14,3 +24,58 @@ class RunAborted(Exception):
     def __init__(self, message: str, result: Any = None):
         super().__init__(message)
         self.result = result  # the trainer's FitResult up to the stop
+
+
+def error_line(message: object) -> str:
+    return "error: " + " ".join(str(message).split())  # one line, always
+
+
+def exit_bad_input(message: object) -> NoReturn:
+    print(error_line(message), file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def no_such_option(group: str, option: str, options: list[str]) -> str:
+    return f"{group}={option}: no such option; choose one of {', '.join(options)} (conf/{group}/)"
+
+
+def hydra_error_message(exc: CompactHydraException) -> str:
+    """What Hydra reports in several lines for a config mistake, as one line that names the fix."""
+    cause = exc.__cause__
+    if isinstance(exc, MissingConfigException) and exc.options is not None and exc.missing_cfg_file:
+        group, _, option = exc.missing_cfg_file.rpartition("/")
+        return no_such_option(group, option, list(exc.options))
+    if isinstance(exc, OverrideParseException):
+        reason = exc.message.splitlines()[1:2]  # the line after "Error parsing override ..."
+        return (
+            f"cannot parse the override {exc.override!r} ({' '.join(reason)}); write key=value, see "
+            "https://hydra.cc/docs/advanced/override_grammar/basic/"
+        )
+    if isinstance(cause, ConfigAttributeError | ConfigKeyError) and cause.full_key:
+        return unknown_key_message(cause.full_key, list(cause.parent_node or []))
+    if isinstance(cause, ValidationError) and cause.full_key:
+        return f"{cause.full_key}={cause.value}: {expected_type(cause)}{str(cause.msg).splitlines()[0]}"
+    return str(exc)  # Hydra's own words name the fix (e.g. "Either remove + prefix: ...")
+
+
+def unknown_key_message(full_key: str, siblings: list[str]) -> str:
+    """`trainer.batchsize` -> the close match among the keys at `trainer`, or those keys."""
+    path, _, key = full_key.rpartition(".")
+    prefix = f"{path}." if path else ""
+    close = difflib.get_close_matches(key, siblings, n=1)
+    hint = (
+        f"did you mean {prefix}{close[0]}?"
+        if close
+        else f"the keys at {path or 'the top'}: {', '.join(siblings)}"
+    )
+    return f"{full_key} is not a config key; {hint} (+{full_key}=<value> adds a new key)"
+
+
+def expected_type(cause: ValidationError) -> str:
+    """'expected int: ' from the schema dataclass that holds the key, or '' for an open node."""
+    if not dataclasses.is_dataclass(cause.object_type):
+        return ""
+    annotation = {f.name: f.type for f in dataclasses.fields(cause.object_type)}.get(cause.key)
+    if annotation is None:
+        return ""
+    return f"expected {annotation.__name__ if isinstance(annotation, type) else annotation}: "

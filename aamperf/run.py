@@ -230,6 +230,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     except BaseException as exc:
         summary.update(status="failed", error=str(exc) if isinstance(exc, UserError) else repr(exc))
         summary.update(meter.summary())
+        if isinstance(exc, UserError):  # a refused start: an earlier run's summary.json in run_dir stays
+            record.keep_earlier_summary()
         raise
     finally:
         summary["duration_s"] = time.perf_counter() - meter.start_time

@@ -1,20 +1,30 @@
 """Entry point: `python -m aamperf.train [overrides]` (Hydra composes conf/ into one run)."""
 
+import os
 import sys
 import traceback
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from aamperf.config import register_configs
-from aamperf.errors import RunAborted, UserError
+from aamperf.errors import (
+    EXIT_ABORTED,
+    RunAborted,
+    UserError,
+    error_line,
+    exit_bad_input,
+    hydra_error_message,
+)
 from aamperf.run import train
 from aamperf.search import objective
 
 register_configs()
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # absolute: main() also works imported (tests)
 
 
 def _print_result(summary: dict, run_dir: Path) -> None:
@@ -37,7 +47,11 @@ def _print_result(summary: dict, run_dir: Path) -> None:
         )
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+def aborted_line(exc: RunAborted) -> str:
+    return "aborted: " + " ".join(str(exc).split())
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -45,15 +59,15 @@ def main(cfg: DictConfig) -> float | None:
     try:
         summary = train(cfg, run_dir)
     except UserError as exc:
-        print("error: " + " ".join(str(exc).split()), file=sys.stderr)  # one line, always
-        if in_sweep:
-            return None  # the sweep goes on; summary.json holds the error and the report lists it
-        sys.exit(2)
+        if not in_sweep:
+            raise  # a failed job for Hydra's callbacks (aamperf/callbacks.py), then one line from cli()
+        print(error_line(exc), file=sys.stderr)
+        return None  # the sweep goes on; summary.json holds the error and the report lists it
     except RunAborted as exc:  # a guard stopped the run and kept its last good state
-        print("aborted: " + " ".join(str(exc).split()), file=sys.stderr)
-        if in_sweep:
-            return None
-        sys.exit(3)
+        if not in_sweep:
+            raise  # cli() prints it
+        print(aborted_line(exc), file=sys.stderr)
+        return None
     except Exception:
         if in_sweep:  # a bug, not a user mistake: the traceback is shown, the other jobs still run
             traceback.print_exc()
@@ -64,5 +78,26 @@ def main(cfg: DictConfig) -> float | None:
     return objective(cfg, summary)  # what a sweeper maximizes: samples/s (at equal quality in a search)
 
 
+def cli() -> None:
+    """main() with every user mistake, Hydra's config errors included, as one `error:` line and exit
+    code 2; a bug keeps its traceback and exit code 1. HYDRA_FULL_ERROR=1 keeps Hydra's own reports."""
+    hydra_reports = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises its errors instead of printing them
+    try:
+        main()
+    except UserError as exc:
+        exit_bad_input(exc)
+    except RunAborted as exc:
+        print(aborted_line(exc), file=sys.stderr)
+        sys.exit(EXIT_ABORTED)
+    except CompactHydraException as exc:  # Hydra's class of errors it shows without a traceback
+        if hydra_reports:
+            raise
+        exit_bad_input(hydra_error_message(exc))
+    finally:
+        if not hydra_reports:
+            del os.environ["HYDRA_FULL_ERROR"]
+
+
 if __name__ == "__main__":
-    main()
+    cli()

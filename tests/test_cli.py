@@ -29,13 +29,12 @@ def test_main_job_writes_run_directory(tmp_path, cache_dir):
     assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()  # the resolved config beside the record
 
 
-def test_bad_input_is_one_line_exit_2_and_recorded(tmp_path, cache_dir):
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, cache_dir):
     proc = run_cli(tmp_path, cache_dir, "trainer.batch_size=1")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: trainer.batch_size=1 must be >= 2")
     assert "Traceback" not in proc.stderr
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["status"] == "failed" and "trainer.batch_size" in summary["error"]
+    assert not (tmp_path / "run").exists()  # refused before Hydra made the run directory
 
 
 def test_missing_user_table_names_the_option(tmp_path, cache_dir):

@@ -54,6 +54,11 @@ class RunRecord:
         write_json_atomic(self.summary_path, summary)
         self._to_sinks("summary", _clean(summary))
 
+    def keep_earlier_summary(self) -> None:
+        """Write this run's summary beside the one an earlier run left here (aamperf/callbacks.py)."""
+        if self.summary_path.exists():
+            self.summary_path = self.run_dir / "summary.refused.json"
+
     def truncate_after(self, step: int) -> None:
         """Drop the lines of steps after `step` (a resumed run logs them again): no gap, no duplicate."""
         if not self.metrics_path.exists():
@@ -90,6 +95,9 @@ class NullRecord:
         pass
 
     def truncate_after(self, step: int) -> None:
+        pass
+
+    def keep_earlier_summary(self) -> None:
         pass
 
     def write_summary(self, summary: dict[str, Any]) -> None:

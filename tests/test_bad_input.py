@@ -1,0 +1,246 @@
+"""Bad input at the entry point: one `error:` line that names the fix, exit code 2, no traceback, and an
+earlier run in the run directory left byte for byte as it was. Most cases call cli() in this process."""
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import CONF_DIR, TINY
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from aamperf.data.tables import resolve_files
+from aamperf.train import cli
+
+# Found before Hydra writes anything: the earlier run's directory is not touched at all.
+CONFIG_CASES = {
+    "unknown key": (["trainer.batchsize=8"], "did you mean trainer.batch_size?"),
+    "wrong type": (["trainer.max_steps=ten"], "trainer.max_steps=ten: expected int"),
+    "unknown group option": (["precision=fp8"], "choose one of bf16, fp16, fp32 (conf/precision/)"),
+    "unknown group": (["precisio=fp32"], "did you mean precision?"),
+    "unknown option of an optional group": (["experiment=headlin"], "choose one of ablation"),
+    "override syntax": (["trainer.lr=="], "cannot parse the override 'trainer.lr=='"),
+    "fp16 on CPU": (["precision=fp16"], "use precision=bf16"),
+    "ddp without torchrun": (["distributed=ddp"], "torchrun --nproc_per_node=2 -m aamperf.train"),
+    "batch of one": (["trainer.batch_size=1"], "trainer.batch_size=1 must be >= 2"),
+    "batch not divisible into micro-batches": (
+        ["trainer.batch_size=5", "trainer.grad_accum_steps=2"],
+        "trainer.batch_size=5 (the global batch) must divide evenly",
+    ),
+    "no steps": (["trainer.max_steps=0"], "trainer.max_steps=0 must be > 0"),
+    "negative lr": (["trainer.lr=-0.001"], "trainer.lr=-0.001 must be > 0"),
+    "unknown device": (["device=tpu"], "device=tpu is not one of auto, cpu, cuda, cuda:N"),
+    "more ASVs than model positions": (["data.max_asvs=32"], "raise model.max_asvs"),
+    "unknown resume mode": (["trainer.resume=maybe"], "trainer.resume=maybe is not one of disabled, auto"),
+    "memory fraction above 1": (["memory.warn_fraction=1.5"], "memory.warn_fraction=1.5 must be in (0, 1]"),
+    "attention kernel missing on CPU": (["attention=sdpa_efficient"], "use attention=sdpa"),
+    "unknown compile mode": (["compile.mode=fastest"], "compile.mode=fastest is not one of"),
+    "missing BIOM": (
+        ["data=biom", "data.table={inputs}/nope.biom", "data.tree={inputs}/tips.nwk"],
+        "data.table: no such file: {inputs}/nope.biom",
+    ),
+    "run directory under a file": (["hydra.run.dir={inputs}/afile/run"], "choose another hydra.run.dir"),
+}
+# Found while the run starts (data, model, checkpoint): the start is refused, its summary goes to
+# summary.refused.json, and the earlier run's files stay as they were.
+RUN_CASES = {
+    "corrupt BIOM": (
+        ["data=biom", "data.table={inputs}/bad.biom", "data.tree={inputs}/tips.nwk"],
+        "data.table: cannot read {inputs}/bad.biom as a BIOM table",
+    ),
+    "tree without the table's ASVs": (
+        ["data=biom", "data.table={table}", "data.tree={inputs}/tips.nwk"],
+        "give a tree that covers every ASV of data.table",
+    ),
+    "UniFrac matrix of other samples": (
+        ["data=biom", "data.table={table}", "data.unifrac={inputs}/dist.npy"],
+        "give a matrix that covers every sample",
+    ),
+    "empty after rarefaction": (["data.rarefy_depth=1000000"], "lower data.rarefy_depth"),
+    "missing metadata column": (["data.target=bmi"], "data.target: no column 'bmi'"),
+    "validation set too small": (["data.val_fraction=0.01"], "raise data.val_fraction"),
+    "unknown model argument": (["+model.x=1"], "fix the model.* overrides or conf/model/"),
+    "checkpoint of another model shape": (["model.embedding_dim=48"], "cannot resume from"),
+}
+
+
+@contextmanager
+def root_logger_kept():
+    """Hydra sets up the root logger for each run (console, train.log); the tests after this one
+    must not log to a captured stream that is closed by then."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        for handler in set(root.handlers) - set(handlers):
+            handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
+def invoke(monkeypatch, capfd, *args: str) -> tuple[int, str, str]:
+    """`python -m aamperf.train *args` in this process: (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["aamperf.train", *args])
+    try:
+        with root_logger_kept():
+            cli()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def files_of(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, cache_dir) -> dict[str, str]:
+    """The user's files of the cases: a damaged table, a tree and a UniFrac matrix of other ids."""
+    root = tmp_path_factory.mktemp("inputs")
+    (root / "bad.biom").write_text("not a BIOM table\n")
+    (root / "tips.nwk").write_text("(a:1,b:1);\n")
+    np.save(root / "dist.npy", np.zeros((2, 2)))
+    (root / "dist.ids.txt").write_text("x\ny\n")
+    (root / "afile").write_text("a file, not a directory\n")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=[*TINY, f"data.cache_dir={cache_dir}"])
+    return {"inputs": str(root), "table": str(resolve_files(cfg.data)["table"])}
+
+
+@pytest.fixture(scope="module")
+def earlier_run(tmp_path_factory, cache_dir) -> Path:
+    """A completed 1-step run with a checkpoint: the directory a user re-runs in with a mistake."""
+    run_dir = tmp_path_factory.mktemp("earlier") / "run"
+    args = [*TINY, f"data.cache_dir={cache_dir}", f"hydra.run.dir={run_dir}"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", ["aamperf.train", *args, "trainer.max_steps=1", "trainer.checkpoint_every=1"])
+        with root_logger_kept():
+            cli()
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    return run_dir
+
+
+@pytest.fixture
+def rerun(earlier_run, inputs, cache_dir, tmp_path, monkeypatch, capfd):
+    """rerun(overrides, fix, damage=None): a copy of the earlier run, `damage(run_dir)`, then a re-run
+    there with trainer.resume=auto and `overrides`. Checks exit code 2 and the one error line naming
+    `fix`; returns the run directory's files before and after the re-run."""
+
+    def run(overrides, fix, damage=None):
+        run_dir = tmp_path / "run"
+        shutil.copytree(earlier_run, run_dir)
+        if damage:
+            damage(run_dir)
+        before = files_of(run_dir)
+        args = [*TINY, f"data.cache_dir={cache_dir}", f"hydra.run.dir={run_dir}", "trainer.resume=auto"]
+        code, _, err = invoke(monkeypatch, capfd, *args, *(o.format(**inputs) for o in overrides))
+        lines = err.strip().splitlines()
+        assert code == 2, err
+        assert lines[-1].startswith("error: ") and fix.format(**inputs) in lines[-1], lines[-1]
+        assert sum(line.startswith("error:") for line in lines) == 1 and "Traceback" not in err, err
+        return before, files_of(run_dir)
+
+    return run
+
+
+@pytest.mark.parametrize(("overrides", "fix"), CONFIG_CASES.values(), ids=CONFIG_CASES.keys())
+def test_config_mistake_exits_2_and_writes_nothing(overrides, fix, rerun):
+    before, after = rerun(overrides, fix)
+    assert after == before  # not a byte changed, not a file added (not even .hydra/)
+
+
+def assert_refused_and_kept(before: dict[str, bytes], after: dict[str, bytes], fix: str) -> None:
+    assert {name: after[name] for name in before} == before  # summary, metrics, checkpoints, .hydra, log
+    assert set(after) - set(before) == {"summary.refused.json"}
+    refused = json.loads(after["summary.refused.json"])
+    assert refused["status"] == "failed" and fix in refused["error"]
+
+
+@pytest.mark.parametrize(("overrides", "fix"), RUN_CASES.values(), ids=RUN_CASES.keys())
+def test_refused_start_keeps_the_earlier_run(overrides, fix, rerun, inputs):
+    assert_refused_and_kept(*rerun(overrides, fix), fix.format(**inputs))
+
+
+def test_corrupt_checkpoint_is_refused_and_the_run_kept(rerun):
+    def truncate_newest_checkpoint(run_dir: Path) -> None:
+        newest = max((run_dir / "checkpoints").iterdir())
+        newest.write_bytes(newest.read_bytes()[:100])
+
+    fix = "cannot resume from"
+    assert_refused_and_kept(*rerun([], fix, damage=truncate_newest_checkpoint), fix)
+
+
+def test_recorded_fallbacks_keep_the_run_going(inputs, cache_dir, tmp_path, monkeypatch, capfd):
+    """Not a mistake to stop for: W&B with a key it refuses logs offline, a compile backend that is
+    missing trains eagerly; exit 0 and summary.json says why (the units: tests/test_loggers.py,
+    tests/phases/test_phase_correctness.py)."""
+    monkeypatch.setenv("WANDB_API_KEY", "not-a-key")  # W&B refuses it at init, with no network call
+    overrides = ["logger=wandb", "logger.mode=online", "compile=default", "compile.backend=no_such_backend"]
+    code, _, err = invoke(
+        monkeypatch, capfd, *TINY, f"data.cache_dir={cache_dir}", f"hydra.run.dir={tmp_path}", *overrides
+    )
+    assert code == 0, err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["logger"][0]["mode"] == "offline" and "API key" in summary["logger"][0]["fallback"]
+    assert summary["phases"]["compile"]["status"] == "fallback"
+    assert "no_such_backend" in summary["phases"]["compile"]["reason"]
+
+
+def test_a_bad_job_of_a_sweep_is_recorded_and_the_sweep_goes_on(cache_dir, tmp_path, monkeypatch, capfd):
+    sweep = [
+        f"hydra.sweep.dir={tmp_path}",
+        "trainer.max_steps=1",
+        "trainer.batch_size=1,4",
+        "compare.baseline='trainer.batch_size=4'",
+    ]
+    code, _, err = invoke(monkeypatch, capfd, "-m", *TINY, f"data.cache_dir={cache_dir}", *sweep)
+    assert code == 1  # a job failed: the report lists it
+    summaries = [json.loads(p.read_text()) for p in tmp_path.glob("*/summary.json")]
+    by_batch = {s["config"]["trainer"]["batch_size"]: s for s in summaries}
+    assert by_batch[1]["status"] == "failed" and "trainer.batch_size=1 must be >= 2" in by_batch[1]["error"]
+    assert by_batch[4]["status"] == "completed" and len(summaries) == 2
+    assert "error: trainer.batch_size=1 must be >= 2" in err and "Traceback" not in err
+    assert (tmp_path / "comparison.json").exists()
+
+
+def test_a_bug_keeps_its_traceback(cache_dir, tmp_path, monkeypatch, capfd):
+    def broken(cfg, run_dir):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("aamperf.train.train", broken)
+    with pytest.raises(RuntimeError, match="a bug"):  # uncaught: Python prints the traceback, exit 1
+        invoke(monkeypatch, capfd, *TINY, f"hydra.run.dir={tmp_path}")
+    assert "HYDRA_FULL_ERROR" not in os.environ  # set for the call only
+
+
+def test_hydra_full_error_keeps_hydras_report(monkeypatch, capfd, tmp_path):
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(ConfigCompositionException, match="trainer.batchsize"):
+        invoke(monkeypatch, capfd, "trainer.batchsize=8", f"hydra.run.dir={tmp_path}")
+
+
+def test_cfg_job_still_prints_the_config(monkeypatch, capfd):
+    code, out, _ = invoke(monkeypatch, capfd, "--cfg", "job", "trainer.max_steps=7")
+    assert code == 0 and "  max_steps: 7\n" in out
+
+
+def test_the_shell_sees_exit_code_2_for_a_config_mistake(tmp_path):
+    cmd = [sys.executable, "-m", "aamperf.train", "trainer.batchsize=8", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: trainer.batchsize is not a config key; did you mean trainer.batch_size? "
+        "(+trainer.batchsize=<value> adds a new key)"
+    ]
+    assert not (tmp_path / "run").exists()
