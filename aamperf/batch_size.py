@@ -16,7 +16,6 @@ largest peak of all ranks counts) and split the budget of a machine they share.
 import logging
 import math
 import os
-import resource
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +26,7 @@ from omegaconf import DictConfig
 
 from aamperf.checkpoint import rng_state, set_rng_state
 from aamperf.errors import UserError
-from aamperf.metrics.monitor import release_freed_memory, reset_peak_rss
+from aamperf.metrics.monitor import peak_rss, release_freed_memory, reset_peak_rss
 from aamperf.phases import Plan
 
 log = logging.getLogger(__name__)
@@ -56,7 +55,7 @@ def _peak_after(run: Callable[[], None], device: torch.device) -> float:
         return float(torch.cuda.max_memory_reserved(device))
     reset_peak_rss()
     run()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+    return float(peak_rss())
 
 
 def _largest_of_all_ranks(peak: float, device: torch.device) -> float:

@@ -26,7 +26,7 @@ def test_auto_batch_fits_the_budget_and_keeps_the_effective_batch(tmp_path, cach
     ]
     cmd += [f"trainer.auto_batch.budget_fraction={fraction:.5f}", "trainer.auto_batch.effective_batch=32"]
     proc = subprocess.run([*cmd, f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     found = summary["batch_finder"]
     assert found["limited_by"] == "memory"

@@ -49,6 +49,19 @@ def reset_peak_rss() -> None:
         pass
 
 
+def peak_rss() -> int:
+    """This process's peak RSS in bytes since it started or since reset_peak_rss(): VmHWM. Not
+    ru_maxrss, which also keeps the peak seen when any thread of the process exited, and so
+    survives the reset (a finished job's monitor thread would carry its peak into the next job)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: KiB there too
+
+
 def release_freed_memory() -> None:
     """Give memory freed by earlier jobs of this process back to the OS (glibc keeps it otherwise),
     so a job starts from what it really holds."""
@@ -135,8 +148,7 @@ class SystemMonitor:
             self._gpu.close()
 
     def summary(self) -> dict[str, Any]:
-        # ru_maxrss (KiB on Linux) catches a peak of this process that fell between two samples.
-        self_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self_peak = peak_rss()  # catches a peak of this process that fell between two samples
         n = max(self._samples - 1, 1)  # the priming sample carries no CPU reading
         out: dict[str, Any] = {
             "peak_rss_bytes": max(self.peak_rss_bytes, self_peak),

@@ -57,3 +57,16 @@ def test_a_job_does_not_inherit_the_peak_of_an_earlier_job_in_the_same_process()
         time.sleep(0.2)
     summary = monitor.summary()
     assert summary["peak_rss_bytes"] < psutil.Process().memory_info().rss + 200 * 2**20
+
+
+def test_a_process_started_by_a_big_one_measures_its_own_peak():
+    """A child's ru_maxrss starts at its parent's RSS (Linux keeps it across fork + exec): the peak
+    must be the child's own (VmHWM), or every run started by a sweep, torchrun or a test is inflated."""
+    parent = np.ones(1024 * 2**20 // 8)  # this process: 1 GiB more than the child will ever hold
+    code = (
+        "import time, torch; from aamperf.metrics import SystemMonitor\n"
+        "with SystemMonitor(torch.device('cpu'), interval_s=0.05) as m: time.sleep(0.1)\n"
+        "print(m.summary()['peak_rss_bytes'])"
+    )
+    child_peak = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout)
+    assert child_peak < parent.nbytes
