@@ -1,20 +1,22 @@
 """Hydra callbacks (registered in conf/config.yaml): the checks before a single run writes anything,
 and the comparison report a multirun ends with."""
 
+import contextlib
+import io
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
-from hydra.core.utils import JobReturn
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from aamperf.checks import check_config
 from aamperf.compare import find_runs, make_report, to_markdown
 from aamperf.data.tables import resolve_files
-from aamperf.errors import UserError, exit_bad_input, no_such_option
+from aamperf.errors import RunAborted, UserError, exit_aborted, exit_bad_input, no_such_option
 from aamperf.phases import check_phases
 from aamperf.run import resolve_device
 
@@ -66,13 +68,22 @@ class CheckBeforeRun(Callback):
             self.earlier_files = {path: path.read_bytes() for path in kept if path.is_file()}
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        try:
-            _ = job_return.return_value  # re-raises the job's exception
-        except UserError:
+        """A refused start: the earlier run's files put back. A refused or aborted run ends here with
+        its one line and exit code, before Hydra adds its own lines about the failed job."""
+        if job_return.status != JobStatus.FAILED:
+            return
+        with contextlib.redirect_stderr(io.StringIO()):  # Hydra prints a line as it re-raises
+            try:
+                _ = job_return.return_value
+            except Exception as exc:
+                error = exc
+        if isinstance(error, UserError):
             for path, content in self.earlier_files.items():
                 path.write_bytes(content)
-        except Exception:
-            pass  # a failed run, not a refused start: its files say what happened
+            exit_bad_input(error)
+        if isinstance(error, RunAborted):
+            exit_aborted(error)
+        # any other failure is a bug: Hydra shows its traceback
 
 
 class CompareReport(Callback):

@@ -35,6 +35,11 @@ def exit_bad_input(message: object) -> NoReturn:
     sys.exit(EXIT_BAD_INPUT)
 
 
+def exit_aborted(exc: RunAborted) -> NoReturn:
+    print("aborted: " + " ".join(str(exc).split()), file=sys.stderr)
+    sys.exit(EXIT_ABORTED)
+
+
 def no_such_option(group: str, option: str, options: list[str]) -> str:
     return f"{group}={option}: no such option; choose one of {', '.join(options)} (conf/{group}/)"
 

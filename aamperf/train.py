@@ -13,10 +13,10 @@ from omegaconf import DictConfig
 
 from aamperf.config import register_configs
 from aamperf.errors import (
-    EXIT_ABORTED,
     RunAborted,
     UserError,
     error_line,
+    exit_aborted,
     exit_bad_input,
     hydra_error_message,
 )
@@ -47,10 +47,6 @@ def _print_result(summary: dict, run_dir: Path) -> None:
         )
 
 
-def aborted_line(exc: RunAborted) -> str:
-    return "aborted: " + " ".join(str(exc).split())
-
-
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
@@ -66,7 +62,7 @@ def main(cfg: DictConfig) -> float | None:
     except RunAborted as exc:  # a guard stopped the run and kept its last good state
         if not in_sweep:
             raise  # cli() prints it
-        print(aborted_line(exc), file=sys.stderr)
+        print("aborted: " + " ".join(str(exc).split()), file=sys.stderr)
         return None
     except Exception:
         if in_sweep:  # a bug, not a user mistake: the traceback is shown, the other jobs still run
@@ -88,8 +84,7 @@ def cli() -> None:
     except UserError as exc:
         exit_bad_input(exc)
     except RunAborted as exc:
-        print(aborted_line(exc), file=sys.stderr)
-        sys.exit(EXIT_ABORTED)
+        exit_aborted(exc)
     except CompactHydraException as exc:  # Hydra's class of errors it shows without a traceback
         if hydra_reports:
             raise
