@@ -1,6 +1,6 @@
 """Config checks that need more than a type: all problems found at once, each naming its override."""
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from aamperf.distributed import check_distributed
 from aamperf.errors import UserError
@@ -50,6 +50,11 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.logger.mode not in ("auto", "online", "offline", "disabled"):
         problems.append(f"logger.mode={cfg.logger.mode} is not one of auto, online, offline, disabled")
     model_asvs = cfg.model.get("max_asvs")
+    if model_asvs is None and OmegaConf.is_interpolation(cfg.data, "max_asvs"):
+        problems.append(
+            f"data.max_asvs follows model.max_asvs, which model {cfg.model.get('_target_')} has not; "
+            "set data.max_asvs=<ASVs kept per sample>"
+        )
     if model_asvs is not None and cfg.data.max_asvs > model_asvs:
         problems.append(
             f"data.max_asvs={cfg.data.max_asvs} exceeds model.max_asvs={model_asvs}: the model has no "

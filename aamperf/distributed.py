@@ -67,7 +67,8 @@ def check_distributed(cfg: DictConfig) -> list[str]:
     world = 1
     if cfg.distributed.strategy != "none":
         world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
-    if cfg.trainer.batch_size != "auto" and cfg.trainer.batch_size % (world * cfg.trainer.grad_accum_steps):
+    batch = cfg.trainer.batch_size  # "auto" (or a mistake check_config reports): no split to check
+    if isinstance(batch, int) and batch % (world * cfg.trainer.grad_accum_steps):
         problems.append(
             f"trainer.batch_size={cfg.trainer.batch_size} (the global batch) must divide evenly into "
             f"{world} ranks x trainer.grad_accum_steps={cfg.trainer.grad_accum_steps}"

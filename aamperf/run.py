@@ -158,7 +158,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             rank=world.rank,
             world_size=world.world_size,
         )
-        model = build(cfg, "model").to(device)
+        model = build(cfg, "model")
+        if not isinstance(model, torch.nn.Module):
+            raise UserError(
+                f"model: {cfg.model.get('_target_')} returned a {type(model).__name__}, not a "
+                "torch.nn.Module; fix model._target_"
+            )
+        model = model.to(device)
         if world.world_size > 1:  # the same initial weights everywhere; from here each rank its own draws
             seed_everything(cfg.seed + world.rank)
         loss_fn = build(cfg, "loss")

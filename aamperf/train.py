@@ -77,8 +77,12 @@ def main(cfg: DictConfig) -> float | None:
 def cli() -> None:
     """main() with every user mistake, Hydra's config errors included, as one `error:` line and exit
     code 2; a bug keeps its traceback and exit code 1. HYDRA_FULL_ERROR=1 keeps Hydra's own reports."""
-    hydra_reports = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    # The user's HYDRA_FULL_ERROR=1, not the one a parent aamperf (a search's reference run) passed on
+    hydra_reports = (
+        os.environ.get("HYDRA_FULL_ERROR") == "1" and "AAMPERF_SET_HYDRA_FULL_ERROR" not in os.environ
+    )
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises its errors instead of printing them
+    os.environ["AAMPERF_SET_HYDRA_FULL_ERROR"] = "1"
     try:
         main()
     except UserError as exc:
@@ -90,6 +94,7 @@ def cli() -> None:
             raise
         exit_bad_input(hydra_error_message(exc))
     finally:
+        del os.environ["AAMPERF_SET_HYDRA_FULL_ERROR"]
         if not hydra_reports:
             del os.environ["HYDRA_FULL_ERROR"]
 

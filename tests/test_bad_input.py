@@ -42,6 +42,17 @@ CONFIG_CASES = {
     "memory fraction above 1": (["memory.warn_fraction=1.5"], "memory.warn_fraction=1.5 must be in (0, 1]"),
     "attention kernel missing on CPU": (["attention=sdpa_efficient"], "use attention=sdpa"),
     "unknown compile mode": (["compile.mode=fastest"], "compile.mode=fastest is not one of"),
+    "a model without max_asvs": (
+        ["~model", "+model._target_=collections.OrderedDict"],
+        "data.max_asvs follows model.max_asvs, which model collections.OrderedDict has not",
+    ),
+    "batch size neither a number nor auto": (["trainer.batch_size=big"], "must be an integer >= 2 or auto"),
+    "no non-finite step allowed": (["trainer.max_nonfinite=0"], "trainer.max_nonfinite=0 must be >= 1"),
+    "memory stop at 0": (["memory.max_fraction=0"], "memory.max_fraction=0.0 must be in (0, 1]"),
+    "batch-size budget of all memory": (
+        ["trainer.batch_size=auto", "trainer.auto_batch.budget_fraction=1.5"],
+        "trainer.auto_batch.budget_fraction=1.5 must be in (0, 1)",
+    ),
     "missing BIOM": (
         ["data=biom", "data.table={inputs}/nope.biom", "data.tree={inputs}/tips.nwk"],
         "data.table: no such file: {inputs}/nope.biom",
@@ -67,6 +78,10 @@ RUN_CASES = {
     "missing metadata column": (["data.target=bmi"], "data.target: no column 'bmi'"),
     "validation set too small": (["data.val_fraction=0.01"], "raise data.val_fraction"),
     "unknown model argument": (["+model.x=1"], "fix the model.* overrides or conf/model/"),
+    "a model that is not an nn.Module": (
+        ["~model", "+model._target_=collections.OrderedDict", "data.max_asvs=16"],
+        "returned a OrderedDict, not a torch.nn.Module; fix model._target_",
+    ),
     "checkpoint of another model shape": (["model.embedding_dim=48"], "cannot resume from"),
 }
 
