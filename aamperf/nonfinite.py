@@ -80,13 +80,13 @@ class NonfiniteGuard:
             return int(in_interval), (
                 f"{self.limit} non-finite steps in a row from step {start} (trainer.max_nonfinite="
                 f"{self.limit}), stopped at step {step}; not finite at step {start}: {what}; lower "
-                "trainer.lr, set trainer.grad_clip, or check the data of those batches"
+                "trainer.lr or trainer.grad_clip, or check the data of those batches"
             )
         return int(in_interval), None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"total": self.total, "streak": self.streak}
+        return {"total": self.total, "streak": self.streak, "streak_start": self.streak_start}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.total.copy_(state["total"])
-        self.streak.copy_(state["streak"])
+        for name, value in state.items():
+            getattr(self, name).copy_(value)
