@@ -39,14 +39,19 @@ class _NaNGradient(torch.autograd.Function):
 
 class PoisonedLoss(AAMLoss):
     """AAM's loss with NaN put in at `steps` (step >= from_step too, when from_step is set): into the
-    batch (its UniFrac distances) or into one parameter's gradient (the loss itself stays finite)."""
+    batch (its UniFrac distances) or into one parameter's gradient (the loss itself stays finite);
+    under torch.distributed on rank `rank` only, when it is set."""
 
-    def __init__(self, steps=(), into: str = "batch", from_step: int | None = None, **kwargs):
+    def __init__(
+        self, steps=(), into: str = "batch", from_step: int | None = None, rank: int | None = None, **kwargs
+    ):
         super().__init__(**kwargs)
-        self.steps, self.into, self.from_step = set(steps), into, from_step
+        self.steps, self.into, self.from_step, self.rank = set(steps), into, from_step, rank
 
     def forward(self, model: nn.Module, batch: dict, step: int):
         poisoned = step in self.steps or (self.from_step is not None and step >= self.from_step)
+        if self.rank is not None and torch.distributed.is_initialized():
+            poisoned = poisoned and torch.distributed.get_rank() == self.rank
         if poisoned and self.into == "batch":
             batch = {**batch, "unifrac": torch.full_like(batch["unifrac"], float("nan"))}
         loss, parts = super().forward(model, batch, step)
