@@ -1,7 +1,10 @@
 """Config checks that need more than a type: all problems found at once, each naming its override."""
 
+import dataclasses
+
 from omegaconf import DictConfig, OmegaConf
 
+from aamperf.config import Config
 from aamperf.distributed import check_distributed
 from aamperf.errors import UserError
 
@@ -60,8 +63,27 @@ def check_config(cfg: DictConfig) -> None:
             f"data.max_asvs={cfg.data.max_asvs} exceeds model.max_asvs={model_asvs}: the model has no "
             "position for the extra ASVs; lower data.max_asvs or raise model.max_asvs"
         )
+    problems += unread_keys(cfg, Config)
     if problems:
         raise UserError("; ".join(problems))
+
+
+def unread_keys(node: DictConfig, schema: type, path: str = "") -> list[str]:
+    """Keys added with `+` to a section aamperf's schema fixes (not model/loss, which are open):
+    nothing would read them, so a `+trainer.lr_decay=...` would silently do nothing."""
+    fields = {f.name: f.type for f in dataclasses.fields(schema)}
+    problems = []
+    for key in node:
+        if key == "hydra" and not path:  # Hydra's own node, in the config a run is checked with first
+            continue
+        if key not in fields:
+            problems.append(
+                f"{path}{key} is not a setting aamperf reads (added with +); remove it, or see "
+                f"the settings of {path.rstrip('.') or 'the top level'} in aamperf/config.py"
+            )
+        elif dataclasses.is_dataclass(fields[key]) and isinstance(node[key], DictConfig):
+            problems += unread_keys(node[key], fields[key], f"{path}{key}.")
+    return problems
 
 
 def check_auto_batch(t: DictConfig) -> list[str]:

@@ -46,6 +46,7 @@ CONFIG_CASES = {
         ["~model", "+model._target_=collections.OrderedDict"],
         "data.max_asvs follows model.max_asvs, which model collections.OrderedDict has not",
     ),
+    "a key nothing reads": (["+trainer.lr_decay=0.5"], "trainer.lr_decay is not a setting aamperf reads"),
     "batch size neither a number nor auto": (["trainer.batch_size=big"], "must be an integer >= 2 or auto"),
     "no non-finite step allowed": (["trainer.max_nonfinite=0"], "trainer.max_nonfinite=0 must be >= 1"),
     "memory stop at 0": (["memory.max_fraction=0"], "memory.max_fraction=0.0 must be in (0, 1]"),
