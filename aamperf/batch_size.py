@@ -10,7 +10,10 @@ probes) to exceed memory.max_fraction is not tried: running out of RAM ends the 
 raising; a batch between the budget and that limit is measured, and does not fit.
 The model, optimizer state and random generators are put back afterwards, so the run starts as if
 its batch size had been given. Under torch.distributed the ranks agree on every decision (the
-largest peak of all ranks counts) and split the budget of a machine they share.
+largest peak of all ranks counts) and split the budget of a machine they share. On several GPUs a
+rank that runs out of memory inside a collective (the UniFrac gather, DDP's all-reduce) leaves the
+others waiting until distributed.timeout_s: the budget, well under the device's memory, should be
+what decides, and an out-of-memory error only the last resort. (The GPU paths have not run here.)
 """
 
 import logging
