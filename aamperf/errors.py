@@ -73,7 +73,9 @@ def unknown_key_message(full_key: str, siblings: list[str]) -> str:
         if close
         else f"the keys at {path or 'the top'}: {', '.join(siblings)}"
     )
-    return f"{full_key} is not a config key; {hint} (+{full_key}=<value> adds a new key)"
+    if full_key.split(".")[0] in ("model", "loss"):  # open nodes: their keys are the _target_'s arguments
+        hint += f" (+{full_key}=<value> passes a new argument)"
+    return f"{full_key} is not a config key; {hint}"
 
 
 def expected_type(cause: ValidationError) -> str:
