@@ -41,9 +41,9 @@ def _print_result(summary: dict, run_dir: Path) -> None:
     found = summary.get("batch_finder")
     if found:
         print(
-            f"  trainer.batch_size=auto: {found['batch_size']} = {found['micro_batch']} x "
-            f"{found['grad_accum_steps']} accumulated (largest fitting {found['largest_fitting']}, "
-            f"limited by {found['limited_by']})"
+            f"  trainer.batch_size=auto: {found['batch_size']} per step, micro-batches of "
+            f"{found['micro_batch']} x {found['grad_accum_steps']} (largest that fits: "
+            f"{found['largest_fitting']}, limited by {found['limited_by']})"
         )
 
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -82,6 +83,30 @@ def test_checkpoints_are_loadable_without_code_and_only_the_newest_kept(make_cfg
     assert state["step"] == 4 and {"model", "optimizer", "scheduler", "scaler", "rngs", "stream"} <= set(
         state
     )
+
+
+def test_a_kill_during_a_save_leaves_the_last_good_checkpoint(make_cfg, tmp_path, monkeypatch):
+    """The process dies halfway through writing step 4 (an exception here, which like a kill runs
+    no clean-up in checkpoint.save): step 2 stays the newest checkpoint, and a re-run goes on from it."""
+    resumable = make_cfg("trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.resume=auto")
+    real_save = torch.save
+
+    def dies_halfway(obj, path):
+        if "step_00000004" in str(path):
+            Path(path).write_bytes(b"the first bytes of step 4")
+            raise SystemExit(137)
+        real_save(obj, path)
+
+    monkeypatch.setattr(torch, "save", dies_halfway)
+    with pytest.raises(SystemExit):
+        train(resumable, tmp_path)
+    monkeypatch.setattr(torch, "save", real_save)
+    saved = tmp_path / "checkpoints"
+    assert sorted(p.name for p in saved.iterdir()) == ["step_00000002.pt", "step_00000004.pt.tmp"]
+    summary = train(resumable, tmp_path)
+    assert summary["status"] == "completed" and summary["resumed_from_step"] == 2
+    assert sorted(p.name for p in saved.iterdir()) == ["step_00000002.pt", "step_00000004.pt"]
+    assert torch.load(saved / "step_00000004.pt", weights_only=True)["step"] == 4
 
 
 def test_a_checkpoint_of_another_model_is_refused_with_the_fix(make_cfg, tmp_path):
