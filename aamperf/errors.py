@@ -3,7 +3,10 @@ runs that stop themselves (exit code 3)."""
 
 import dataclasses
 import difflib
+import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 from hydra.errors import CompactHydraException, MissingConfigException, OverrideParseException
@@ -35,8 +38,12 @@ def exit_bad_input(message: object) -> NoReturn:
     sys.exit(EXIT_BAD_INPUT)
 
 
+def aborted_line(exc: RunAborted) -> str:
+    return "aborted: " + " ".join(str(exc).split())
+
+
 def exit_aborted(exc: RunAborted) -> NoReturn:
-    print("aborted: " + " ".join(str(exc).split()), file=sys.stderr)
+    print(aborted_line(exc), file=sys.stderr)
     sys.exit(EXIT_ABORTED)
 
 
@@ -86,3 +93,19 @@ def expected_type(cause: ValidationError) -> str:
     if annotation is None:
         return ""
     return f"expected {annotation.__name__ if isinstance(annotation, type) else annotation}: "
+
+
+@contextmanager
+def hydra_errors_raised() -> Iterator[bool]:
+    """Within: Hydra raises its config errors (HYDRA_FULL_ERROR=1) instead of printing them, so the
+    entry point can put them in one line. Yields whether the user asked for Hydra's own full reports:
+    their HYDRA_FULL_ERROR=1, not the one a parent aamperf (a search's reference run) passed on."""
+    ours = "AAMPERF_SET_HYDRA_FULL_ERROR"
+    users = os.environ.get("HYDRA_FULL_ERROR") == "1" and ours not in os.environ
+    os.environ["HYDRA_FULL_ERROR"] = os.environ[ours] = "1"
+    try:
+        yield users
+    finally:
+        del os.environ[ours]
+        if not users:
+            del os.environ["HYDRA_FULL_ERROR"]

@@ -247,3 +247,25 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         record.close(failed=summary["status"] != "completed")
         close_world()
     return summary
+
+
+def print_result(summary: dict, run_dir: Path) -> None:
+    """The lines a finished run ends with: where it is, and its headline figures."""
+
+    def fmt(key: str, unit: str = "", scale: float = 1.0) -> str:
+        value = summary.get(key)
+        return "n/a" if value is None else f"{value / scale:.4g}{unit}"
+
+    print(f"run directory: {run_dir}")
+    print(
+        f"  {fmt('samples_per_s', ' samples/s')} | step {fmt('step_time_s', ' s')} | "
+        f"MFU {fmt('mfu')} | peak RSS {fmt('peak_rss_bytes', ' GiB', 2**30)} | "
+        f"train loss {fmt('train_loss')} | val loss {fmt('val_loss')}"
+    )
+    found = summary.get("batch_finder")
+    if found:
+        print(
+            f"  trainer.batch_size=auto: {found['batch_size']} per step, micro-batches of "
+            f"{found['micro_batch']} x {found['grad_accum_steps']} (largest that fits: "
+            f"{found['largest_fitting']}, limited by {found['limited_by']})"
+        )
