@@ -31,8 +31,14 @@ from aamperf.checkpoint import rng_state, set_rng_state
 from aamperf.errors import UserError
 from aamperf.metrics.monitor import peak_rss, release_freed_memory, reset_peak_rss
 from aamperf.phases import Plan
+from aamperf.trainer import to_device
 
 log = logging.getLogger(__name__)
+
+
+def smallest_batch(world: int) -> int:
+    """The smallest global batch: even (UniFrac compares pairs) and split evenly over the ranks."""
+    return 2 * world
 
 
 def memory_budget(fraction: float, device: torch.device) -> int:
@@ -75,7 +81,7 @@ def find_batch_size(
     """Search the global micro-batch (a multiple of 2 * world); return what the run should use and
     the probes behind it (for summary.json)."""
     ac = cfg.trainer.auto_batch
-    grid = 2 * world  # even, and split evenly over the ranks
+    grid = smallest_batch(world)  # the search's step too
     train_idx = list(data.train_loader.dataset.indices)
     heaviest = sorted(train_idx, key=lambda i: -len(data.dataset[i]["asv_idx"]))
     cap = min(ac.max_batch, len(train_idx)) // grid * grid
@@ -87,8 +93,7 @@ def find_batch_size(
     probes: list[dict[str, Any]] = []
 
     def step(m: int) -> None:
-        batch = data.collate([data.dataset[i] for i in heaviest[:m]])
-        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        batch = to_device(data.collate([data.dataset[i] for i in heaviest[:m]]), device, False)
         with plan.autocast():
             loss, _ = loss_fn(model, batch, 0)
         loss.backward()

@@ -29,8 +29,12 @@ class RunAborted(Exception):
         self.result = result  # the trainer's FitResult up to the stop
 
 
+def one_line(message: object) -> str:
+    return " ".join(str(message).split())
+
+
 def error_line(message: object) -> str:
-    return "error: " + " ".join(str(message).split())  # one line, always
+    return "error: " + one_line(message)
 
 
 def exit_bad_input(message: object) -> NoReturn:
@@ -39,7 +43,7 @@ def exit_bad_input(message: object) -> NoReturn:
 
 
 def aborted_line(exc: RunAborted) -> str:
-    return "aborted: " + " ".join(str(exc).split())
+    return "aborted: " + one_line(exc)
 
 
 def exit_aborted(exc: RunAborted) -> NoReturn:

@@ -34,23 +34,21 @@ class NonfiniteGuard:
         self.start_parts: torch.Tensor | None = None  # loss and its parts where the current streak began
         self.crossed_parts: torch.Tensor | None = None  # ... where the streak that reached `limit` began
 
-    def step(
-        self, step: int, loss: torch.Tensor, parts: torch.Tensor, grad_norm: torch.Tensor
-    ) -> torch.Tensor:
-        """The optimizer step, unless `loss` or `grad_norm` is not finite; returns the (device) flag.
-
-        `parts`: the step's loss and its parts, kept for the message. `grad_norm` is the global norm
-        (all ranks' gradients, after their all-reduce), so under DDP or FSDP every rank skips the same
-        steps: a rank's non-finite loss makes its gradients, and so the reduced ones, non-finite too."""
-        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+    def step(self, step: int, losses: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """The optimizer step, unless the loss (`losses[0]`) or `grad_norm` is not finite; returns the
+        (device) flag. `losses`: the step's loss and its parts, kept for the message. `grad_norm` is
+        the global norm (all ranks' gradients, after their all-reduce), so under DDP or FSDP every rank
+        skips the same steps: a rank's non-finite loss makes its gradients, and so the reduced ones,
+        non-finite too."""
+        bad = ~(torch.isfinite(losses[0]) & torch.isfinite(grad_norm))
         if self.start_parts is None:
-            self.start_parts, self.crossed_parts = torch.zeros_like(parts), torch.zeros_like(parts)
+            self.start_parts, self.crossed_parts = torch.zeros_like(losses), torch.zeros_like(losses)
         self.total += bad
         self.in_interval += bad
         self.streak.add_(1).mul_(bad)
         starts = bad & (self.streak == 1)
         self.streak_start.masked_fill_(starts, step)
-        torch.where(starts, parts, self.start_parts, out=self.start_parts)
+        torch.where(starts, losses, self.start_parts, out=self.start_parts)
         crossing = (self.streak >= self.limit) & ~self.crossed  # the first streak that is too long
         torch.where(crossing, self.streak_start, self.crossed_start, out=self.crossed_start)
         torch.where(crossing, self.start_parts, self.crossed_parts, out=self.crossed_parts)

@@ -15,7 +15,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from aamperf.batch_size import find_batch_size
+from aamperf.batch_size import find_batch_size, smallest_batch
 from aamperf.checks import check_config
 from aamperf.data import build_data, rebatch
 from aamperf.distributed import adopt_slurm_env, close_world, init_world
@@ -147,7 +147,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         seed_everything(cfg.seed)
         auto_batch = cfg.trainer.batch_size == "auto"  # found below; the smallest batch until then
         micro_batch = (
-            2 * world.world_size if auto_batch else cfg.trainer.batch_size // cfg.trainer.grad_accum_steps
+            smallest_batch(world.world_size)
+            if auto_batch
+            else cfg.trainer.batch_size // cfg.trainer.grad_accum_steps
         )
         data = build_data(
             cfg.data,
@@ -223,9 +225,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         )
     except RunAborted as exc:
         summary.update(
-            meter.summary(), status="aborted", error=str(exc), memory_cleanups=plan.memory_guard.cleanups
-        )
-        summary.update(
+            meter.summary(),
+            status="aborted",
+            error=str(exc),
+            memory_cleanups=plan.memory_guard.cleanups,
             steps=exc.result.steps,
             nonfinite_steps=exc.result.nonfinite_steps,
             nonfinite_check=exc.result.nonfinite_check,

@@ -191,7 +191,7 @@ def fit(
         # FSDP2: a replicated DTensor, made a plain tensor without communication
         grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, max_norm))
         losses = torch.stack([step_loss.float(), *(v.detach().float() for v in parts.values())])
-        bad = guard.step(step, step_loss, losses, grad_norm)  # a non-finite step changes nothing
+        bad = guard.step(step, losses, grad_norm)  # a non-finite step changes nothing
         loss_sum += torch.where(bad, 0.0, step_loss)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

@@ -93,7 +93,7 @@ def test_grad_scaler_backs_off_on_a_nonfinite_step():
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(list(layer.parameters()), 1.0)
-    bad = guard.step(1, loss.detach(), loss.detach()[None], grad_norm)
+    bad = guard.step(1, loss.detach()[None], grad_norm)
     assert guard.check == "grad_scaler" and bad.item()
     assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters(), strict=True))
     assert scaler.get_scale() == 512.0

@@ -51,8 +51,8 @@ def reset_peak_rss() -> None:
 
 def peak_rss() -> int:
     """This process's peak RSS in bytes since it started or since reset_peak_rss(): VmHWM. Not
-    ru_maxrss, which also keeps the peak seen when any thread of the process exited, and so
-    survives the reset (a finished job's monitor thread would carry its peak into the next job)."""
+    ru_maxrss, which Linux starts at the parent's RSS across fork + exec: a run started by a big
+    process (a sweep driver, torchrun's agent, a test) would report at least the parent's memory."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
