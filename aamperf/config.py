@@ -107,7 +107,7 @@ class AAMOpsConfig:
     """AAM-specific work (`aamperf/phases/aam_ops.py`)."""
 
     dedup: bool = False  # encode each distinct ASV of a batch once, scatter the vectors back
-    skip_padding: bool = False  # encode only real ASV rows, pad a batch to its longest sample
+    skip_padding: bool = False  # pad a batch to its longest sample, not data.max_asvs
 
 
 @dataclass

@@ -21,8 +21,10 @@ class AAM(nn.Module):
 
     `asv_rows` (set by `aamperf/phases/aam_ops.py`) picks the rows the ASV encoder runs on; the
     outputs are the same in every mode (up to fp32 rounding):
-      "all"    every one of the B*S rows, padding included (the original AAM; static shapes);
-      "real"   only the real rows, gathered, encoded, scattered back into zero-filled tensors;
+      "real"   only the real rows, gathered, encoded, scattered back into zero-filled tensors: what the
+               original AAM does (its ASV transformer skips rows that are all padding); the default;
+      "all"    every one of the B*S rows, padding included (static shapes; no level uses it: the cost
+               the original avoids, kept as the reference the other modes are tested against);
       "unique" each distinct ASV of the batch once, its results copied to every slot that holds it.
                Exact only if an ASV's (masked) tokens are the same in every slot: AAMLoss masks per ASV.
     """
@@ -65,7 +67,7 @@ class AAM(nn.Module):
         self.target_head = nn.Linear(dim, target_dim) if target_dim > 0 else None
 
         self.apply(self._init_weights)
-        self.asv_rows = "all"  # one of ASV_ROWS; set by the aam_ops phase, before any wrapper
+        self.asv_rows = "real"  # one of ASV_ROWS; set by the aam_ops phase, before any wrapper
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -106,7 +108,7 @@ class AAM(nn.Module):
         batch, n_asvs, length = tokens.shape
         flat, real = tokens.reshape(-1, length), real_asv.reshape(-1)
         if self.asv_rows == "all":
-            # every row, padding included: the original AAM's cost, with shapes fixed by the batch
+            # every row, padding included: shapes fixed by the batch, padding paid for
             asv, logits = self._encode_rows(flat)
             keep = real.to(asv.dtype)
             asv, logits = asv * keep[:, None], logits * keep[:, None, None].to(logits.dtype)

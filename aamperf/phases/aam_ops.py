@@ -1,10 +1,12 @@
-"""AAM-specific work: run the ASV encoder on real rows only or on each distinct ASV once; pad short.
+"""AAM-specific work: pad each batch to its longest sample; run the ASV encoder once per distinct ASV.
 
-Both options are exact (same embeddings, loss and gradients as the plain model, up to fp32 rounding):
-- skip_padding: the ASV encoder skips padding rows (`AAM.asv_rows = "real"`), and the collate pads a
-  batch to its longest sample instead of data.max_asvs, which also shortens the sample encoder.
-- dedup: the ASV encoder runs once per distinct ASV of the batch (`AAM.asv_rows = "unique"`), which
-  never encodes padding either. It needs the batch's `asv_ids` and a mask drawn per ASV (AAMLoss).
+plain is the original AAM: every batch padded to data.max_asvs, the ASV encoder on the real rows only
+(`AAM.asv_rows = "real"`: the original skips rows that are all padding). Both options are exact (same
+embeddings, loss and gradients as plain, up to fp32 rounding):
+- skip_padding: the collate pads a batch to its longest sample instead of data.max_asvs, which
+  shortens the sample encoder and the nucleotide head's padding rows.
+- dedup: the ASV encoder runs once per distinct ASV of the batch (`AAM.asv_rows = "unique"`). It
+  needs the batch's `asv_ids` and a mask drawn per ASV (AAMLoss).
 """
 
 from omegaconf import DictConfig
@@ -16,8 +18,8 @@ from aamperf.phases.record import applied, skipped
 def asv_rows(cfg: DictConfig) -> str:
     """The `AAM.asv_rows` mode the aam_ops node asks for."""
     if cfg.dedup:
-        return "unique"  # skips padding too, so skip_padding adds only the shorter batches
-    return "real" if cfg.skip_padding else "all"
+        return "unique"
+    return "real"  # the original's: padding rows are never encoded
 
 
 def apply_aam_ops(model: nn.Module, cfg: DictConfig) -> dict:

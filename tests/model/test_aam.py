@@ -129,6 +129,8 @@ def test_asv_row_modes_give_the_same_outputs_and_unique_needs_asv_ids():
     tokens, counts = pad_to(*asvs(5, seed=11), 8)
     tokens, counts = torch.stack([tokens, tokens.roll(2, 0)]), torch.stack([counts, counts.roll(2, 0)])
     ids = torch.tensor([[0, 1, 2, 3, 4, -1, -1, -1], [-1, -1, 0, 1, 2, 3, 4, -1]])  # the same 5 ASVs
+    assert model.asv_rows == "real"  # the original AAM's default: padding rows are not encoded
+    model.asv_rows = "all"
     expected = model(tokens, counts)
     assert (expected["nuc_logits"][ids < 0] == 0).all()  # padding rows, also when all rows are encoded
     for mode in ("real", "unique"):
