@@ -36,7 +36,7 @@ def warmup_cosine(cfg: DictConfig) -> Callable[[int], float]:
 
 
 class BatchStream:
-    """Endless batches; each pass re-shuffles through the loader's own seeded generator. Its position
+    """Endless batches; each pass re-shuffles through the sampler's own seeded generator. Its position
     (the generator's state when the pass began, batches taken since) goes into checkpoints."""
 
     def __init__(self, loader: torch.utils.data.DataLoader):
@@ -48,7 +48,7 @@ class BatchStream:
     def __next__(self) -> dict[str, Any]:
         while True:
             if self._iter is None:
-                self._pass_state = self.loader.generator.get_state()
+                self._pass_state = self.loader.sampler.generator.get_state()
                 self._iter, self._taken = iter(self.loader), 0
             try:
                 batch = next(self._iter)
@@ -66,7 +66,7 @@ class BatchStream:
         self._iter = None
         if state["pass_state"] is None:
             return
-        self.loader.generator.set_state(state["pass_state"])
+        self.loader.sampler.generator.set_state(state["pass_state"])
         self._pass_state, self._iter = state["pass_state"], iter(self.loader)
         for _ in range(state["taken"]):
             next(self._iter)

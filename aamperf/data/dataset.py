@@ -8,7 +8,7 @@ from typing import Literal
 import numpy as np
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset
 
 from aamperf.data.tables import (
     observation_sequences,
@@ -137,7 +137,11 @@ def make_loaders(
     seed: int,
     loader: DictConfig,
 ) -> tuple[DataLoader, DataLoader]:
-    """Train loader (seeded shuffle) and val loader; both drop the last partial batch (UniFrac: pairs)."""
+    """Train loader (seeded shuffle) and val loader; both drop the last partial batch (UniFrac: pairs).
+
+    The shuffle has a generator of its own (`loader.sampler.generator`, one permutation per pass),
+    apart from the DataLoader's, from which torch draws worker seeds at each new iterator: so the
+    batch order of a seed is the same with or without workers, persistent or not."""
     if len(train_idx) < batch_size:
         raise UserError(
             f"only {len(train_idx)} training samples, fewer than trainer.batch_size={batch_size}; "
@@ -157,11 +161,12 @@ def make_loaders(
         kwargs["persistent_workers"] = loader.persistent_workers
         if loader.prefetch_factor is not None:
             kwargs["prefetch_factor"] = loader.prefetch_factor
+    train_set = Subset(dataset, train_idx)
     train = DataLoader(
-        Subset(dataset, train_idx),
+        train_set,
         batch_size=batch_size,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(seed),
+        sampler=RandomSampler(train_set, generator=torch.Generator().manual_seed(seed)),
+        generator=torch.Generator().manual_seed(seed),  # worker seeds only
         **kwargs,
     )
     # a val set smaller than one batch is still used, as one batch of all of it (split evenly over ranks)
@@ -221,7 +226,8 @@ def build_data(
 ) -> Data:
     """data config -> loaders: read (or simulate), rarefy, UniFrac (cached), tokenize, split.
 
-    `cfg` is the `data` node, `loader` the `dataloader` node; `seed` drives rarefaction, split and shuffle.
+    `cfg` is the `data` node, `loader` the `dataloader` node. `data.seed` drives rarefaction and the
+    split (the same data for every run of a sweep); `seed`, the run's, drives the batch order.
     `batch_size` is the global batch of one forward pass; `rank` of `world_size` encodes its slice.
     `pad_to`: the `S` of a batch: "max" pads every batch to data.max_asvs (fixed shapes, as the original
     AAM), None each batch to its longest sample (`aamperf.phases.aam_ops.collate_pad_to`), an int to
@@ -252,7 +258,7 @@ def build_data(
             table = table.filter(keep, inplace=False)
     sequences = observation_sequences(list(table.ids(axis="observation")), files["sequences"])
     sequence_of = dict(zip(table.ids(axis="observation"), sequences, strict=True))
-    table = rarefy(table, cfg.rarefy_depth, seed)
+    table = rarefy(table, cfg.rarefy_depth, cfg.seed)
     sample_ids = [str(sid) for sid in table.ids()]
     if files["unifrac"] is not None:
         unifrac, cached = select_unifrac(*read_unifrac(files["unifrac"]), sample_ids), False
@@ -278,7 +284,7 @@ def build_data(
     target = None if targets is None else torch.tensor([targets[sid] for sid in sample_ids])
     dataset = SampleDataset(asv_idx, counts, n_tokens, target)
 
-    train_idx, val_idx = split_indices(len(sample_ids), cfg.val_fraction, seed)
+    train_idx, val_idx = split_indices(len(sample_ids), cfg.val_fraction, cfg.seed)
     collate = Collate(tokens, torch.from_numpy(unifrac).float(), pad_to, rank, world_size)
     train_loader, val_loader = make_loaders(
         dataset, collate, train_idx, val_idx, batch_size=batch_size, seed=seed, loader=loader

@@ -34,7 +34,7 @@ class SimParams:
     n_envs: int
     mean_richness: int
     depth: int
-    sim_seed: int
+    seed: int
 
     def digest(self) -> str:
         text = json.dumps({"version": SIM_VERSION, **asdict(self)}, sort_keys=True)
@@ -100,7 +100,7 @@ def evolve(tree: "TreeNode", rng: np.random.Generator) -> dict[int, np.ndarray]:
 
 def simulate(params: SimParams) -> tuple[biom.Table, "TreeNode", list[tuple[str, str, float]]]:
     """The whole data set in memory: table (ids = sequences), tree (tips = sequences), metadata rows."""
-    rng = np.random.default_rng(params.sim_seed)
+    rng = np.random.default_rng(params.seed)
     n_asvs, n_samples = params.n_asvs, params.n_samples
     tree = random_tree(n_asvs, rng)
     seqs = evolve(tree, rng)

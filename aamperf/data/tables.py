@@ -181,7 +181,7 @@ def resolve_files(cfg: DictConfig) -> dict[str, Path | None]:
         for name in ("n_samples", "n_asvs", "n_envs", "mean_richness", "depth"):
             if cfg[name] < 1:
                 raise UserError(f"data.{name} must be >= 1 (got {cfg[name]})")
-        params = SimParams(cfg.n_samples, cfg.n_asvs, cfg.n_envs, cfg.mean_richness, cfg.depth, cfg.sim_seed)
+        params = SimParams(cfg.n_samples, cfg.n_asvs, cfg.n_envs, cfg.mean_richness, cfg.depth, cfg.seed)
         return {
             **ensure_simulated(params, Path(cfg.cache_dir).expanduser()),
             "unifrac": None,

@@ -13,6 +13,7 @@ from aamperf.data.dataset import Collate, top_asvs
 from aamperf.data.tables import rarefy, read_table, read_target
 from aamperf.data.unifrac import compute_unifrac
 from aamperf.errors import UserError
+from aamperf.trainer import BatchStream
 
 SIM = {"n_samples": 40, "n_asvs": 64, "n_envs": 2, "mean_richness": 20, "depth": 2000, "rarefy_depth": 500}
 LOADER = OmegaConf.structured(DataloaderConfig)
@@ -105,16 +106,36 @@ def test_rarefaction_depth_respected_and_shallow_samples_dropped(cache_dir):
     assert all(item["counts"].sum() == 2000 for item in data.dataset)
 
 
-def test_split_and_shuffle_are_seeded(cache_dir):
-    def first_batches(seed):
-        data = build_data(data_cfg(cache_dir), batch_size=8, seed=seed, loader=LOADER)
+def test_data_seed_fixes_the_split_and_seed_the_batch_order(cache_dir):
+    def build(seed, data_seed):
+        data = build_data(data_cfg(cache_dir, seed=data_seed), batch_size=8, seed=seed, loader=LOADER)
         train = set(data.train_loader.dataset.indices)
         val = set(data.val_loader.dataset.indices)
         assert not train & val and len(train | val) == len(data.sample_ids)
-        return [b["sample_idx"].tolist() for b in data.train_loader][:2], sorted(val)
+        order = [b["sample_idx"].tolist() for b in data.train_loader][:2]
+        counts = [item["counts"].tolist() for item in data.dataset]  # after rarefaction
+        return order, sorted(val), counts
 
-    assert first_batches(0) == first_batches(0)
-    assert first_batches(0)[0] != first_batches(1)[0]
+    order, val, counts = build(seed=0, data_seed=0)
+    assert build(seed=0, data_seed=0) == (order, val, counts)
+    other_run = build(seed=1, data_seed=0)  # another run of a sweep: the same data, another order
+    assert other_run[1:] == (val, counts) and other_run[0] != order
+    other_data = build(seed=0, data_seed=1)
+    assert other_data[1] != val and other_data[2] != counts
+
+
+def test_batch_order_is_the_same_with_and_without_workers(cache_dir):
+    """Pairing runs by seed needs the same batches whatever the loader: over several passes too
+    (torch draws worker seeds from the loader's generator, differently with persistent workers)."""
+    workers = OmegaConf.merge(LOADER, {"num_workers": 1, "persistent_workers": True, "prefetch_factor": 2})
+    orders = []
+    for loader in (LOADER, workers):
+        data = build_data(data_cfg(cache_dir), batch_size=8, seed=3, loader=loader)
+        stream = BatchStream(data.train_loader)
+        per_pass = len(stream.loader)
+        orders.append([next(stream)["sample_idx"].tolist() for _ in range(3 * per_pass)])
+    assert orders[0] == orders[1]
+    assert orders[0][:per_pass] != orders[0][per_pass : 2 * per_pass]  # each pass is shuffled anew
 
 
 def test_small_val_set_is_one_batch_and_too_small_is_an_error(cache_dir):

@@ -7,13 +7,13 @@ from aamperf.data.simulate import SimParams, ensure_simulated, simulate
 from aamperf.data.tables import read_table, read_target
 from aamperf.data.unifrac import compute_unifrac
 
-SMALL = SimParams(n_samples=40, n_asvs=64, n_envs=2, mean_richness=20, depth=2000, sim_seed=0)
+SMALL = SimParams(n_samples=40, n_asvs=64, n_envs=2, mean_richness=20, depth=2000, seed=0)
 
 
 def test_same_params_give_identical_files_and_other_seed_differs(tmp_path):
     first = ensure_simulated(SMALL, tmp_path / "a")
     second = ensure_simulated(SMALL, tmp_path / "b")
-    other = ensure_simulated(SimParams(**{**SMALL.__dict__, "sim_seed": 1}), tmp_path / "c")
+    other = ensure_simulated(SimParams(**{**SMALL.__dict__, "seed": 1}), tmp_path / "c")
     assert first["tree"].read_bytes() == second["tree"].read_bytes()
     assert first["metadata"].read_bytes() == second["metadata"].read_bytes()
     assert read_table(first["table"]) == read_table(second["table"])

@@ -80,7 +80,10 @@ def test_build_twice_serves_unifrac_from_cache(tmp_path):
     assert (first.unifrac_cached, second.unifrac_cached) == (False, True)
     assert cache_file.stat().st_mtime_ns == mtime
     assert second.collate.unifrac.equal(first.collate.unifrac)
-    third = build_data(cfg, batch_size=4, seed=1, loader=loader)  # another rarefaction: another entry
+    other_run = build_data(cfg, batch_size=4, seed=1, loader=loader)  # another run seed: the same data
+    assert other_run.unifrac_cached
+    # another data.seed: another simulation and rarefaction, another entry
+    third = build_data(OmegaConf.merge(cfg, {"seed": 1}), batch_size=4, seed=0, loader=loader)
     assert not third.unifrac_cached
     assert len(list((tmp_path / "unifrac").glob("*.npz"))) == 2
 
