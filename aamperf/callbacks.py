@@ -99,8 +99,9 @@ class CompareReport(Callback):
         if not sweep_dir.is_dir():  # every job refused before it made its directory
             return
         try:
+            settings = config.compare
             result = make_report(
-                [sweep_dir], config.compare.baseline, config.compare.quality_tolerance, sweep_dir
+                [sweep_dir], settings.baseline, settings.quality_tolerance, sweep_dir, settings.confidence
             )
         except UserError as exc:
             print(

@@ -1,17 +1,21 @@
 """Compare runs: `python -m aamperf.compare DIR [DIR ...]` -> comparison.{json,csv,md,png} in the first DIR.
 
-Runs that differ only by seed form one configuration; each figure is the median over seeds with its
-min-max spread. Ratios are configuration / baseline; a speed-up counts ("faster at equal quality")
-only when its whole min-max interval lies above 1 and the validation loss is no worse than the
-tolerance; a loss better by more than the tolerance is flagged too (not the same training).
+Runs that differ only by seed form one configuration. Each run is paired with the baseline's run of
+the same seed on the same data (`data.seed`); the speed-up, the validation-loss change and the time
+to quality are per-seed paired values, summarized by their mean with a bootstrap interval
+(`aamperf/paired.py`). A configuration is "faster at equal quality" only when the speed-up interval
+lies above 1 and the val-loss interval inside +-tolerance; otherwise the verdict says what is
+undecided and about how many paired seeds would decide it.
 """
 
 import argparse
 import csv
 import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,15 @@ from omegaconf import OmegaConf
 
 from aamperf.errors import UserError
 from aamperf.metrics.record import write_json_atomic
+from aamperf.paired import (
+    MIN_PAIRS,
+    Interval,
+    geometric,
+    mean_interval,
+    median_or_none,
+    seeds_needed,
+    time_to_quality,
+)
 
 IGNORED_OVERRIDES = ("seed=", "hydra.", "trainer.progress=", "compare.", "logger.", "hparams_search=")
 
@@ -32,6 +45,21 @@ class Run:
     @property
     def seed(self) -> Any:
         return self.summary.get("seed")
+
+    @property
+    def pair_key(self) -> tuple[Any, Any]:
+        """(data.seed, seed): runs pair when they trained on the same data from the same seed."""
+        data = (self.summary.get("config") or {}).get("data") or {}
+        return data.get("seed"), self.seed
+
+    @cached_property
+    def validations(self) -> list[tuple[float, float]]:
+        """(elapsed_s from launch, val_loss) of each validation in metrics.jsonl, in order."""
+        path = self.path / "metrics.jsonl"
+        if not path.exists():
+            return []
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [(r.get("elapsed_s"), r["val_loss"]) for r in rows if r.get("val_loss") is not None]
 
 
 @dataclass
@@ -91,86 +119,178 @@ def pick_baseline(groups: list[Group], baseline: str) -> Group:
     return matches[0]
 
 
-def ratio_interval(group: Group, base: Group, key: str) -> tuple[float | None, float | None, float | None]:
-    """(median ratio, lowest, highest): the interval pairs the extremes, so it is never too narrow."""
-    g, b = group.values(key), base.values(key)
-    if not g or not b:
-        return None, None, None
-    return statistics.median(g) / statistics.median(b), min(g) / max(b), max(g) / min(b)
+def paired(group: Group, base: Group) -> list[tuple[Run, Run]]:
+    """(run, baseline run) of each seed both completed on the same data (`data.seed`), by seed."""
+    by_key = {r.pair_key: r for r in base.ok_runs}
+    pairs = [(r, by_key[r.pair_key]) for r in group.ok_runs if r.pair_key in by_key]
+    return sorted(pairs, key=lambda pair: str(pair[0].seed))
+
+
+def paired_values(pairs: list[tuple[Run, Run]], value) -> list[float]:
+    """value(run, baseline run) of each pair where it is defined."""
+    values = [value(run, base) for run, base in pairs]
+    return [v for v in values if v is not None and math.isfinite(v)]
+
+
+def log_ratio(key: str, invert: bool = False):
+    """Per pair: log(run / baseline) of a summary figure (or baseline / run with `invert`)."""
+
+    def value(run: Run, base: Run) -> float | None:
+        a, b = run.summary.get(key), base.summary.get(key)
+        if not (isinstance(a, int | float) and isinstance(b, int | float)) or a <= 0 or b <= 0:
+            return None
+        return math.log(b / a) if invert else math.log(a / b)
+
+    return value
+
+
+def relative_delta(run: Run, base: Run) -> float | None:
+    a, b = run.summary.get("val_loss"), base.summary.get("val_loss")
+    return a / b - 1 if isinstance(a, int | float) and isinstance(b, int | float) and b else None
+
+
+def quality_times(pairs: list[tuple[Run, Run]]) -> tuple[list[float | None], list[float | None]]:
+    """Per pair: seconds from launch until the run, and the baseline, first reach the baseline's
+    final validation loss (None: not reached)."""
+    mine, theirs = [], []
+    for run, base in pairs:
+        target = base.summary.get("val_loss")
+        if not isinstance(target, int | float):
+            continue
+        mine.append(time_to_quality(run.validations, target))
+        theirs.append(time_to_quality(base.validations, target))
+    return mine, theirs
 
 
 def compare(
-    runs: list[Run], baseline: str = "optim=baseline", quality_tolerance: float = 0.02
+    runs: list[Run],
+    baseline: str = "optim=baseline",
+    quality_tolerance: float = 0.02,
+    confidence: float = 0.95,
 ) -> dict[str, Any]:
     groups = group_runs(runs)
     base = pick_baseline(groups, baseline)
     rows = []
     for group in groups:
-        speedup, lo, hi = ratio_interval(group, base, "samples_per_s")
-        step_ratio, step_lo, step_hi = ratio_interval(group, base, "step_time_s")
+        pairs = paired(group, base)
+        speed = mean_interval(paired_values(pairs, log_ratio("samples_per_s")), confidence)
+        step = mean_interval(paired_values(pairs, log_ratio("step_time_s", invert=True)), confidence)
+        quality = mean_interval(paired_values(pairs, relative_delta), confidence)
+        speedup, lo, hi = geometric(speed)
+        if len(pairs) < MIN_PAIRS:  # too few seeds for an interval: the mean alone, no pretend spread
+            lo = hi = None
+        mine, theirs = quality_times(pairs)
+        reached = [(m, t) for m, t in zip(mine, theirs, strict=True) if m is not None and t is not None]
+        ttq = mean_interval([math.log(t / m) for m, t in reached if m > 0 and t > 0], confidence)
+        ttq_all = len(reached) == len(pairs) >= MIN_PAIRS  # an interval only when every seed reached it
+        ttq_speedup, ttq_lo, ttq_hi = geometric(ttq) if ttq_all else (None, None, None)
         rss = group.median("peak_rss_bytes"), base.median("peak_rss_bytes")
-        val, base_val = group.median("val_loss"), base.median("val_loss")
-        val_delta = val / base_val - 1 if val is not None and base_val else None
         train, base_train = group.median("train_loss"), base.median("train_loss")  # both at the last step
+        model_flops = {
+            (r.summary.get("model_flops_per_step"), b.summary.get("model_flops_per_step")) for r, b in pairs
+        }
         row = {
             "config": group.config,
             "optim": group.runs[0].summary.get("optim"),
             "seeds": sorted(r.seed for r in group.ok_runs),
             "baseline_seeds": len(base.ok_runs),
+            "paired_seeds": [r.seed for r, _ in pairs],
             "samples_per_s": group.median("samples_per_s"),
             "samples_per_s_min": min(group.values("samples_per_s"), default=None),
             "samples_per_s_max": max(group.values("samples_per_s"), default=None),
+            # geometric mean of the per-seed speed-ups, with the bootstrap interval of that mean
             "speedup": speedup,
             "speedup_lo": lo,
             "speedup_hi": hi,
             "step_time_s": group.median("step_time_s"),
-            "step_time_speedup": 1 / step_ratio if step_ratio else None,
+            "step_time_speedup": geometric(step)[0],
+            "time_to_quality_s": median_or_none([m for m in mine if m is not None]),
+            "time_to_quality_reached": f"{sum(m is not None for m in mine)}/{len(pairs)}",
+            "time_to_quality_speedup": ttq_speedup,
+            "time_to_quality_speedup_lo": ttq_lo,
+            "time_to_quality_speedup_hi": ttq_hi,
             "compile_time_s": group.median("compile_time_s"),
             "time_to_first_step_s": group.median("time_to_first_step_s"),
             "mfu": group.median("mfu"),
+            "hfu": group.median("hfu"),
+            "model_flops_per_step": group.median("model_flops_per_step"),
+            "hardware_flops_per_step": group.median("hardware_flops_per_step"),
+            # the same batches must cost the same model FLOPs in every configuration: else MFUs differ in work
+            "model_flops_match_baseline": all(a == b for a, b in model_flops) if pairs else None,
             "data_wait_frac": group.median("data_wait_frac"),
             "peak_rss_bytes": rss[0],
             "peak_rss_ratio": rss[0] / rss[1] if None not in rss else None,
             "train_rss_growth_bytes": group.median("train_rss_growth_bytes"),
-            "val_loss": val,
-            "val_loss_delta": val_delta,
+            "val_loss": group.median("val_loss"),
+            # mean over seeds of (val loss / the same seed's baseline val loss - 1), with its interval
+            "val_loss_delta": None if quality is None else quality.mean,
+            "val_loss_delta_lo": None if quality is None or hi is None else quality.lo,
+            "val_loss_delta_hi": None if quality is None or hi is None else quality.hi,
             "train_loss": train,
             "train_loss_delta": train / base_train - 1 if train is not None and base_train else None,
             "errors": [
                 f"{r.path.name}: {r.summary.get('error')}" for r in group.runs if r not in group.ok_runs
             ],
         }
-        row["verdict"] = verdict(row, group is base, quality_tolerance)
+        row["verdict"], row["seeds_needed"] = verdict(
+            row, group is base, speed, quality, quality_tolerance, confidence
+        )
         rows.append(row)
     rows.sort(key=lambda r: (r["config"] != base.config, -(r["speedup"] or 0)))
-    return {"baseline": base.config, "quality_tolerance": quality_tolerance, "rows": rows}
+    return {
+        "baseline": base.config,
+        "quality_tolerance": quality_tolerance,
+        "confidence": confidence,
+        "rows": rows,
+    }
 
 
-def verdict(row: dict[str, Any], is_baseline: bool, tolerance: float) -> str:
+def verdict(
+    row: dict[str, Any],
+    is_baseline: bool,
+    speed: Interval | None,
+    quality: Interval | None,
+    tolerance: float,
+    confidence: float,
+) -> tuple[str, int | None]:
+    """(verdict, paired seeds that would decide it). Faster at equal quality only when the speed-up
+    interval lies above 1 and the val-loss interval inside +-tolerance; otherwise what is known."""
     if not row["seeds"]:
         errors = sorted({e.split(": ", 1)[-1] for e in row["errors"]})  # one line per distinct error
-        return f"failed ({len(row['errors'])} runs): " + "; ".join(errors)
+        return f"failed ({len(row['errors'])} runs): " + "; ".join(errors), None
     if is_baseline:
-        return "baseline"
-    reasons = []
-    if row["speedup_lo"] is None or row["speedup_lo"] <= 1:
-        reasons.append(
-            f"speed-up interval [{row['speedup_lo']:.2f}, {row['speedup_hi']:.2f}] is not above 1"
-            if row["speedup_lo"] is not None
-            else "no speed measured"
+        return "baseline", None
+    n = len(row["paired_seeds"])
+    if speed is None or quality is None or n < MIN_PAIRS:
+        return (
+            f"undecided: {n} seed(s) paired with the baseline on the same data; an interval needs at "
+            f"least {MIN_PAIRS} (run both with seed=0,1,2)",
+            MIN_PAIRS,
         )
-    delta = row["val_loss_delta"]
-    if delta is None:
-        reasons.append("no validation loss to compare")
-    elif delta > tolerance:
-        reasons.append(f"val loss {100 * delta:+.1f}% worse (> {100 * tolerance:.0f}%)")
-    if reasons:
-        return "not counted: " + "; ".join(reasons)
-    if delta < -tolerance:  # not a failure, but not the same training either: say so
-        return f"faster, val loss {100 * delta:+.1f}% (better by more than {100 * tolerance:.0f}%: check why)"
-    if min(len(row["seeds"]), row["baseline_seeds"]) < 2:
-        return "faster at equal quality (one seed: no spread measured)"
-    return "faster at equal quality"
+    pct = f"{confidence:.0%}"
+    quality_text = f"val loss {100 * quality.mean:+.1f}% [{100 * quality.lo:+.1f}, {100 * quality.hi:+.1f}]"
+    if quality.lo > tolerance:
+        return f"worse: {quality_text}, beyond the +{tolerance:.0%} tolerance ({pct} interval)", None
+    if quality.hi < -tolerance:
+        return f"not the same training: {quality_text}, better by more than {tolerance:.0%}; check why", None
+    speed_text = f"{row['speedup']:.2f}x [{row['speedup_lo']:.2f}, {row['speedup_hi']:.2f}]"
+    equal = -tolerance <= quality.lo and quality.hi <= tolerance
+    decided_speed = speed.lo > 0 or speed.hi < 0
+    if equal and decided_speed:
+        side = "faster" if speed.lo > 0 else "slower"
+        return f"{side} at equal quality: {speed_text}, {quality_text} ({pct} intervals, {n} seeds)", None
+    reasons, needs = [], []
+    if not decided_speed:
+        reasons.append(f"speed-up {speed_text} contains 1")
+        needs.append(seeds_needed(speed, 0.0, confidence))
+    if not equal:
+        reasons.append(f"{quality_text} crosses the +-{tolerance:.0%} tolerance")
+        needs.append(seeds_needed(quality, tolerance, confidence, inside=True))
+    if any(need is None for need in needs):
+        return f"undecided: {'; '.join(reasons)}; more seeds would not decide it at this mean", None
+    need = max(needs)
+    more = f"about {need} paired seeds would decide it ({need - n} more)"
+    return f"undecided: {'; '.join(reasons)}; {more}", need
 
 
 def _fmt(value: Any, spec: str = ".3g") -> str:
@@ -181,47 +301,61 @@ def _pct(fraction: float | None) -> str:
     return "n/a" if fraction is None else f"{100 * fraction:+.2f}"
 
 
+def _ratio(value: float | None, lo: float | None, hi: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.2f}x" + ("" if lo is None else f" [{lo:.2f}, {hi:.2f}]")
+
+
+def _interval_pct(row: dict[str, Any]) -> str:
+    lo, hi = row["val_loss_delta_lo"], row["val_loss_delta_hi"]
+    return "" if lo is None else f" [{_pct(lo)}, {_pct(hi)}]"
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     header = [
         "config",
-        "seeds",
+        "seeds (paired)",
         "samples/s",
-        "speed-up [min, max]",
+        "speed-up [interval]",
         "step s (speed-up)",
+        "time to quality s (speed-up [interval])",
         "first step s",
         "compile s",
         "data wait",
-        "MFU",
+        "MFU / HFU",
         "peak RSS GiB (ratio)",
-        "val loss (delta %)",
-        "train loss (delta %)",
+        "val loss (delta % [interval])",
         "verdict",
     ]
+    confidence = result.get("confidence", 0.95)
     lines = [
-        f"Baseline: `{result['baseline']}`. Median over seeds; speed-up interval = min-max over seed pairs.",
+        f"Baseline: `{result['baseline']}`. Each run is paired with the baseline run of its seed on the same "
+        f"data; speed-ups are geometric means of the per-seed ratios, val-loss deltas means of the per-seed "
+        f"changes, each with a {confidence:.0%} bootstrap interval. Time to quality: seconds from launch to "
+        f"the baseline's final val loss (median over seeds; reached in k/n seeds). Equal quality: the "
+        f"val-loss interval inside +-{result['quality_tolerance']:.0%}.",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
     ]
     for r in result["rows"]:
         rss = None if r["peak_rss_bytes"] is None else r["peak_rss_bytes"] / 2**30
+        delta = r["val_loss_delta"]
         cells = [
             f"`{r['config']}`",
-            str(len(r["seeds"])),
+            f"{len(r['seeds'])} ({len(r['paired_seeds'])})",
             _fmt(r["samples_per_s"]),
-            "n/a"
-            if r["speedup"] is None
-            else f"{r['speedup']:.2f}x [{_fmt(r['speedup_lo'], '.2f')}, {_fmt(r['speedup_hi'], '.2f')}]",
-            "n/a"
-            if r["step_time_s"] is None
-            else f"{r['step_time_s']:.3g} ({_fmt(r['step_time_speedup'], '.2f')}x)",
+            _ratio(r["speedup"], r["speedup_lo"], r["speedup_hi"]),
+            f"{_fmt(r['step_time_s'])} ({_ratio(r['step_time_speedup'], None, None)})",
+            f"{_fmt(r['time_to_quality_s'], '.1f')} ({r['time_to_quality_reached']}) "
+            + _ratio(*(r[f"time_to_quality_speedup{end}"] for end in ("", "_lo", "_hi"))),
             _fmt(r["time_to_first_step_s"], ".1f"),
             _fmt(r["compile_time_s"], ".1f"),
             "n/a" if r["data_wait_frac"] is None else f"{100 * r['data_wait_frac']:.1f}%",
-            _fmt(r["mfu"], ".3f"),
+            f"{_fmt(r['mfu'], '.3f')} / {_fmt(r['hfu'], '.3f')}",
             f"{_fmt(rss, '.2f')} ({_fmt(r['peak_rss_ratio'], '.2f')})",
-            f"{_fmt(r['val_loss'], '.4f')} ({_pct(r['val_loss_delta'])})",
-            f"{_fmt(r['train_loss'], '.4f')} ({_pct(r['train_loss_delta'])})",
+            f"{_fmt(r['val_loss'], '.4f')} ({_pct(delta)}{_interval_pct(r)})",
             r["verdict"],
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -230,13 +364,19 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 def write_report(result: dict[str, Any], runs: list[Run], out: Path) -> None:
     write_json_atomic(out / "comparison.json", result)
-    columns = [k for k in result["rows"][0] if k not in ("seeds", "errors")] + ["seeds", "errors"]
+    lists = ("seeds", "paired_seeds", "errors")
+    columns = [k for k in result["rows"][0] if k not in lists] + list(lists)
     with open(out / "comparison.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for row in result["rows"]:
             writer.writerow(
-                {**row, "seeds": " ".join(map(str, row["seeds"])), "errors": " | ".join(row["errors"])}
+                {
+                    **row,
+                    "seeds": " ".join(map(str, row["seeds"])),
+                    "paired_seeds": " ".join(map(str, row["paired_seeds"])),
+                    "errors": " | ".join(row["errors"]),
+                }
             )
     (out / "comparison.md").write_text(to_markdown(result))
     from aamperf.plots import plot_comparison  # matplotlib only when a report is drawn
@@ -302,12 +442,14 @@ def regression_table(checks: list[dict[str, Any]], max_regression: float) -> str
     return "\n".join(lines) + "\n"
 
 
-def make_report(dirs: list[Path], baseline: str, quality_tolerance: float, out: Path) -> dict[str, Any]:
+def make_report(
+    dirs: list[Path], baseline: str, quality_tolerance: float, out: Path, confidence: float = 0.95
+) -> dict[str, Any]:
     """Find the runs under `dirs`, compare them and write the report files into `out`."""
     runs = find_runs(dirs)
     if not runs:
         raise UserError(f"no summary.json under {', '.join(map(str, dirs))}: nothing to compare")
-    result = compare(runs, baseline, quality_tolerance)
+    result = compare(runs, baseline, quality_tolerance, confidence)
     write_report(result, runs, out)
     return result
 
@@ -316,7 +458,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m aamperf.compare", description=__doc__.splitlines()[0])
     parser.add_argument("dirs", nargs="+", type=Path, help="run or multirun directories")
     parser.add_argument("--baseline", default="optim=baseline", help="override string of the baseline runs")
-    parser.add_argument("--quality-tolerance", type=float, default=0.02)
+    parser.add_argument(
+        "--quality-tolerance",
+        type=fraction,
+        default=0.02,
+        help="val loss counted as equal within +-this (2%%)",
+    )
+    parser.add_argument(
+        "--confidence", type=fraction, default=0.95, help="confidence level of the intervals (95%%)"
+    )
     parser.add_argument("--out", type=Path, help="where the report goes (default: the first DIR)")
     parser.add_argument("--against", type=Path, help="a stored comparison.json to check for regressions")
     parser.add_argument(
@@ -331,7 +481,13 @@ def main(argv: list[str] | None = None) -> None:
         if missing:
             raise UserError(f"not a directory: {missing[0]}")
         out = args.out or args.dirs[0]
-        result = make_report(args.dirs, args.baseline, args.quality_tolerance, out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--out {out}: cannot create it ({exc.strerror}); choose another --out") from exc
+        if not 0 < args.confidence < 1:
+            raise UserError(f"--confidence {args.confidence} is not between 0 and 1; e.g. --confidence 95%")
+        result = make_report(args.dirs, args.baseline, args.quality_tolerance, out, args.confidence)
         checks = check_regression(result, args.against, args.max_regression) if args.against else []
         if args.wandb_report:
             from aamperf.dashboard import build_report  # wandb-workspaces only when asked for

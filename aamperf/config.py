@@ -205,7 +205,8 @@ class CompareConfig:
     """The report a multirun ends with (`aamperf/callbacks.py`; the same as `python -m aamperf.compare`)."""
 
     baseline: str = "optim=baseline"  # the override string of the baseline jobs, e.g. "precision=fp32"
-    quality_tolerance: float = 0.02  # val loss may be this much worse (fraction) and still count as equal
+    quality_tolerance: float = 0.02  # equal quality: the paired val-loss change's interval within +-this
+    confidence: float = 0.95  # confidence level of the bootstrap intervals over paired seeds
 
 
 @dataclass

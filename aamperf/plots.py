@@ -21,47 +21,85 @@ def _loss_curve(run_dir: Path) -> tuple[list[int], list[float]]:
 
 
 def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> None:
+    """Six panels: the two verdict intervals (speed-up, val-loss change), peak memory, MFU / HFU,
+    the train loss per step and the val loss over wall time from launch (time to quality)."""
     rows = result["rows"]
     labels = [r["config"] for r in rows]
     ticks = [textwrap.fill(label, 40) for label in labels]  # long override strings on several lines
     colors = ["tab:gray" if r["config"] == result["baseline"] else f"C{i}" for i, r in enumerate(rows)]
-    fig, axes = plt.subplots(2, 2, figsize=(14, 4 + 1.2 * len(rows)))
+    fig, axes = plt.subplots(2, 3, figsize=(21, 4 + 1.2 * len(rows)))
 
-    def bars(ax, key: str, title: str, scale: float = 1.0, spread: tuple[str, str] | None = None) -> None:
-        values = [(r[key] or 0) / scale for r in rows]
+    def bars(ax, values: list[float | None], title: str, interval: tuple[list, list] | None = None) -> None:
+        shown = [v or 0.0 for v in values]
         err = None
-        if spread:
+        if interval:  # asymmetric error bars from the interval's ends (none where there is no interval)
             lo = [
-                max(0.0, v - (r[spread[0]] or v * scale) / scale) for v, r in zip(values, rows, strict=True)
+                max(0.0, v - lo) if lo is not None else 0.0 for v, lo in zip(shown, interval[0], strict=True)
             ]
             hi = [
-                max(0.0, (r[spread[1]] or v * scale) / scale - v) for v, r in zip(values, rows, strict=True)
+                max(0.0, hi - v) if hi is not None else 0.0 for v, hi in zip(shown, interval[1], strict=True)
             ]
             err = [lo, hi]
-        ax.barh(ticks, values, xerr=err, color=colors, capsize=4)
+        ax.barh(ticks, shown, xerr=err, color=colors, capsize=4)
         ax.set_title(title)
         ax.invert_yaxis()
-        for y, (v, r) in enumerate(zip(values, rows, strict=True)):
-            note = f" {r['speedup']:.2f}x" if key == "samples_per_s" and r["speedup"] else ""
-            ax.text(v, y, f" {v:.3g}{note}", va="center", fontsize=8)
+        for y, v in enumerate(values):
+            ax.text(v or 0.0, y, " n/a" if v is None else f" {v:.3g}", va="center", fontsize=8)
 
+    pct = f"{result.get('confidence', 0.95):.0%}"
     bars(
         axes[0, 0],
-        "samples_per_s",
-        "throughput (samples/s, median, min-max over seeds)",
-        spread=("samples_per_s_min", "samples_per_s_max"),
+        [r["speedup"] for r in rows],
+        f"speed-up (samples/s vs the same seed's baseline; geometric mean, {pct} interval)",
+        ([r["speedup_lo"] for r in rows], [r["speedup_hi"] for r in rows]),
     )
-    bars(axes[0, 1], "step_time_s", "step time (s, median)")
-    bars(axes[1, 0], "peak_rss_bytes", "peak memory (GiB, process tree RSS)", scale=2**30)
-    ax = axes[1, 1]
+    axes[0, 0].axvline(1.0, color="black", lw=0.8)
+    scale = 100.0
+    bars(
+        axes[0, 1],
+        [None if r["val_loss_delta"] is None else scale * r["val_loss_delta"] for r in rows],
+        f"val loss change (% vs the same seed's baseline; mean, {pct} interval)",
+        (
+            [None if r["val_loss_delta_lo"] is None else scale * r["val_loss_delta_lo"] for r in rows],
+            [None if r["val_loss_delta_hi"] is None else scale * r["val_loss_delta_hi"] for r in rows],
+        ),
+    )
+    tolerance = scale * result["quality_tolerance"]
+    axes[0, 1].axvspan(-tolerance, tolerance, color="tab:green", alpha=0.12, label="equal quality")
+    axes[0, 1].legend(fontsize=7)
+    bars(
+        axes[0, 2],
+        [None if r["peak_rss_bytes"] is None else r["peak_rss_bytes"] / 2**30 for r in rows],
+        "peak memory (GiB, median over seeds)",
+    )
+    bars(axes[1, 2], [r.get("mfu") for r in rows], "MFU (model FLOPs on the real ASVs / peak of the dtype)")
+
     by_label = {g.config: g for g in groups}
+    train_ax, val_ax = axes[1, 0], axes[1, 1]
     for label, color in zip(labels, colors, strict=True):
         for i, run in enumerate(by_label[label].runs):
             steps, losses = _loss_curve(run.path)
-            ax.plot(steps, losses, color=color, alpha=0.8, lw=1, label=label if i == 0 else None)
-    ax.set_title("train loss per logged step (each seed)")
-    ax.set_xlabel("step")
-    ax.legend(fontsize=7)
+            train_ax.plot(steps, losses, color=color, alpha=0.8, lw=1, label=label if i == 0 else None)
+            points = [(t, v) for t, v in run.validations if t is not None]
+            if points:
+                val_ax.plot(
+                    *zip(*points, strict=True),
+                    "o-",
+                    color=color,
+                    alpha=0.8,
+                    lw=1,
+                    ms=3,
+                    label=label if i == 0 else None,
+                )
+    for run in by_label[result["baseline"]].ok_runs:  # the quality every configuration is timed to
+        if run.summary.get("val_loss") is not None:
+            val_ax.axhline(run.summary["val_loss"], color="tab:gray", ls=":", lw=0.8)
+    train_ax.set_title("train loss per logged step (each seed)")
+    train_ax.set_xlabel("step")
+    train_ax.legend(fontsize=7)
+    val_ax.set_title("val loss over time from launch (dotted: the baseline's final, per seed)")
+    val_ax.set_xlabel("seconds from launch")
+    val_ax.legend(fontsize=7)
     fig.suptitle(f"baseline: {result['baseline']}")
     fig.tight_layout()
     fig.savefig(out, dpi=110)

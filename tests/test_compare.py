@@ -7,7 +7,8 @@ import pytest
 from aamperf.compare import compare, find_runs, main
 
 
-def make_run(root, name, overrides, **summary):
+def make_run(root, name, overrides, validations=(), data_seed=0, **summary):
+    """A run directory as a training job leaves it; `validations`: (elapsed_s, val_loss) lines."""
     run = root / name
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
@@ -17,36 +18,59 @@ def make_run(root, name, overrides, **summary):
         "step_time_s": 1.0,
         "mfu": 0.1,
         "train_loss": 2.0,
+        "model_flops_per_step": 1e9,
+        "config": {"data": {"seed": data_seed}},
     }
     (run / "summary.json").write_text(json.dumps({**defaults, **summary}))
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    lines = [{"step": 1, "loss": 2.0}] + [
+        {"step": 10 * (i + 1), "loss": 2.0, "elapsed_s": t, "val_loss": v}
+        for i, (t, v) in enumerate(validations)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+BASE_VAL = (2.00, 2.02, 1.98)  # the baseline's final val loss per seed
 
 
 @pytest.fixture
 def sweep(tmp_path):
-    # optim level -> (samples/s per seed, val loss, extra summary fields)
+    # optim level -> samples/s per seed, val loss per seed, validations per seed, extra summary fields
     levels = {
-        "baseline": ((10.0, 11.0, 12.0), 2.00, {}),
-        "ultra": (
-            (50.0, 55.0, 60.0),
-            2.01,
+        "baseline": ((10.0, 11.0, 12.0), BASE_VAL, lambda s: [(10, 2.5), (20, 2.2), (30, BASE_VAL[s])], {}),
+        "ultra": (  # 5.0x, 5.2x, 4.9x; val loss +0.5%, +0.25%, +0.5%; the baseline's loss after 6 s
+            (50.0, 57.2, 58.8),
+            (2.01, 2.025, 1.9899),
+            lambda s: [(3, 2.4), (6, BASE_VAL[s] - 0.001), (9, 2.0)],
             {"peak_rss_bytes": 2**29, "step_time_s": 0.25, "train_loss": 2.1},
         ),
-        "basic": ((11.0, 12.5), 2.10, {}),
-        "lucky": ((30.0,), 1.90, {}),
+        "basic": ((9.0, 12.0, 13.0), (2.0, 2.02, 1.98), lambda s: [], {}),  # 0.9x, 1.09x, 1.08x
+        "worse": ((20.0, 22.0, 24.0), (2.1, 2.14, 2.06), lambda s: [(5, 2.1)], {"model_flops_per_step": 2e9}),
+        "lucky": ((30.0,), (1.90,), lambda s: [], {}),
     }
-    for level, (speeds, val_loss, extra) in levels.items():
-        for seed, sps in enumerate(speeds):
+    for level, (speeds, val_losses, validations, extra) in levels.items():
+        for seed, (sps, val_loss) in enumerate(zip(speeds, val_losses, strict=False)):
             make_run(
                 tmp_path,
                 f"{level}{seed}",
                 ["experiment=headline", f"optim={level}", f"seed={seed}"],
+                validations=validations(seed),
                 optim=level,
                 seed=seed,
                 samples_per_s=sps,
                 val_loss=val_loss,
                 **extra,
             )
+    for seed in range(3):  # fast, but trained on other data: nothing to pair with
+        make_run(
+            tmp_path,
+            f"otherdata{seed}",
+            ["experiment=headline", "optim=otherdata", f"seed={seed}"],
+            data_seed=1,
+            optim="otherdata",
+            seed=seed,
+            samples_per_s=100.0,
+            val_loss=2.0,
+        )
     make_run(
         tmp_path,
         "failed0",
@@ -59,25 +83,79 @@ def sweep(tmp_path):
     return tmp_path
 
 
-def test_speedup_interval_quality_and_verdicts(sweep):
+def test_paired_intervals_time_to_quality_and_verdicts(sweep):
     result = compare(find_runs([sweep]))
     rows = {r["config"]: r for r in result["rows"]}
     assert result["baseline"] == "optim=baseline" and list(rows)[0] == "optim=baseline"
     ultra = rows["optim=ultra"]
-    assert ultra["seeds"] == [0, 1, 2]
-    assert ultra["speedup"] == pytest.approx(55 / 11)
-    assert (ultra["speedup_lo"], ultra["speedup_hi"]) == (pytest.approx(50 / 12), pytest.approx(60 / 10))
-    assert ultra["peak_rss_ratio"] == pytest.approx(0.5)
-    assert ultra["val_loss_delta"] == pytest.approx(0.005)
-    assert ultra["train_loss_delta"] == pytest.approx(0.05) and ultra["step_time_speedup"] == pytest.approx(
-        4.0
+    assert ultra["seeds"] == ultra["paired_seeds"] == [0, 1, 2]
+    assert ultra["speedup"] == pytest.approx((5.0 * 5.2 * 4.9) ** (1 / 3))  # geometric mean of seed ratios
+    assert 4.9 - 1e-9 <= ultra["speedup_lo"] < ultra["speedup"] < ultra["speedup_hi"] <= 5.2 + 1e-9
+    deltas = [v / b - 1 for v, b in zip((2.01, 2.025, 1.9899), BASE_VAL, strict=True)]
+    assert ultra["val_loss_delta"] == pytest.approx(sum(deltas) / 3)
+    assert (
+        min(deltas) - 1e-12 <= ultra["val_loss_delta_lo"] < ultra["val_loss_delta_hi"] <= max(deltas) + 1e-12
     )
-    assert ultra["verdict"] == "faster at equal quality"
-    basic = rows["optim=basic"]  # interval [11/12, 12.5/10] straddles 1, and val loss is 5% worse
-    assert "not above 1" in basic["verdict"] and "+5.0% worse" in basic["verdict"]
-    assert rows["optim=lucky"]["verdict"].startswith("faster, val loss -5.0% (better by more than 2%")
+    assert ultra["peak_rss_ratio"] == pytest.approx(0.5)
+    assert ultra["step_time_speedup"] == pytest.approx(4.0)
+    # the baseline reaches its own final loss at 30 s; ultra reaches it at 6 s, for every seed
+    assert ultra["time_to_quality_s"] == 6 and ultra["time_to_quality_reached"] == "3/3"
+    assert ultra["time_to_quality_speedup"] == pytest.approx(5.0)
+    assert rows["optim=baseline"]["time_to_quality_s"] == 30
+    assert ultra["model_flops_match_baseline"] is True
+    assert ultra["verdict"].startswith("faster at equal quality: 5.03x [")
+    basic = rows["optim=basic"]  # speed-ups 0.9, 1.09, 1.08: the interval contains 1
+    assert basic["verdict"].startswith("undecided: speed-up 1.02x [") and "contains 1" in basic["verdict"]
+    assert basic["seeds_needed"] > 3 and f"({basic['seeds_needed'] - 3} more)" in basic["verdict"]
+    assert basic["time_to_quality_reached"] == "0/3" and basic["time_to_quality_speedup"] is None
+    worse = rows["optim=worse"]  # +5%, +5.9%, +4.0%
+    assert worse["verdict"].startswith("worse: val loss +5.0% [") and worse["seeds_needed"] is None
+    assert worse["model_flops_match_baseline"] is False
+    lucky = rows["optim=lucky"]
+    assert lucky["verdict"].startswith("undecided: 1 seed(s) paired") and lucky["seeds_needed"] == 3
+    other = rows["optim=otherdata"]  # 10x faster, but on other data: no pair, no verdict
+    assert other["paired_seeds"] == [] and other["speedup"] is None
+    assert other["verdict"].startswith("undecided: 0 seed(s) paired")
     failed = rows["optim=advanced"]
     assert failed["seeds"] == [] and "batch_size=1" in failed["verdict"]
+
+
+def test_unpaired_seeds_are_left_out(sweep):
+    """A seed the baseline lacks counts nowhere: the interval is over pairs only."""
+    for name in ("baseline1", "baseline2"):
+        (sweep / name / "summary.json").unlink()
+    rows = {r["config"]: r for r in compare(find_runs([sweep]))["rows"]}
+    assert rows["optim=ultra"]["paired_seeds"] == [0] and rows["optim=ultra"]["speedup"] == pytest.approx(5.0)
+    assert rows["optim=ultra"]["verdict"].startswith("undecided: 1 seed(s) paired")
+
+
+def test_more_seeds_decide_what_few_could_not(tmp_path):
+    """The 'seeds needed' estimate is a promise a test can check: give the undecided configuration
+    that many seeds drawn like the first three and the verdict is decided."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)  # speed-ups around 1.04x with a 6% spread, the first three given
+    ratios = np.concatenate([[1.10, 0.98, 1.04], 1.04 * np.exp(rng.normal(0, 0.06, 37))])
+
+    def write(n):
+        root = tmp_path / f"n{n}"
+        for seed in range(n):
+            for level, sps in (("baseline", 10.0), ("basic", 10.0 * ratios[seed])):
+                make_run(
+                    root,
+                    f"{level}{seed}",
+                    [f"optim={level}", f"seed={seed}"],
+                    optim=level,
+                    seed=seed,
+                    samples_per_s=sps,
+                    val_loss=2.0,
+                )
+        return {r["config"]: r for r in compare(find_runs([root]))["rows"]}["optim=basic"]
+
+    first = write(3)
+    assert first["verdict"].startswith("undecided") and first["seeds_needed"] > 3
+    decided = write(min(40, 2 * first["seeds_needed"]))
+    assert decided["verdict"].startswith("faster at equal quality")
 
 
 def test_cli_writes_every_report_file(sweep, capsys):
@@ -97,7 +175,9 @@ def test_cli_writes_every_report_file(sweep, capsys):
         "val_loss_delta",
         "verdict",
     } <= saved["rows"][0].keys()
-    assert "| `optim=ultra` | 3 | 55 | 5.00x [4.17, 6.00]" in (sweep / "comparison.md").read_text()
+    table = (sweep / "comparison.md").read_text()
+    assert "| `optim=ultra` | 3 (3) | 57.2 | 5.03x [" in table
+    assert "| 6.0 (3/3) 5.00x [5.00, 5.00] |" in table  # time to quality and its speed-up
 
 
 def test_unknown_baseline_is_a_one_line_error(sweep, capsys):
@@ -113,7 +193,7 @@ def test_regression_check_fails_only_beyond_the_bound(sweep, tmp_path, capsys):
     saved = json.loads(stored.read_text())
     for row in saved["rows"]:  # pretend the stored sweep was faster: ultra 11 -> 10% slower now
         if row["config"] == "optim=ultra":
-            row["samples_per_s"] = 55 / 0.90
+            row["samples_per_s"] = 57.2 / 0.90
         if row["config"] == "optim=baseline":
             row["samples_per_s"] = 11 / 0.97  # 3% slower now: inside a 5% bound
     (tmp_path / "stored.json").write_text(json.dumps(saved))
@@ -121,7 +201,7 @@ def test_regression_check_fails_only_beyond_the_bound(sweep, tmp_path, capsys):
         main([str(sweep), "--against", str(tmp_path / "stored.json"), "--max-regression", "5%"])
     assert exit_.value.code == 1
     out, err = capsys.readouterr()
-    assert "| `optim=ultra` | 61.1 | 55 | -10.0% | REGRESSED |" in out
+    assert "| `optim=ultra` | 63.6 | 57.2 | -10.0% | REGRESSED |" in out
     assert "| `optim=baseline` | 11.3 | 11 | -3.0% | ok |" in out
     assert "optim=ultra" in err and "optim=baseline" not in err
     main([str(sweep), "--against", str(tmp_path / "stored.json"), "--max-regression", "0.12"])  # exit 0

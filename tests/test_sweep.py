@@ -54,17 +54,17 @@ def test_sweep_ends_with_the_report_of_its_own_runs(sweep):
     assert "| `optim=ultra` |" in proc.stdout  # the table is printed at the end of the sweep
     result = json.loads((sweep_dir / "comparison.json").read_text())
     summaries = [json.loads(p.read_text()) for p in sweep_dir.glob("*/summary.json")]
-    by_optim = {
-        o: sorted(s["samples_per_s"] for s in summaries if s["optim"] == o) for o in ("baseline", "ultra")
-    }
+    speed = {(s["optim"], s["seed"]): s["samples_per_s"] for s in summaries}
     rows = {r["config"]: r for r in result["rows"]}
     assert result["baseline"] == "optim=baseline" and set(rows) == {"optim=baseline", "optim=ultra"}
-    ultra, base = by_optim["ultra"], by_optim["baseline"]
-    median = lambda xs: sum(xs) / len(xs)  # noqa: E731  (two seeds: the median is the mean)
-    assert rows["optim=ultra"]["seeds"] == [0, 1]
-    assert rows["optim=ultra"]["speedup"] == pytest.approx(median(ultra) / median(base))
-    assert rows["optim=ultra"]["speedup_lo"] == pytest.approx(ultra[0] / base[1])
-    assert rows["optim=ultra"]["speedup_hi"] == pytest.approx(ultra[1] / base[0])
+    ultra = rows["optim=ultra"]
+    assert ultra["seeds"] == ultra["paired_seeds"] == [0, 1]
+    # the geometric mean of the two seeds' speed-ups; two pairs give no interval and no verdict
+    ratios = [speed["ultra", seed] / speed["baseline", seed] for seed in (0, 1)]
+    assert ultra["speedup"] == pytest.approx((ratios[0] * ratios[1]) ** 0.5)
+    assert ultra["speedup_lo"] is None and ultra["verdict"].startswith("undecided: 2 seed(s) paired")
+    # both configurations trained on the same data: the same data.seed in every job
+    assert {s["config"]["data"]["seed"] for s in summaries} == {0}
 
 
 def test_each_job_is_an_offline_wandb_run_with_group_job_type_config_and_metrics(sweep):
