@@ -9,7 +9,6 @@ undecided and about how many paired seeds would decide it.
 """
 
 import argparse
-import csv
 import json
 import math
 import statistics
@@ -22,7 +21,6 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from aamperf.errors import UserError
-from aamperf.metrics.record import write_json_atomic
 from aamperf.paired import (
     MIN_PAIRS,
     Interval,
@@ -32,6 +30,8 @@ from aamperf.paired import (
     seeds_needed,
     time_to_quality,
 )
+from aamperf.regression import check_regression, regression_table
+from aamperf.report import to_markdown, write_report
 
 IGNORED_OVERRIDES = ("seed=", "hydra.", "trainer.progress=", "compare.", "logger.", "hparams_search=")
 
@@ -293,153 +293,12 @@ def verdict(
     return f"undecided: {'; '.join(reasons)}; {more}", need
 
 
-def _fmt(value: Any, spec: str = ".3g") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def _pct(fraction: float | None) -> str:
-    return "n/a" if fraction is None else f"{100 * fraction:+.2f}"
-
-
-def _ratio(value: float | None, lo: float | None, hi: float | None) -> str:
-    if value is None:
-        return "n/a"
-    return f"{value:.2f}x" + ("" if lo is None else f" [{lo:.2f}, {hi:.2f}]")
-
-
-def _interval_pct(row: dict[str, Any]) -> str:
-    lo, hi = row["val_loss_delta_lo"], row["val_loss_delta_hi"]
-    return "" if lo is None else f" [{_pct(lo)}, {_pct(hi)}]"
-
-
-def to_markdown(result: dict[str, Any]) -> str:
-    header = [
-        "config",
-        "seeds (paired)",
-        "samples/s",
-        "speed-up [interval]",
-        "step s (speed-up)",
-        "time to quality s (speed-up [interval])",
-        "first step s",
-        "compile s",
-        "data wait",
-        "MFU / HFU",
-        "peak RSS GiB (ratio)",
-        "val loss (delta % [interval])",
-        "verdict",
-    ]
-    confidence = result.get("confidence", 0.95)
-    lines = [
-        f"Baseline: `{result['baseline']}`. Each run is paired with the baseline run of its seed on the same "
-        f"data; speed-ups are geometric means of the per-seed ratios, val-loss deltas means of the per-seed "
-        f"changes, each with a {confidence:.0%} bootstrap interval. Time to quality: seconds from launch to "
-        f"the baseline's final val loss (median over seeds; reached in k/n seeds). Equal quality: the "
-        f"val-loss interval inside +-{result['quality_tolerance']:.0%}.",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-    ]
-    for r in result["rows"]:
-        rss = None if r["peak_rss_bytes"] is None else r["peak_rss_bytes"] / 2**30
-        delta = r["val_loss_delta"]
-        cells = [
-            f"`{r['config']}`",
-            f"{len(r['seeds'])} ({len(r['paired_seeds'])})",
-            _fmt(r["samples_per_s"]),
-            _ratio(r["speedup"], r["speedup_lo"], r["speedup_hi"]),
-            f"{_fmt(r['step_time_s'])} ({_ratio(r['step_time_speedup'], None, None)})",
-            f"{_fmt(r['time_to_quality_s'], '.1f')} ({r['time_to_quality_reached']}) "
-            + _ratio(*(r[f"time_to_quality_speedup{end}"] for end in ("", "_lo", "_hi"))),
-            _fmt(r["time_to_first_step_s"], ".1f"),
-            _fmt(r["compile_time_s"], ".1f"),
-            "n/a" if r["data_wait_frac"] is None else f"{100 * r['data_wait_frac']:.1f}%",
-            f"{_fmt(r['mfu'], '.3f')} / {_fmt(r['hfu'], '.3f')}",
-            f"{_fmt(rss, '.2f')} ({_fmt(r['peak_rss_ratio'], '.2f')})",
-            f"{_fmt(r['val_loss'], '.4f')} ({_pct(delta)}{_interval_pct(r)})",
-            r["verdict"],
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def write_report(result: dict[str, Any], runs: list[Run], out: Path) -> None:
-    write_json_atomic(out / "comparison.json", result)
-    lists = ("seeds", "paired_seeds", "errors")
-    columns = [k for k in result["rows"][0] if k not in lists] + list(lists)
-    with open(out / "comparison.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        for row in result["rows"]:
-            writer.writerow(
-                {
-                    **row,
-                    "seeds": " ".join(map(str, row["seeds"])),
-                    "paired_seeds": " ".join(map(str, row["paired_seeds"])),
-                    "errors": " | ".join(row["errors"]),
-                }
-            )
-    (out / "comparison.md").write_text(to_markdown(result))
-    from aamperf.plots import plot_comparison  # matplotlib only when a report is drawn
-
-    plot_comparison(result, group_runs(runs), out / "comparison.png")
-
-
 def fraction(text: str) -> float:
     """ "5%" or "0.05" -> 0.05 (argparse type)."""
     try:
         return float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a fraction like 5% or 0.05") from None
-
-
-def check_regression(
-    result: dict[str, Any], stored_path: Path, max_regression: float
-) -> list[dict[str, Any]]:
-    """Each configuration's samples/s against the same configuration in a stored comparison.json.
-    A row regresses when it is slower than the stored figure by more than `max_regression`."""
-    try:
-        stored = json.loads(stored_path.read_text())
-        before = {row["config"]: row["samples_per_s"] for row in stored["rows"]}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(
-            f"--against {stored_path}: not a comparison.json of aamperf.compare ({exc}); "
-            "pass the comparison.json of an earlier sweep"
-        ) from exc
-    checks = []
-    for row in result["rows"]:
-        old, new = before.get(row["config"]), row["samples_per_s"]
-        change = new / old - 1 if old and new else None
-        checks.append(
-            {
-                "config": row["config"],
-                "stored_samples_per_s": old,
-                "samples_per_s": new,
-                "change": change,
-                "regressed": change is not None and change < -max_regression,
-            }
-        )
-    if not any(c["change"] is not None for c in checks):
-        raise UserError(
-            f"--against {stored_path}: no configuration of this report is in it; nothing to check"
-        )
-    return checks
-
-
-def regression_table(checks: list[dict[str, Any]], max_regression: float) -> str:
-    lines = [
-        f"Regression check: slower than stored by more than {100 * max_regression:.1f}% fails.",
-        "",
-        "| config | stored samples/s | samples/s | change | result |",
-        "|---|---|---|---|---|",
-    ]
-    for c in checks:
-        outcome = "not in stored report" if c["change"] is None else "REGRESSED" if c["regressed"] else "ok"
-        change = "n/a" if c["change"] is None else f"{100 * c['change']:+.1f}%"
-        lines.append(
-            f"| `{c['config']}` | {_fmt(c['stored_samples_per_s'])} | {_fmt(c['samples_per_s'])} | "
-            f"{change} | {outcome} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 def make_report(
@@ -450,7 +309,7 @@ def make_report(
     if not runs:
         raise UserError(f"no summary.json under {', '.join(map(str, dirs))}: nothing to compare")
     result = compare(runs, baseline, quality_tolerance, confidence)
-    write_report(result, runs, out)
+    write_report(result, group_runs(runs), out)
     return result
 
 

@@ -1,0 +1,99 @@
+"""The comparison report's files: comparison.json, .csv, .md (the table) and .png (the figure)."""
+
+import csv
+from pathlib import Path
+from typing import Any
+
+from aamperf.metrics.record import write_json_atomic
+
+
+def fmt(value: Any, spec: str = ".3g") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _pct(fraction: float | None) -> str:
+    return "n/a" if fraction is None else f"{100 * fraction:+.2f}"
+
+
+def _ratio(value: float | None, lo: float | None, hi: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.2f}x" + ("" if lo is None else f" [{lo:.2f}, {hi:.2f}]")
+
+
+def _interval_pct(row: dict[str, Any]) -> str:
+    lo, hi = row["val_loss_delta_lo"], row["val_loss_delta_hi"]
+    return "" if lo is None else f" [{_pct(lo)}, {_pct(hi)}]"
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    header = [
+        "config",
+        "seeds (paired)",
+        "samples/s",
+        "speed-up [interval]",
+        "step s (speed-up)",
+        "time to quality s (speed-up [interval])",
+        "first step s",
+        "compile s",
+        "data wait",
+        "MFU / HFU",
+        "peak RSS GiB (ratio)",
+        "val loss (delta % [interval])",
+        "verdict",
+    ]
+    confidence = result.get("confidence", 0.95)
+    lines = [
+        f"Baseline: `{result['baseline']}`. Each run is paired with the baseline run of its seed on the same "
+        f"data; speed-ups are geometric means of the per-seed ratios, val-loss deltas means of the per-seed "
+        f"changes, each with a {confidence:.0%} bootstrap interval. Time to quality: seconds from launch to "
+        f"the baseline's final val loss (median over seeds; reached in k/n seeds). Equal quality: the "
+        f"val-loss interval inside +-{result['quality_tolerance']:.0%}.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for r in result["rows"]:
+        rss = None if r["peak_rss_bytes"] is None else r["peak_rss_bytes"] / 2**30
+        delta = r["val_loss_delta"]
+        cells = [
+            f"`{r['config']}`",
+            f"{len(r['seeds'])} ({len(r['paired_seeds'])})",
+            fmt(r["samples_per_s"]),
+            _ratio(r["speedup"], r["speedup_lo"], r["speedup_hi"]),
+            f"{fmt(r['step_time_s'])} ({_ratio(r['step_time_speedup'], None, None)})",
+            f"{fmt(r['time_to_quality_s'], '.1f')} ({r['time_to_quality_reached']}) "
+            + _ratio(*(r[f"time_to_quality_speedup{end}"] for end in ("", "_lo", "_hi"))),
+            fmt(r["time_to_first_step_s"], ".1f"),
+            fmt(r["compile_time_s"], ".1f"),
+            "n/a" if r["data_wait_frac"] is None else f"{100 * r['data_wait_frac']:.1f}%",
+            f"{fmt(r['mfu'], '.3f')} / {fmt(r['hfu'], '.3f')}",
+            f"{fmt(rss, '.2f')} ({fmt(r['peak_rss_ratio'], '.2f')})",
+            f"{fmt(r['val_loss'], '.4f')} ({_pct(delta)}{_interval_pct(r)})",
+            r["verdict"],
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(result: dict[str, Any], groups: list, out: Path) -> None:
+    """Every report file into `out`; `groups` (compare.Group) give the figure its loss curves."""
+    write_json_atomic(out / "comparison.json", result)
+    lists = ("seeds", "paired_seeds", "errors")
+    columns = [k for k in result["rows"][0] if k not in lists] + list(lists)
+    with open(out / "comparison.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for row in result["rows"]:
+            writer.writerow(
+                {
+                    **row,
+                    "seeds": " ".join(map(str, row["seeds"])),
+                    "paired_seeds": " ".join(map(str, row["paired_seeds"])),
+                    "errors": " | ".join(row["errors"]),
+                }
+            )
+    (out / "comparison.md").write_text(to_markdown(result))
+    from aamperf.plots import plot_comparison  # matplotlib only when a report is drawn
+
+    plot_comparison(result, groups, out / "comparison.png")
