@@ -5,7 +5,6 @@ import itertools
 import os
 import platform
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,13 @@ from aamperf.metrics import (
     StepMeter,
     SystemMonitor,
     count_flops,
+    job_origin,
+    matmul_dtype,
+    null_reason,
     peak_flops,
     release_freed_memory,
+    start_job_peak_rss,
+    utilization,
 )
 from aamperf.phases import apply_phases, check_phases, setup_phases
 from aamperf.trainer import fit, to_device
@@ -72,14 +76,33 @@ def counted_flops(model: torch.nn.Module, loss_fn, batch: dict[str, Any]) -> flo
     return flops
 
 
-def analytic_flops(model: torch.nn.Module, host_batches: list[dict[str, Any]]) -> float:
-    """Mean analytic FLOPs of a forward + backward over `host_batches`, for the ASV rows the model's
-    encoder really runs on (all, real or distinct ones, as the AAM phase set it)."""
-    per_batch = [
-        model.flops_per_step(*b["tokens"].shape[:2], model.count_encoded_rows(b["tokens"], b["asv_ids"]))
-        for b in host_batches
-    ]
-    return sum(per_batch) / len(per_batch)
+def analytic_flops(model: torch.nn.Module, host_batches: list[dict[str, Any]]) -> tuple[float, float]:
+    """Mean (model, hardware) FLOPs of a forward + backward over `host_batches`: the model's math on
+    the real ASVs, and what the phases made the code execute (`AAM.batch_flops`)."""
+    per_batch = [model.batch_flops(b["tokens"], b.get("asv_ids")) for b in host_batches]
+    return tuple(sum(f[i] for f in per_batch) / len(per_batch) for i in range(2))
+
+
+def calibration_shapes(model_cfg: DictConfig, micro_batch: int, max_asvs: int) -> list[tuple[int, int, int]]:
+    """The model's own big matmul for the CPU peak calibration: AAM's ASV-encoder FFN up-projection,
+    [rows * seq_len, D] x [D, ffn_mult * D] (none for a model without these keys: the square only)."""
+    if not {"embedding_dim", "ffn_mult", "seq_len"} <= set(model_cfg.keys()):
+        return []
+    dim = model_cfg.embedding_dim
+    return [(micro_batch * max_asvs * model_cfg.seq_len, dim, model_cfg.ffn_mult * dim)]
+
+
+def measure_peak(cfg: DictConfig, device: torch.device, world, micro_batch: int) -> tuple[float | None, dict]:
+    """The device's peak FLOP/s for the dtype the matmuls run in, measured (CPU) by the first rank
+    alone while the others wait: ranks calibrating together would each see the others' load."""
+    peak, record = None, {"status": "not_measured", "reason": "only the first rank measures the peak"}
+    if world.is_main:
+        dtype = matmul_dtype(device, cfg.precision.dtype, cfg.precision.matmul_precision)
+        shapes = calibration_shapes(cfg.model, micro_batch, cfg.data.max_asvs)
+        peak, record = peak_flops(device, dtype, cfg.metrics.peak_flops_cache, shapes)
+    if world.world_size > 1:
+        torch.distributed.barrier()
+    return peak, record
 
 
 def warmup_step(loss_fn, batch: dict[str, Any]):
@@ -112,6 +135,9 @@ def per_rank(summary: dict[str, Any], keys: tuple[str, ...]) -> list[dict[str, A
 
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Run one training job into `run_dir`; the summary is written there on success and on failure."""
+    origin, origin_kind = job_origin()  # every elapsed time of the job counts from here
+    if origin_kind == "job_start":  # an earlier job ran in this process: its peak is not this job's
+        start_job_peak_rss()
     release_freed_memory()  # what earlier jobs of a multirun freed: not this job's memory
     if cfg.distributed.strategy != "none":
         adopt_slurm_env()  # a SLURM task: torchrun's variables from SLURM's
@@ -120,7 +146,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     record = (
         RunRecord(run_dir, sinks=open_sinks(cfg, run_dir, resolved_config(cfg))) if main else NullRecord()
     )
-    meter = StepMeter(skip_steps=cfg.metrics.skip_steps)
+    meter = StepMeter(skip_steps=cfg.metrics.skip_steps, start_time=origin)
     summary: dict[str, Any] = {
         "status": "running",
         "optim": cfg.optim,
@@ -131,6 +157,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "started_at": datetime.datetime.now().isoformat(timespec="seconds"),
         "host": platform.node(),
         "torch": torch.__version__,
+        "clock_origin": origin_kind,
         "phases": {},
         "logger": [sink.info for sink in record.sinks],
         "error": None,
@@ -151,6 +178,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             if auto_batch
             else cfg.trainer.batch_size // cfg.trainer.grad_accum_steps
         )
+        # before the data and its loader workers exist: nothing of this run competes with the calibration
+        peak, peak_record = measure_peak(cfg, device, world, micro_batch)
         data = build_data(
             cfg.data,
             batch_size=micro_batch,  # one micro-batch, all ranks
@@ -187,11 +216,18 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             host_batches = list(itertools.islice(data.train_loader, cfg.metrics.flop_batches))
             if counted is not None:  # a model torch counts: counted again at the batch it will train on
                 counted = counted_flops(model, loss_fn, to_device(host_batches[0], device, False))
-        flops = cfg.trainer.grad_accum_steps * (counted or analytic_flops(model, host_batches))
-        peak = peak_flops(device, cfg.precision.dtype, cfg.metrics.peak_flops_cache)
+        # a plug-in model is counted once by torch: its model FLOPs are what it executes
+        model_flops, hardware_flops = (
+            (counted, counted) if counted is not None else analytic_flops(model, host_batches)
+        )
+        model_flops *= cfg.trainer.grad_accum_steps
+        hardware_flops *= cfg.trainer.grad_accum_steps
         summary.update(
-            flops_per_step=flops,
+            model_flops_per_step=model_flops,
+            hardware_flops_per_step=hardware_flops,
+            flops_per_step=model_flops,  # DESIGN.md section 7's key: the model FLOPs
             peak_flops=peak,
+            peak_flops_calibration=peak_record,
             n_params=sum(p.numel() for p in model.parameters()),
             n_train=data.n_train,
             n_val=data.n_val,
@@ -202,7 +238,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 plan, loss_fn, data, cfg, device, record, monitor, meter, setup.loader.non_blocking, run_dir
             )
         timing = meter.summary()
-        step_time = timing["step_time_s"]
+        step_time = timing["step_time_s"]  # the mean over the timed steps, as samples_per_s
         # Compilation done in the compile phase's warm-up counts too, not only the warm-up steps' excess.
         if timing["compile_time_s"] is not None:
             timing["compile_time_s"] += plan.records["compile"].get("compile_time_s", 0.0)
@@ -220,8 +256,15 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             nonfinite_check=result.nonfinite_check,
             resumed_from_step=result.resumed_from,
             profile=result.profile,
-            # Achieved FLOP/s over the measured steps against the device's peak for this dtype.
-            mfu=flops / step_time / peak if peak and step_time else None,
+        )
+        # Achieved FLOP/s over the timed steps against the peak of the matmuls' dtype; above 1: null + why.
+        summary.update(
+            null_reason(
+                utilization(model_flops, step_time, peak),
+                utilization(hardware_flops, step_time, peak),
+                peak,
+                peak_record,
+            )
         )
     except RunAborted as exc:
         summary.update(
@@ -243,7 +286,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             record.keep_earlier_summary()
         raise
     finally:
-        summary["duration_s"] = time.perf_counter() - meter.start_time
+        summary["duration_s"] = meter.elapsed_s()
         summary["config"] = resolved_config(cfg)
         summary["pid"] = os.getpid()
         record.write_summary(summary)

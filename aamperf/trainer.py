@@ -232,8 +232,11 @@ def fit(
                     "tokens_per_s": interval["tokens"] / interval["time_s"],
                     "data_wait_frac": interval["wait_s"] / interval["time_s"],
                     "rss_bytes": monitor.rss_bytes,
+                    "tree_pss_bytes": monitor.tree_pss_bytes,
                     "cpu_percent": monitor.cpu_percent,
-                    "elapsed_s": time.perf_counter() - meter.start_time,
+                    # from the process's start (meter.start_time), at the end of this step, before
+                    # this line's validation: the time a model of this quality took to get
+                    "elapsed_s": meter.elapsed_s(),
                 }
             )
             stop = stop or memory_stop

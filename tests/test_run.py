@@ -1,11 +1,24 @@
 """A whole run through train(cfg, run_dir): the run record is complete and honest."""
 
+import itertools
 import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
+import torch
+from conftest import TINY
 
+from aamperf.data import build_data
+from aamperf.distributed import World
 from aamperf.errors import UserError
-from aamperf.run import train
+from aamperf.metrics.monitor import pss_bytes
+from aamperf.phases import apply_phases, setup_phases
+from aamperf.run import analytic_flops, build, train
 
 # DESIGN.md section 7: the keys the checks rely on.
 SUMMARY_KEYS = {
@@ -18,9 +31,16 @@ SUMMARY_KEYS = {
     "samples_per_s",
     "tokens_per_s",
     "step_time_s",
+    "step_time_median_s",
     "flops_per_step",
+    "model_flops_per_step",
+    "hardware_flops_per_step",
     "mfu",
+    "hfu",
+    "peak_flops",
+    "peak_flops_calibration",
     "peak_rss_bytes",
+    "peak_tree_pss_bytes",
     "peak_device_bytes",
     "data_wait_frac",
     "compile_time_s",
@@ -46,7 +66,20 @@ def test_three_step_run_writes_a_complete_summary(make_cfg, tmp_path):
     assert [k for k in SUMMARY_KEYS - MAY_BE_NULL if summary[k] is None] == []
     assert summary["status"] == "completed" and summary["steps"] == 3 and summary["device"] == "cpu"
     assert summary["samples_per_s"] > 0 and summary["tokens_per_s"] > summary["samples_per_s"]
-    assert 0 < summary["mfu"] <= 1
+    assert 0 < summary["mfu"] <= 1 and 0 < summary["hfu"] <= 1
+    assert summary["flops_per_step"] == summary["model_flops_per_step"]
+    # optim=baseline pads every batch to data.max_asvs: the sample encoder runs over padding slots
+    assert summary["hardware_flops_per_step"] > summary["model_flops_per_step"]
+    calibration = summary["peak_flops_calibration"]
+    assert calibration["status"] in ("this_run", "cache", "this_run_under_load") and calibration["reason"]
+    assert (
+        calibration["dtype"] == "fp32"
+        and calibration["threads"] >= 1
+        and len(calibration["loadavg_before"]) == 3
+    )
+    assert summary["peak_flops"] == (
+        calibration["cached"]["peak_flops"] if calibration["status"] == "cache" else calibration["peak_flops"]
+    )
     assert summary["peak_rss_bytes"] > 100 * 2**20  # torch alone is bigger than this
     assert summary["nonfinite_steps"] == 0
     assert summary["config"]["trainer"]["max_steps"] == 3
@@ -108,3 +141,123 @@ def test_any_nn_module_trains_with_a_matching_loss(make_cfg, tmp_path):
     assert summary["status"] == "completed"
     assert summary["flops_per_step"] > 0 and summary["mfu"] > 0
     assert summary["train_loss"] > 0 and summary["val_loss"] > 0
+
+
+def step_flops(make_cfg, *overrides: str) -> tuple[float, float]:
+    """(model, hardware) FLOPs per step of the first batches as train() counts them, under `overrides`."""
+    cfg = make_cfg(*overrides)
+    device = torch.device("cpu")
+    setup = setup_phases(cfg, device)
+    data = build_data(cfg.data, batch_size=4, seed=cfg.seed, loader=setup.loader, pad_to=setup.pad_to)
+    model = build(cfg, "model")
+    apply_phases(model, cfg, device, lambda *args: None, setup.records, World())
+    return analytic_flops(model, list(itertools.islice(data.train_loader, 3)))
+
+
+def test_model_flops_are_the_same_for_every_configuration_of_the_same_batches(make_cfg):
+    fewer = "data.mean_richness=8"  # samples of fewer than data.max_asvs=16 ASVs: padding to skip
+    flops = {
+        name: step_flops(make_cfg, fewer, *overrides)
+        for name, overrides in {
+            "plain": ["aam_ops=plain"],
+            "padding_aware": ["aam_ops=padding_aware"],
+            "dedup": ["aam_ops=dedup"],
+            "fast": ["aam_ops=fast"],
+            "bf16": ["precision=bf16"],
+            "checkpointing": ["memory=checkpointing"],
+        }.items()
+    }
+    model = {f[0] for f in flops.values()}
+    assert len(model) == 1, flops  # MFU is the same work for every configuration
+    hardware = {name: f[1] for name, f in flops.items()}
+    assert hardware["bf16"] == hardware["plain"]  # the same matmuls, in another dtype
+    assert hardware["plain"] > hardware["padding_aware"]  # plain pads every batch to data.max_asvs
+    assert hardware["dedup"] < hardware["plain"] and hardware["fast"] < hardware["padding_aware"]
+    assert hardware["fast"] < model.pop()  # each distinct ASV once: less executed than the math
+    # memory=checkpointing: every layer's forward once more (forward = a third of forward + backward)
+    assert hardware["checkpointing"] == pytest.approx(hardware["plain"] * 4 / 3, rel=0.03)
+
+
+def test_an_mfu_above_one_is_null_with_a_reason(make_cfg, tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        "aamperf.run.peak_flops", lambda *args: (1e3, {"status": "this_run_under_load", "reason": "loaded"})
+    )
+    summary = train(make_cfg("trainer.max_steps=2"), tmp_path)
+    assert summary["status"] == "completed" and summary["peak_flops"] == 1e3
+    assert summary["mfu"] is None and summary["hfu"] is None
+    assert "peak_flops=1e+03" in summary["hfu_error"] and "this_run_under_load" in summary["hfu_error"]
+    assert summary["mfu_error"].startswith("mfu=") and "peak_flops" in summary["mfu_error"]
+    assert json.loads((tmp_path / "summary.json").read_text())["mfu_error"] == summary["mfu_error"]
+
+
+def launch(cache_dir: Path, run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """`/usr/bin/time -v python -m aamperf.train` on the tiny config, as a user starts it."""
+    cmd = [sys.executable, "-m", "aamperf.train", *TINY, f"data.cache_dir={cache_dir}", *overrides]
+    return subprocess.Popen(
+        ["/usr/bin/time", "-v", *cmd, f"hydra.run.dir={run_dir}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def first_line_seen(proc: subprocess.Popen, metrics: Path, on_poll=lambda: None) -> float:
+    """Wall-clock time at which the run's first metrics line appeared, polled from outside."""
+    while proc.poll() is None:
+        on_poll()
+        if metrics.exists() and metrics.read_text().endswith("\n"):
+            return time.time()
+        time.sleep(0.01)
+    raise AssertionError(proc.stderr.read().decode())
+
+
+@pytest.mark.skipif(not Path("/usr/bin/time").exists(), reason="needs GNU time (/usr/bin/time -v)")
+def test_times_and_peak_memory_agree_with_an_outside_clock_and_gnu_time(cache_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    launched = time.time()
+    proc = launch(cache_dir, run_dir, "trainer.max_steps=4", "metrics.skip_steps=1")
+    first_line = first_line_seen(proc, run_dir / "metrics.jsonl") - launched
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr.decode()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    written = (run_dir / "summary.json").stat().st_mtime - launched
+    # From the process's start (imports and Hydra's composition included), as the outside clock sees it.
+    assert written - 0.5 < summary["duration_s"] <= written + 0.05
+    assert first_line - 0.5 < summary["time_to_first_step_s"] <= first_line + 0.05
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["elapsed_s"] == pytest.approx(summary["time_to_first_step_s"], abs=0.3)
+    assert all("elapsed_s" in r for r in rows) and rows[-1]["elapsed_s"] < summary["duration_s"]
+    # Throughput over the timed steps (4 - 1 warm-up) of 4 samples each, by one statistic.
+    assert summary["timed_steps"] == 3
+    assert summary["samples_per_s"] * summary["timed_s"] == pytest.approx(3 * 4)
+    assert summary["samples_per_s"] * summary["step_time_s"] == pytest.approx(4)
+    # peak_rss_bytes is this process's VmHWM: GNU time's "Maximum resident set size" (no children here)
+    gnu = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", stderr.decode()).group(1)) * 1024
+    assert summary["peak_rss_bytes"] == pytest.approx(gnu, rel=0.03)
+
+
+def tree_pss(pid: int) -> int:
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        return sum(pss_bytes(p.pid) for p in procs)
+    except (psutil.Error, OSError):
+        return 0
+
+
+def test_peak_tree_pss_agrees_with_the_tree_polled_from_outside(cache_dir, tmp_path):
+    """With a loader worker (dataloader=tuned): the sampled peak of the tree's summed PSS, as a poller
+    outside the run (this test, reading /proc/<pid>/smaps_rollup like `smem`) sees it over the loop."""
+    run_dir = tmp_path / "run"
+    proc = launch(cache_dir, run_dir, "trainer.max_steps=5", "dataloader=tuned")
+    python = lambda: next(iter(psutil.Process(proc.pid).children()), None)  # noqa: E731 (under time)
+    first_line_seen(proc, run_dir / "metrics.jsonl")
+    child = python()
+    outside, workers = 0, 0
+    while proc.poll() is None and not (run_dir / "summary.json").exists():
+        outside = max(outside, tree_pss(child.pid))
+        workers = max(workers, len(child.children(recursive=True)))
+        time.sleep(0.1)  # the run's own sampling period is 0.2 s (metrics.monitor_interval_s)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr.decode()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert workers >= 1  # the worker was there and in both figures
+    assert 0.85 * outside < summary["peak_tree_pss_bytes"] < 1.15 * outside

@@ -1,27 +1,35 @@
-"""FLOPs of a step and the device's peak FLOP/s, the two halves of MFU."""
+"""FLOPs of a step and the device's peak FLOP/s, the two halves of MFU / HFU."""
 
 import json
+import os
 import platform
+import socket
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+import psutil
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from aamperf.metrics.record import write_json_atomic
 
-# Dense peak FLOP/s of known GPUs by (name fragment, dtype), from the vendors' data sheets.
+# Dense peak FLOP/s of known GPUs by (name fragment, matmul dtype), from the vendors' data sheets.
 # A device not listed gets MFU = null: never a guess.
 GPU_PEAK_FLOPS: dict[tuple[str, str], float] = {
     ("H100", "bf16"): 989e12,
     ("H100", "fp16"): 989e12,
+    ("H100", "tf32"): 494e12,
     ("H100", "fp32"): 67e12,
     ("A100", "bf16"): 312e12,
     ("A100", "fp16"): 312e12,
+    ("A100", "tf32"): 156e12,
     ("A100", "fp32"): 19.5e12,
     ("L4", "bf16"): 121e12,
     ("L4", "fp16"): 121e12,
+    ("L4", "tf32"): 60e12,
     ("L4", "fp32"): 30.3e12,
     ("V100", "fp16"): 125e12,
     ("V100", "fp32"): 15.7e12,
@@ -30,6 +38,35 @@ GPU_PEAK_FLOPS: dict[tuple[str, str], float] = {
 }
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# CPU flags that change which matmul kernels run: a cached peak is only valid with the same set.
+_MATMUL_FLAGS = (
+    "amx_bf16",
+    "amx_fp16",
+    "amx_int8",
+    "amx_tile",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx512f",
+    "avx2",
+    "fma",
+)
+
+
+def square_shape(threads: int) -> tuple[int, int, int]:
+    """The large square matmul of every calibration: big enough to keep `threads` cores busy (1024 for
+    up to 3 threads, 2048 up to 15, ...), small enough to take a fraction of a second."""
+    n = min(4096, 1024 * max(1, round(threads ** (1 / 3))))
+    return n, n, n
+
+
+MAX_ROWS = 16384  # a model-shaped matmul with more rows runs the same kernel at the same rate
+
+# A calibration is taken "under load" (and never cached) when, while it ran, other processes used more
+# than this many cores, the hypervisor stole more than this many, the 1-min load average before it
+# exceeded 1 (this process, busy before the calibration) + half the CPUs, or its trials spread more than
+# MAX_SPREAD around their median.
+MAX_OTHER_CORES = 0.25
+MAX_SPREAD = 0.25
 
 
 def count_flops(step: Callable[[], None]) -> float:
@@ -39,46 +76,231 @@ def count_flops(step: Callable[[], None]) -> float:
     return float(counter.get_total_flops())
 
 
-def _cpu_name() -> str:
+def matmul_dtype(device: torch.device, precision: str, matmul_precision: str) -> str:
+    """The dtype the run's matmuls execute in: the autocast dtype, or TF32 for fp32 on a CUDA device
+    allowed to use it (matmul_precision high/medium)."""
+    if precision == "fp32" and device.type == "cuda" and matmul_precision != "highest":
+        return "tf32"
+    return precision
+
+
+def utilization(flops_per_step: float, step_time_s: float | None, peak: float | None) -> float | None:
+    """Achieved FLOP/s / peak FLOP/s, or None where there is no figure (the reason: `null_reason`)."""
+    if not peak or not step_time_s:
+        return None
+    return flops_per_step / step_time_s / peak
+
+
+def null_reason(mfu: float | None, hfu: float | None, peak: float | None, record: dict[str, Any]) -> dict:
+    """{mfu, hfu, mfu_error, hfu_error}: a utilization above 1 is an error, not a figure (null, and why,
+    naming the figure that is wrong)."""
+    source = record.get("status", "unknown")
+    out: dict[str, Any] = {"mfu": mfu, "hfu": hfu, "mfu_error": None, "hfu_error": None}
+    if peak is None:
+        why = record.get("reason") or "no peak FLOP/s for this device and dtype"
+        out["mfu_error"] = out["hfu_error"] = f"no peak: {why}"
+        return out
+    if hfu is not None and hfu > 1:
+        out["hfu"] = None
+        out["hfu_error"] = (
+            f"hfu={hfu:.3g} > 1: peak_flops={peak:.3g} FLOP/s ({source}) is below the FLOP/s this run "
+            "executed, so peak_flops is wrong (a calibration on a loaded or different machine) unless "
+            "hardware_flops_per_step overcounts"
+        )
+    if mfu is not None and mfu > 1:
+        out["mfu"] = None
+        if hfu is not None and hfu <= 1:
+            out["mfu_error"] = (
+                f"mfu={mfu:.3g} > 1 with hfu={hfu:.3g}: the run executed fewer FLOPs than the model's math "
+                "(hardware_flops_per_step < model_flops_per_step: each distinct ASV encoded once), so "
+                "model FLOP/s over the peak is no utilization; compare samples_per_s"
+            )
+        else:
+            out["mfu_error"] = f"mfu={mfu:.3g} > 1: " + (out["hfu_error"] or "peak_flops is too low")
+    return out
+
+
+# ---- peak FLOP/s: a table on GPUs, a calibration on CPU ------------------------------------------
+
+
+def _cpuinfo() -> tuple[str, list[str]]:
+    name, flags = platform.processor() or platform.machine(), []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
+                break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return name, sorted(set(flags) & set(_MATMUL_FLAGS))
 
 
-def _calibrate_cpu(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
-    """Best-of-`repeats` FLOP/s of an n x n matmul at the current torch thread count."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
+def _machine_id() -> str:
+    try:
+        return Path("/etc/machine-id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def machine_key(precision: str, threads: int) -> str:
+    """The cache key of a CPU peak: this machine (machine-id + hostname: containers of one image share
+    a machine-id), its CPU model and matmul flags, the thread count, torch and the dtype."""
+    name, flags = _cpuinfo()
+    host = socket.gethostname()
+    return (
+        f"{_machine_id()}|{host}|{name}|{','.join(flags)}|threads={threads}|"
+        f"torch={torch.__version__}|{precision}"
+    )
+
+
+def _busy(times: Any) -> float:
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0) - getattr(times, "steal", 0.0)
+
+
+def _time_matmul(shape: tuple[int, int, int], dtype: torch.dtype, trials: int, trial_s: float) -> list[float]:
+    """FLOP/s of `trials` timed runs of an [m, k] x [k, n] matmul, each repeated for >= trial_s."""
+    m, k, n = shape
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     torch.mm(a, b)  # warm-up: the first call picks kernels and touches the pages
-    best = 0.0
-    for _ in range(repeats):
+    start = time.perf_counter()
+    torch.mm(a, b)
+    repeats = max(1, round(trial_s / max(time.perf_counter() - start, 1e-6)))
+    rates = []
+    for _ in range(trials):
         start = time.perf_counter()
-        torch.mm(a, b)
-        best = max(best, 2 * n**3 / (time.perf_counter() - start))
-    return best
+        for _ in range(repeats):
+            torch.mm(a, b)
+        rates.append(2 * m * k * n * repeats / (time.perf_counter() - start))
+    return rates
 
 
-def peak_flops(device: torch.device, precision: str, cache_file: str | Path) -> float | None:
-    """Peak FLOP/s for `precision` on `device`: a table on GPUs, a calibration on CPU.
+def calibrate_cpu(
+    precision: str, shapes: Sequence[tuple[int, int, int]] = (), trials: int = 5, trial_s: float = 0.03
+) -> dict[str, Any]:
+    """Median FLOP/s over `trials` of each matmul shape (the model's, and a square one), at the current torch
+    thread count; the peak is the best shape's median. The record says whether the machine was busy."""
+    dtype, threads = _DTYPES[precision], torch.get_num_threads()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    load_before = os.getloadavg()
+    me = psutil.Process()
+    cpu0, own0, wall0 = psutil.cpu_times(), me.cpu_times(), time.perf_counter()
+    per_shape = []
+    for shape in [*[(min(m, MAX_ROWS), k, n) for m, k, n in shapes], square_shape(threads)]:
+        rates = _time_matmul(shape, dtype, trials, trial_s)
+        median = statistics.median(rates)
+        per_shape.append(
+            {
+                "shape": list(shape),
+                "median_flops": median,
+                "spread": (max(rates) - min(rates)) / median,
+                "trials": rates,
+            }
+        )
+    wall = time.perf_counter() - wall0
+    cpu1, own1 = psutil.cpu_times(), me.cpu_times()
+    own = (own1.user + own1.system) - (own0.user + own0.system)
+    other_cores = max(0.0, (_busy(cpu1) - _busy(cpu0) - own) / wall)
+    steal_cores = (getattr(cpu1, "steal", 0.0) - getattr(cpu0, "steal", 0.0)) / wall
+    best = max(per_shape, key=lambda s: s["median_flops"])
+    record = {
+        "peak_flops": best["median_flops"],
+        "best_shape": best["shape"],
+        "spread": best["spread"],
+        "shapes": per_shape,
+        "trials": trials,
+        "dtype": precision,
+        "threads": threads,
+        "cpus": cpus,
+        "cpu_model": _cpuinfo()[0],
+        "cpu_flags": _cpuinfo()[1],
+        "loadavg_before": list(load_before),
+        "loadavg_after": list(os.getloadavg()),
+        "other_cores_busy": other_cores,
+        "steal_cores": steal_cores,
+        "wall_s": wall,
+    }
+    load = []
+    if other_cores > MAX_OTHER_CORES:
+        load.append(f"other processes used {other_cores:.2f} cores while it ran")
+    if steal_cores > MAX_OTHER_CORES:
+        load.append(f"the hypervisor stole {steal_cores:.2f} cores")
+    if load_before[0] > 1 + cpus / 2:
+        load.append(f"load average {load_before[0]:.2f} before it, on {cpus} CPUs")
+    if best["spread"] > MAX_SPREAD:
+        load.append(f"its trials spread {best['spread']:.0%} around the median")
+    record["under_load"] = "; ".join(load) or None
+    return record
 
-    On CPU every run measures again (a fraction of a second) and the cache keeps the best figure
-    seen on this machine: one calibration on a busy machine would otherwise understate the peak
-    (and overstate MFU) for good."""
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):  # absent, or damaged: no cache (it is rewritten by the next clean run)
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _write_cache(path: Path, key: str, entry: dict[str, Any]) -> None:
+    """Add `entry` under `key`. Several processes (torchrun ranks, sweeps) may write at once: each writes
+    its own temporary file and renames it (at worst one's entry is lost, never the file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {**_read_cache(path), key: entry})
+
+
+def peak_flops(
+    device: torch.device,
+    precision: str,
+    cache_file: str | Path,
+    shapes: Sequence[tuple[int, int, int]] = (),
+    calibrate: Callable[..., dict[str, Any]] = calibrate_cpu,
+) -> tuple[float | None, dict[str, Any]]:
+    """(peak FLOP/s for matmuls in `precision` on `device`, the record of where it came from).
+
+    GPU: the data-sheet table. CPU: a calibration in this run (`calibrate_cpu`). A clean one is used
+    and cached for this machine; one taken under load is never cached: the figure a clean run cached on
+    this same machine (`machine_key`) is used instead, or, with none, this run's figure, flagged."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        return next((v for (frag, p), v in GPU_PEAK_FLOPS.items() if frag in name and p == precision), None)
+        peak = next((v for (frag, p), v in GPU_PEAK_FLOPS.items() if frag in name and p == precision), None)
+        reason = None if peak else f"{name} / {precision} is not in GPU_PEAK_FLOPS (aamperf/metrics/flops.py)"
+        return peak, {
+            "status": "table" if peak else "unknown",
+            "device_name": name,
+            "dtype": precision,
+            "reason": reason,
+        }
     if device.type != "cpu" or precision not in _DTYPES:
-        return None
-    key = f"{_cpu_name()}|threads={torch.get_num_threads()}|{precision}|torch={torch.__version__}"
+        return None, {
+            "status": "unknown",
+            "dtype": precision,
+            "reason": f"no peak for {device.type} / {precision}",
+        }
+    record = calibrate(precision, shapes)
+    key = machine_key(precision, record["threads"])
+    record["cache_key"] = key
     cache_file = Path(cache_file)
-    cache = json.loads(cache_file.read_text()) if cache_file.exists() else {}
-    measured = _calibrate_cpu(_DTYPES[precision])
-    if measured > cache.get(key, 0.0):
-        cache[key] = measured
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(cache_file, cache)
-    return cache[key]
+    if record["under_load"] is None:
+        entry = {
+            k: record[k] for k in ("peak_flops", "spread", "best_shape", "loadavg_before", "other_cores_busy")
+        }
+        _write_cache(cache_file, key, {**entry, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        return record["peak_flops"], {
+            **record,
+            "status": "this_run",
+            "reason": "calibrated in this run; cached",
+        }
+    cached = _read_cache(cache_file).get(key)
+    if cached:
+        reason = (
+            f"this run's calibration ({record['peak_flops']:.3g} FLOP/s) was under load "
+            f"({record['under_load']}): not cached; using the figure a clean run measured on this machine "
+            f"at {cached.get('measured_at')}"
+        )
+        return cached["peak_flops"], {**record, "status": "cache", "cached": cached, "reason": reason}
+    reason = (
+        f"under load ({record['under_load']}) and no clean figure cached for this machine: this run's "
+        "figure is used but not cached; it may be low (MFU high)"
+    )
+    return record["peak_flops"], {**record, "status": "this_run_under_load", "reason": reason}

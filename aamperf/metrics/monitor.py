@@ -40,26 +40,67 @@ def _open_gpu(device: torch.device) -> _GPU | None:
         return None
 
 
-def reset_peak_rss() -> None:
-    """Restart this process's peak-RSS counter (Linux: VmHWM and ru_maxrss), so that a job of an
-    in-process multirun measures its own peak, not the largest of the jobs before it."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:  # not Linux, or not permitted: the peak then covers the whole process lifetime
-        pass
+# This process's peak RSS before the last reset_peak_rss() of the current job: the batch-size finder
+# resets the kernel's high-water mark to measure each trial, and the job's peak must survive that.
+_peak_before_reset = [0]
 
 
-def peak_rss() -> int:
-    """This process's peak RSS in bytes since it started or since reset_peak_rss(): VmHWM. Not
-    ru_maxrss, which Linux starts at the parent's RSS across fork + exec: a run started by a big
-    process (a sweep driver, torchrun's agent, a test) would report at least the parent's memory."""
+def _vm_hwm() -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def reset_peak_rss() -> None:
+    """Restart this process's peak-RSS counter (Linux: VmHWM), so that peak_rss() measures from now;
+    job_peak_rss() still covers the time before."""
+    _peak_before_reset[0] = max(_peak_before_reset[0], _vm_hwm() or 0)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:  # not Linux, or not permitted: the peak then covers the whole process lifetime
+        pass
+
+
+def start_job_peak_rss() -> None:
+    """A new job in this process (an in-process sweep's next job): its peak starts from now, not from
+    the largest of the jobs before it."""
+    reset_peak_rss()
+    _peak_before_reset[0] = 0
+
+
+def peak_rss() -> int:
+    """This process's peak RSS in bytes since it started or since reset_peak_rss(): VmHWM. Not
+    ru_maxrss, which Linux starts at the parent's RSS across fork + exec: a run started by a big
+    process (a sweep driver, torchrun's agent, a test) would report at least the parent's memory."""
+    hwm = _vm_hwm()
+    if hwm is not None:
+        return hwm
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: KiB there too
+
+
+def job_peak_rss() -> int:
+    """This process's peak RSS over the job (since the process started, or start_job_peak_rss()),
+    across the resets of reset_peak_rss(): what `/usr/bin/time -v` reports as "Maximum resident set
+    size" for a process without children."""
+    return max(_peak_before_reset[0], peak_rss())
+
+
+def pss_bytes(pid: int | str = "self") -> int:
+    """Proportional set size of a process (/proc/<pid>/smaps_rollup, the `smem` PSS): its private pages
+    plus each shared page divided by the number of processes sharing it, so a tree's sum counts every
+    page once. Falls back to RSS where there is no smaps_rollup."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    proc = psutil.Process() if pid == "self" else psutil.Process(int(pid))
+    return proc.memory_info().rss
 
 
 def release_freed_memory() -> None:
@@ -81,7 +122,9 @@ def _is_logger(proc: psutil.Process) -> bool:
 class SystemMonitor:
     """Samples memory and CPU % of this process and its children (dataloader workers) every interval.
 
-    Memory = this process's RSS + each child's unique set size (pages only it holds).
+    Memory: this process's RSS now (`rss_bytes`), and the process tree's summed PSS (`tree_pss_bytes`,
+    workers' shared pages counted once in all); peaks: this process's VmHWM over the job
+    (`peak_rss_bytes`) and the sampled peak of the tree's PSS (`peak_tree_pss_bytes`).
 
     Runs in a daemon thread so the training loop itself never waits on psutil or NVML.
     """
@@ -94,7 +137,8 @@ class SystemMonitor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="aamperf-monitor", daemon=True)
         self._gpu = _open_gpu(device)
-        self.peak_rss_bytes = 0
+        self.peak_tree_pss_bytes = 0
+        self.tree_pss_bytes = 0
         self.rss_bytes = 0
         self.cpu_percent = 0.0
         self._cpu_sum = 0.0
@@ -110,18 +154,19 @@ class SystemMonitor:
         return list(self._procs.values())
 
     def sample(self) -> None:
-        rss, cpu = 0, 0.0
+        pss, cpu = 0, 0.0
         for proc in self._tree():
             try:
-                # A forked worker shares most pages with this process: count only its own (USS),
-                # or the tree's sum would count the shared pages once per worker.
-                rss += proc.memory_info().rss if proc is self._root else proc.memory_full_info().uss
+                # PSS: a forked worker shares most pages with this process; each shared page counts
+                # once in the tree's sum (split between its sharers), never once per worker.
+                pss += pss_bytes("self" if proc is self._root else proc.pid)
                 cpu += proc.cpu_percent()
-            except psutil.Error:  # a worker exited between listing and reading
+            except (psutil.Error, FileNotFoundError, ProcessLookupError):  # a worker exited meanwhile
                 continue
-        self.rss_bytes = rss
+        self.rss_bytes = self._root.memory_info().rss
+        self.tree_pss_bytes = pss
         self.cpu_percent = cpu
-        self.peak_rss_bytes = max(self.peak_rss_bytes, rss)
+        self.peak_tree_pss_bytes = max(self.peak_tree_pss_bytes, pss)
         self._cpu_sum += cpu
         self._samples += 1
         if self._gpu is not None:
@@ -134,7 +179,7 @@ class SystemMonitor:
             self.sample()
 
     def __enter__(self) -> "SystemMonitor":
-        reset_peak_rss()
+        reset_peak_rss()  # peak_rss() from here: the loop's own; job_peak_rss() keeps the time before
         self.sample()  # primes cpu_percent; the first reading of each process is 0 by psutil's design
         self.start_rss_bytes = self.rss_bytes  # model, data and libraries, before the first step
         self._thread.start()
@@ -148,12 +193,13 @@ class SystemMonitor:
             self._gpu.close()
 
     def summary(self) -> dict[str, Any]:
-        self_peak = peak_rss()  # catches a peak of this process that fell between two samples
+        peak = job_peak_rss()
         n = max(self._samples - 1, 1)  # the priming sample carries no CPU reading
         out: dict[str, Any] = {
-            "peak_rss_bytes": max(self.peak_rss_bytes, self_peak),
-            # what training adds on top (activations, gradients, optimizer state, workers' batches)
-            "train_rss_growth_bytes": max(self.peak_rss_bytes, self_peak) - self.start_rss_bytes,
+            "peak_rss_bytes": peak,
+            "peak_tree_pss_bytes": self.peak_tree_pss_bytes,
+            # what training adds on top (activations, gradients, optimizer state)
+            "train_rss_growth_bytes": peak_rss() - self.start_rss_bytes,
             "cpu_percent": self._cpu_sum / n,
             "gpu_util_percent": None,
             "peak_gpu_used_bytes": self.peak_gpu_used_bytes,

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,14 +21,19 @@ def _clean(value: Any) -> Any:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write to a temp file, fsync, rename: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(_clean(obj), f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write to a temp file, fsync, rename: a reader never sees half a file. The temp file's name is
+    unique to this writer, so several processes (torchrun ranks) may write the same file at once."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(_clean(obj), f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 class RunRecord:

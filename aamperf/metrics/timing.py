@@ -1,16 +1,49 @@
-"""Step timing: warm-up steps apart, steady-state throughput over the measured ones."""
+"""Step timing: warm-up steps apart, steady-state throughput over the measured ones, and the clock
+every elapsed time of a run is read on (from the process's start)."""
 
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
 
+import psutil
+
+# The one process-wide fact a run needs: whether an earlier job already ran in this process (Hydra's
+# basic launcher runs a sweep's jobs one after another in one process). Its time is not the next job's.
+_jobs_started = [0]
+
+
+def process_age_s() -> float:
+    """Seconds since this process was created (the interpreter's launch: imports and Hydra's config
+    composition included). Linux: /proc/self/stat's start time (clock ticks since boot) against
+    CLOCK_BOOTTIME, exact to a tick; psutil's create_time() adds the boot time in whole seconds."""
+    try:
+        fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+        start = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5), after pid and (comm)
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start
+    except (OSError, ValueError, AttributeError):  # not Linux
+        return time.time() - psutil.Process().create_time()
+
+
+def job_origin() -> tuple[float, str]:
+    """(perf_counter value every elapsed time of this job counts from, what it is). The first job of a
+    process counts from the process's start; a later one (an in-process sweep, a test, a notebook) from
+    now, its own start, since the process's earlier time belongs to the jobs before it."""
+    first = _jobs_started[0] == 0
+    _jobs_started[0] += 1
+    now = time.perf_counter()
+    return (now - process_age_s(), "process_start") if first else (now, "job_start")
+
 
 @dataclass
 class StepMeter:
-    """Collects per-step wall times; the first `skip_steps` are warm-up (compile, caches)."""
+    """Collects per-step wall times; the first `skip_steps` are warm-up (compile, caches).
+
+    `start_time`: the perf_counter origin of the job (`job_origin`), for time_to_first_step_s,
+    duration_s and every metrics line's elapsed_s."""
 
     skip_steps: int
-    start_time: float = field(default_factory=time.perf_counter)  # when the run began
+    start_time: float = field(default_factory=time.perf_counter)
     warmup_times_s: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
     data_wait_s: float = 0.0
@@ -18,9 +51,12 @@ class StepMeter:
     tokens: int = 0
     time_to_first_step_s: float | None = None
 
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.start_time
+
     def add(self, step_time_s: float, data_wait_s: float, samples: int, tokens: int) -> None:
         if self.time_to_first_step_s is None:
-            self.time_to_first_step_s = time.perf_counter() - self.start_time
+            self.time_to_first_step_s = self.elapsed_s()
         if len(self.warmup_times_s) < self.skip_steps:
             self.warmup_times_s.append(step_time_s)
             return
@@ -38,17 +74,22 @@ class StepMeter:
             setattr(self, key, value)
 
     def summary(self) -> dict[str, float | int | None]:
+        """Throughput and step time over the same timed steps by the same statistic (the mean), so that
+        samples_per_s == batch / step_time_s for a fixed batch; the median is there under its own name."""
         measured_s = sum(self.step_times_s)
-        median = statistics.median(self.step_times_s) if self.step_times_s else None
-        # Extra time of the warm-up steps over steady state: where compilation and cache warm-up go.
+        n = len(self.step_times_s)
+        median = statistics.median(self.step_times_s) if n else None
+        # Extra time of the warm-up steps over a typical (median) step: compilation and cache warm-up.
         compile_s = None
         if median is not None:
             compile_s = max(0.0, sum(self.warmup_times_s) - median * len(self.warmup_times_s))
         return {
-            "timed_steps": len(self.step_times_s),
+            "timed_steps": n,
+            "timed_s": measured_s,
             "samples_per_s": self.samples / measured_s if measured_s else None,
             "tokens_per_s": self.tokens / measured_s if measured_s else None,
-            "step_time_s": median,
+            "step_time_s": measured_s / n if n else None,
+            "step_time_median_s": median,
             "data_wait_frac": self.data_wait_s / measured_s if measured_s else None,
             "compile_time_s": compile_s,
             "time_to_first_step_s": self.time_to_first_step_s,

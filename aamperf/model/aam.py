@@ -2,6 +2,7 @@
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from aamperf.model.layers import AttentionPooling, Transformer
 
@@ -160,31 +161,70 @@ class AAM(nn.Module):
             return int(asv_ids[real].unique().numel())
         return int(real.sum())
 
-    def flops_per_step(self, batch_size: int, n_asvs: int, encoded_rows: int | None = None) -> float:
-        """Matmul FLOPs of one training step (forward + backward = 3 x forward, 2 FLOPs per
-        multiply-add) on a [batch_size, n_asvs, seq_len] batch. `encoded_rows`: the rows the ASV
-        encoder and nucleotide head run on (`count_encoded_rows`); default all batch_size * n_asvs."""
+    @staticmethod
+    def real_asvs_per_sample(tokens: Tensor) -> list[int]:
+        """Real (not padding) ASVs of each sample of a host batch [B, S, L]."""
+        return (tokens != PAD).any(dim=-1).sum(dim=1).tolist()
+
+    def checkpointed_layers(self) -> tuple[int, int, int]:
+        """Transformer layers of the ASV, sample and encoder stacks wrapped for activation checkpointing
+        (`aamperf/phases/memory.py`): each runs its forward twice."""
+        stacks = (self.asv_encoder, self.sample_transformer, self.encoder_transformer)
+        return tuple(sum(isinstance(b, CheckpointWrapper) for b in s.blocks) for s in stacks)
+
+    def _step_flops(
+        self, encoded_rows: int, widths: list[int], count_rows: int, recomputed: tuple[int, int, int]
+    ) -> float:
+        """Matmul FLOPs of forward + backward (3 x forward, 2 FLOPs per multiply-add), plus one more
+        forward of each recomputed layer: the ASV encoder and nucleotide head on `encoded_rows` rows of
+        seq_len positions, the count embedding on `count_rows` slots, the sample encoder over samples of
+        `widths` positions each."""
         dim, f, length = self.embedding_dim, self.ffn_mult, self.seq_len
         asv_layers, sample_layers, encoder_layers = self.layers
 
-        def transformer(rows: int, positions: int, layers: int) -> int:
-            tokens = rows * positions
+        def layer(tokens: int, squares: int) -> int:
             proj = 2 * tokens * dim * (3 * dim + dim + 2 * f * dim)  # qkv, out, FFN up + down
-            attn = 2 * 2 * rows * positions * positions * dim  # q k^T and weights @ v, all heads
-            return layers * (proj + attn)
+            attn = 2 * 2 * squares * dim  # q k^T and weights @ v, all heads: positions^2 per sequence
+            return proj + attn
 
-        def pool(rows: int, positions: int) -> int:
-            return 2 * 2 * rows * positions * dim  # score Linear(D, 1) and the weighted sum
+        asv_layer = layer(encoded_rows * length, encoded_rows * length * length)
+        sample_layer = layer(sum(widths), sum(w * w for w in widths))
+        forward = (
+            asv_layers * asv_layer
+            + 2 * 2 * encoded_rows * length * dim  # ASV pooling: score Linear(D, 1) and the weighted sum
+            + 2 * encoded_rows * length * dim * self.vocab_size  # nucleotide head
+            + (2 * count_rows * dim if self.count_embedding is not None else 0)  # Linear(1, D)
+            + (sample_layers + encoder_layers) * sample_layer
+            + 2 * 2 * sum(widths) * dim  # sample pooling
+            + 2 * len(widths) * dim * self.target_dim  # target head (0 when absent)
+        )
+        recompute = recomputed[0] * asv_layer + (recomputed[1] + recomputed[2]) * sample_layer
+        return 3.0 * forward + recompute
 
+    def flops_per_step(
+        self,
+        batch_size: int,
+        n_asvs: int,
+        encoded_rows: int | None = None,
+        recomputed: tuple[int, int, int] = (0, 0, 0),
+    ) -> float:
+        """Hardware FLOPs: the matmuls this code executes in one training step on a [batch_size, n_asvs,
+        seq_len] batch. `encoded_rows`: the rows the ASV encoder and nucleotide head run on
+        (`count_encoded_rows`; default all batch_size * n_asvs); the sample encoder runs over the padded
+        width n_asvs; `recomputed`: checkpointed layers per stack (`checkpointed_layers`)."""
         rows = batch_size * n_asvs
         encoded = rows if encoded_rows is None else encoded_rows
-        forward = (
-            transformer(encoded, length, asv_layers)
-            + pool(encoded, length)
-            + 2 * encoded * length * dim * self.vocab_size  # nucleotide head
-            + (2 * rows * dim if self.count_embedding is not None else 0)  # Linear(1, D)
-            + transformer(batch_size, n_asvs, sample_layers + encoder_layers)
-            + pool(batch_size, n_asvs)
-            + 2 * batch_size * dim * self.target_dim  # target head (0 when absent)
-        )
-        return 3.0 * forward
+        return self._step_flops(encoded, [n_asvs] * batch_size, rows, recomputed)
+
+    def model_flops_per_step(self, asvs_per_sample: list[int]) -> float:
+        """Model FLOPs: the model's math on the real ASVs of a batch (`real_asvs_per_sample`), the same
+        whatever the configuration: every real ASV slot encoded (a repeated ASV counts once per slot),
+        each sample's encoder over its own ASVs only, no padding, no recomputation."""
+        return self._step_flops(sum(asvs_per_sample), list(asvs_per_sample), sum(asvs_per_sample), (0, 0, 0))
+
+    def batch_flops(self, tokens: Tensor, asv_ids: Tensor | None = None) -> tuple[float, float]:
+        """(model, hardware) FLOPs of one training step on this host batch, as the model is now set up."""
+        batch, n_asvs = tokens.shape[:2]
+        model = self.model_flops_per_step(self.real_asvs_per_sample(tokens))
+        encoded = self.count_encoded_rows(tokens, asv_ids)
+        return model, self.flops_per_step(batch, n_asvs, encoded, self.checkpointed_layers())

@@ -1,8 +1,18 @@
-import json
+"""The device's peak FLOP/s: a CPU calibration robust to load, cached only for the same machine, and
+utilizations above 1 reported as errors."""
 
+import json
+import multiprocessing
+import time
+
+import pytest
 import torch
 
-from aamperf.metrics import count_flops, peak_flops
+from aamperf.metrics import count_flops, null_reason, peak_flops
+from aamperf.metrics import flops as flops_module
+from aamperf.metrics.flops import calibrate_cpu, machine_key
+
+CPU = torch.device("cpu")
 
 
 def test_count_flops_of_a_matmul():
@@ -10,21 +20,113 @@ def test_count_flops_of_a_matmul():
     assert count_flops(lambda: a @ b) == 2 * 64 * 32 * 16
 
 
-def test_cpu_peak_is_the_best_calibration_seen(tmp_path):
+def fake_calibration(peak: float, under_load: str | None):
+    def calibrate(precision, shapes):
+        clean = {
+            "spread": 0.01,
+            "best_shape": [8, 8, 8],
+            "loadavg_before": [0.1] * 3,
+            "other_cores_busy": 0.0,
+        }
+        return {**clean, "peak_flops": peak, "threads": torch.get_num_threads(), "under_load": under_load}
+
+    return calibrate
+
+
+def test_a_clean_calibration_is_cached_for_this_machine_and_used_when_a_later_one_is_under_load(tmp_path):
     cache = tmp_path / "peak.json"
-    first = peak_flops(torch.device("cpu"), "fp32", cache)
-    assert first > 1e9  # any CPU that runs the tests does more than 1 GFLOP/s in a matmul
+    peak, record = peak_flops(CPU, "fp32", cache, calibrate=fake_calibration(5e10, None))
+    assert peak == 5e10 and record["status"] == "this_run"
     (key,) = json.loads(cache.read_text())
-    assert "fp32" in key and "threads=" in key
-    # A higher figure from an earlier calibration stays (this one may run on a busy machine) ...
-    cache.write_text(json.dumps({key: 1e18}))
-    assert peak_flops(torch.device("cpu"), "fp32", cache) == 1e18
-    # ... and a low one, measured under load, is replaced by the new measurement.
-    cache.write_text(json.dumps({key: 1.0}))
-    assert peak_flops(torch.device("cpu"), "fp32", cache) > 1e9
-    assert json.loads(cache.read_text())[key] > 1e9
+    assert key == machine_key("fp32", torch.get_num_threads())
+    assert f"|{','.join(flops_module._cpuinfo()[1])}|" in key  # the matmul flags of this CPU
+    # A later run on a busy machine measures less: the clean figure is used, and the record says why.
+    peak, record = peak_flops(CPU, "fp32", cache, calibrate=fake_calibration(1e9, "other processes busy"))
+    assert peak == 5e10 and record["status"] == "cache" and "under load" in record["reason"]
+    assert json.loads(cache.read_text())[key]["peak_flops"] == 5e10  # the busy figure is not stored
+    # bf16 is another key: fp32's figure is never used for it
+    peak, record = peak_flops(CPU, "bf16", cache, calibrate=fake_calibration(2e9, "busy"))
+    assert peak == 2e9 and record["status"] == "this_run_under_load"
+    assert list(json.loads(cache.read_text())) == [key]
+    assert not list(tmp_path.glob(".*tmp"))  # each writer's temporary file was renamed
+
+
+def test_a_figure_cached_on_another_machine_is_not_used(tmp_path):
+    cache = tmp_path / "peak.json"
+    key = machine_key("fp32", torch.get_num_threads())
+    other = "another-machine-id|" + key.split("|", 1)[1]  # all the same but the machine
+    cache.write_text(json.dumps({other: {"peak_flops": 1e18, "measured_at": "then"}, "junk": 1}))
+    peak, record = peak_flops(CPU, "fp32", cache, calibrate=fake_calibration(3e9, "busy"))
+    assert peak == 3e9 and record["status"] == "this_run_under_load" and "may be low" in record["reason"]
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_a_calibration_under_load_is_flagged_and_not_cached(tmp_path):
+    """Two busy processes spinning beside the calibration: the reading is never stored as the peak."""
+    cache = tmp_path / "peak.json"
+    busy = [multiprocessing.get_context("spawn").Process(target=_spin, args=(20,)) for _ in range(2)]
+    for p in busy:
+        p.start()
+    try:
+        time.sleep(1.0)  # the spinners are up (spawn imports little)
+        peak, record = peak_flops(CPU, "fp32", cache)
+    finally:
+        for p in busy:
+            p.kill()
+            p.join()
+    assert record["other_cores_busy"] > 1.0 and "other processes used" in record["under_load"]
+    assert record["status"] == "this_run_under_load" and peak == record["peak_flops"] > 1e8
+    assert not cache.exists()
+
+
+def test_a_high_load_average_flags_the_calibration(monkeypatch):
+    monkeypatch.setattr(flops_module.os, "getloadavg", lambda: (40.0, 40.0, 40.0))
+    record = calibrate_cpu("fp32", trials=2, trial_s=0.005)
+    assert "load average 40.00" in record["under_load"]
+    assert record["loadavg_before"] == [40.0] * 3 and record["threads"] == torch.get_num_threads()
+    assert len(record["shapes"]) == 1 and len(record["shapes"][0]["trials"]) == 2
+
+
+def test_the_calibration_times_the_model_shape_and_a_square_one():
+    record = calibrate_cpu("fp32", shapes=[(100000, 32, 128)], trials=3, trial_s=0.005)
+    shapes = [s["shape"] for s in record["shapes"]]
+    assert shapes == [[16384, 32, 128], list(flops_module.square_shape(torch.get_num_threads()))]
+    assert record["peak_flops"] == max(s["median_flops"] for s in record["shapes"])
+    assert all(s["median_flops"] == sorted(s["trials"])[1] for s in record["shapes"])  # median of 3
 
 
 def test_unknown_device_or_dtype_has_no_peak(tmp_path):
-    assert peak_flops(torch.device("cpu"), "int8", tmp_path / "p.json") is None
-    assert peak_flops(torch.device("meta"), "fp32", tmp_path / "p.json") is None
+    assert peak_flops(CPU, "int8", tmp_path / "p.json")[0] is None
+    assert peak_flops(torch.device("meta"), "fp32", tmp_path / "p.json")[0] is None
+    assert null_reason(None, None, None, {"reason": "no peak for meta / fp32"})["mfu_error"] == (
+        "no peak: no peak for meta / fp32"
+    )
+
+
+def test_a_utilization_above_one_is_null_with_the_figure_to_blame():
+    record = {"status": "this_run_under_load"}
+    out = null_reason(1.8, 1.9, 1e9, record)
+    assert out["mfu"] is None and out["hfu"] is None
+    assert "peak_flops" in out["hfu_error"] and "this_run_under_load" in out["hfu_error"]
+    assert out["mfu_error"].startswith("mfu=1.8 > 1") and "peak_flops" in out["mfu_error"]
+    # dedup: fewer FLOPs executed than the model's math; the executed ones are below the peak
+    out = null_reason(1.3, 0.6, 1e9, record)
+    assert out["mfu"] is None and out["hfu"] == 0.6 and out["hfu_error"] is None
+    assert "hardware_flops_per_step < model_flops_per_step" in out["mfu_error"]
+    assert null_reason(0.3, 0.4, 1e9, record) == {
+        "mfu": 0.3,
+        "hfu": 0.4,
+        "mfu_error": None,
+        "hfu_error": None,
+    }
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8, 64])
+def test_the_square_grows_with_the_threads(threads):
+    n = flops_module.square_shape(threads)[0]
+    assert n == {1: 1024, 2: 1024, 8: 2048, 64: 4096}[threads]

@@ -1,6 +1,8 @@
 import json
 import math
 
+import pytest
+
 from aamperf.metrics import RunRecord, StepMeter
 
 
@@ -30,11 +32,13 @@ def test_step_meter_excludes_warmup_and_reports_its_excess():
         meter.add(t, data_wait_s=0.25, samples=4, tokens=100)
     s = meter.summary()
     assert s["timed_steps"] == 3
-    assert s["step_time_s"] == 1.0
+    # the same timed steps, the same statistic: batch / step time == samples/s
+    assert s["step_time_s"] == 4.0 / 3 and s["step_time_median_s"] == 1.0 and s["timed_s"] == 4.0
     assert s["samples_per_s"] == 12 / 4.0
+    assert s["samples_per_s"] * s["step_time_s"] == pytest.approx(4)
     assert s["tokens_per_s"] == 300 / 4.0
     assert s["data_wait_frac"] == 0.75 / 4.0
-    assert s["compile_time_s"] == 8.0 - 2 * 1.0
+    assert s["compile_time_s"] == 8.0 - 2 * 1.0  # the warm-up's excess over a typical (median) step
     assert s["time_to_first_step_s"] > 0
 
 
