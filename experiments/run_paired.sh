@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# A study as paired runs: levels x seeds on the study's data (data.seed fixed), each run in its own
+# process (its time from launch includes its own start-up, as a user's run does), the levels
+# alternating within each seed (a change of machine load falls on all of them), then the report.
+#   experiments/run_paired.sh EXPERIMENT [OUT_DIR] [LEVELS] [SEEDS] [-- extra overrides]
+#   experiments/run_paired.sh convergence outputs/convergence "baseline advanced ultra" "0 1 2"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+experiment=$1
+out=${2:-outputs/$experiment/$(date +%Y-%m-%d_%H-%M-%S)}
+levels=${3:-baseline ultra}
+seeds=${4:-0 1 2}
+shift $(( $# < 4 ? $# : 4 ))
+[[ ${1:-} == -- ]] && shift
+lscpu | grep -E "^Model name" || true
+for seed in $seeds; do
+  for optim in $levels; do
+    python -m aamperf.train "experiment=$experiment" "optim=$optim" "seed=$seed" trainer.progress=false \
+      "hydra.run.dir=$out/${optim}_seed$seed" "$@"
+  done
+done
+python -m aamperf.compare "$out"
