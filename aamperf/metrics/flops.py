@@ -100,6 +100,8 @@ def null_reason(mfu: float | None, hfu: float | None, peak: float | None, record
         why = record.get("reason") or "no peak FLOP/s for this device and dtype"
         out["mfu_error"] = out["hfu_error"] = f"no peak: {why}"
         return out
+    if mfu is None:
+        out["mfu_error"] = out["hfu_error"] = "no timed step (metrics.skip_steps >= the steps run)"
     if hfu is not None and hfu > 1:
         out["hfu"] = None
         out["hfu_error"] = (
@@ -162,7 +164,9 @@ def _busy(times: Any) -> float:
 def _time_matmul(shape: tuple[int, int, int], dtype: torch.dtype, trials: int, trial_s: float) -> list[float]:
     """FLOP/s of `trials` timed runs of an [m, k] x [k, n] matmul, each repeated for >= trial_s."""
     m, k, n = shape
-    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    # its own generator: the run's seeded random stream (weights, dropout) must not depend on the calibration
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(m, k, generator=gen).to(dtype), torch.randn(k, n, generator=gen).to(dtype)
     torch.mm(a, b)  # warm-up: the first call picks kernels and touches the pages
     start = time.perf_counter()
     torch.mm(a, b)

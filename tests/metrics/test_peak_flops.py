@@ -130,3 +130,12 @@ def test_a_utilization_above_one_is_null_with_the_figure_to_blame():
 def test_the_square_grows_with_the_threads(threads):
     n = flops_module.square_shape(threads)[0]
     assert n == {1: 1024, 2: 1024, 8: 2048, 64: 4096}[threads]
+
+
+def test_the_calibration_leaves_the_seeded_random_stream_alone():
+    """Runs of one seed calibrate at different shapes (trainer.batch_size=auto): same weights anyway."""
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    calibrate_cpu("fp32", shapes=[(64, 8, 8)], trials=1, trial_s=0.001)
+    assert torch.equal(torch.rand(3), expected)
