@@ -60,7 +60,9 @@ class SelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(LN(x)), then x + FFN(LN(x)) with a GELU FFN."""
+    """Pre-LN transformer block: x + attn(LN(x)), then x + FFN(LN(x)) with a GELU FFN; dropout on the
+    attention weights, after the GELU and on both residual branches, as torch's TransformerEncoderLayer
+    (norm_first) that the original AAM uses."""
 
     def __init__(self, dim: int, num_heads: int, ffn_mult: int, dropout: float):
         super().__init__()
@@ -68,7 +70,11 @@ class Block(nn.Module):
         self.attn = SelfAttention(dim, num_heads, dropout)
         self.ln_ffn = nn.LayerNorm(dim)
         self.ffn = nn.Sequential(
-            nn.Linear(dim, ffn_mult * dim), nn.GELU(), nn.Linear(ffn_mult * dim, dim), nn.Dropout(dropout)
+            nn.Linear(dim, ffn_mult * dim),
+            nn.GELU(),
+            nn.Dropout(dropout),
+            nn.Linear(ffn_mult * dim, dim),
+            nn.Dropout(dropout),
         )
         self.dropout = nn.Dropout(dropout)
 
