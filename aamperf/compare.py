@@ -184,7 +184,13 @@ def compare(
         ttq = mean_interval([math.log(t / m) for m, t in reached if m > 0 and t > 0], confidence)
         ttq_all = len(reached) == len(pairs) >= MIN_PAIRS  # an interval only when every seed reached it
         ttq_speedup, ttq_lo, ttq_hi = geometric(ttq) if ttq_all else (None, None, None)
-        rss = group.median("peak_rss_bytes"), base.median("peak_rss_bytes")
+        # the process tree's memory (loader workers' PSS included) where both have it, else the main process's
+        memory_key = (
+            "peak_tree_pss_bytes"
+            if group.values("peak_tree_pss_bytes") and base.values("peak_tree_pss_bytes")
+            else "peak_rss_bytes"
+        )
+        rss = group.median(memory_key), base.median(memory_key)
         train, base_train = group.median("train_loss"), base.median("train_loss")  # both at the last step
         model_flops = {
             (r.summary.get("model_flops_per_step"), b.summary.get("model_flops_per_step")) for r, b in pairs
@@ -218,7 +224,10 @@ def compare(
             # the same batches must cost the same model FLOPs in every configuration: else MFUs differ in work
             "model_flops_match_baseline": all(a == b for a, b in model_flops) if pairs else None,
             "data_wait_frac": group.median("data_wait_frac"),
-            "peak_rss_bytes": rss[0],
+            "peak_rss_bytes": group.median("peak_rss_bytes"),
+            "peak_tree_pss_bytes": group.median("peak_tree_pss_bytes"),
+            "peak_memory_bytes": rss[0],  # what peak_rss_ratio compares: memory_key's figure
+            "memory_key": memory_key,
             "peak_rss_ratio": rss[0] / rss[1] if None not in rss else None,
             "train_rss_growth_bytes": group.median("train_rss_growth_bytes"),
             "val_loss": group.median("val_loss"),

@@ -69,8 +69,8 @@ def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> None:
     axes[0, 1].legend(fontsize=7)
     bars(
         axes[0, 2],
-        [None if r["peak_rss_bytes"] is None else r["peak_rss_bytes"] / 2**30 for r in rows],
-        "peak memory (GiB, median over seeds)",
+        [None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**30 for r in rows],
+        "peak memory (GiB, process tree PSS, median over seeds)",
     )
     bars(axes[1, 2], [r.get("mfu") for r in rows], "MFU (model FLOPs on the real ASVs / peak of the dtype)")
 

@@ -38,7 +38,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         "compile s",
         "data wait",
         "MFU / HFU",
-        "peak RSS GiB (ratio)",
+        "peak memory GiB (ratio)",
         "val loss (delta % [interval])",
         "verdict",
     ]
@@ -48,13 +48,14 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"data; speed-ups are geometric means of the per-seed ratios, val-loss deltas means of the per-seed "
         f"changes, each with a {confidence:.0%} bootstrap interval. Time to quality: seconds from launch to "
         f"the baseline's final val loss (median over seeds; reached in k/n seeds). Equal quality: the "
-        f"val-loss interval inside +-{result['quality_tolerance']:.0%}.",
+        f"val-loss interval inside +-{result['quality_tolerance']:.0%}. Step s: mean over the timed steps. "
+        f"Peak memory: the process tree's PSS (the main process's VmHWM for runs without that figure).",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
     ]
     for r in result["rows"]:
-        rss = None if r["peak_rss_bytes"] is None else r["peak_rss_bytes"] / 2**30
+        rss = None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**30
         delta = r["val_loss_delta"]
         cells = [
             f"`{r['config']}`",

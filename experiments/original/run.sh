@@ -26,16 +26,13 @@ AP=(model=aam_base model.max_asvs=$ASVS model.asv_layers=$LAYERS model.sample_la
     trainer.max_steps=$STEPS trainer.lr=1e-4 trainer.warmup_steps=10 trainer.weight_decay=0.01
     trainer.grad_clip=0 trainer.min_lr_ratio=0 trainer.progress=false metrics.log_every=1 seed=0)
 
-CONFIGS=${CONFIGS:-original-default baseline baseline-orig original-fastest baseline-ckpt basic advanced ultra}
+CONFIGS=${CONFIGS:-original-default baseline original-fastest basic advanced ultra}
 for rep in $(seq "$REPEATS"); do  # configurations alternate, so a slow spell of the machine hits all
   for cfg in $CONFIGS; do
     d=$OUT/runs/$rep/$cfg && rm -rf "$d" && mkdir -p "$d"
     case $cfg in
       original-default) cmd=("$VENV/bin/python" $HERE/time_original.py $d/steps.json -- "${ORIG[@]}" --output-dir $d/aam) ;;
       original-fastest) cmd=("$VENV/bin/python" $HERE/time_original.py $d/steps.json -- "${ORIG[@]}" "${FAST[@]}" --output-dir $d/aam) ;;
-      baseline-ckpt) cmd=(.venv/bin/python -m aamperf.train optim=baseline memory=checkpointing "${AP[@]}" hydra.run.dir=$d) ;;
-      # + the FFN dropout aamperf's Block lacks: the original's per-step work (README.md)
-      baseline-orig) cmd=(.venv/bin/python $HERE/aamperf_ffn_dropout.py optim=baseline memory=checkpointing "${AP[@]}" hydra.run.dir=$d) ;;
       *) cmd=(.venv/bin/python -m aamperf.train optim=$cfg "${AP[@]}" hydra.run.dir=$d) ;;
     esac
     echo "$rep $cfg"

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 SKIP = 3
-ORDER = ["original-default", "original-fastest", "baseline", "baseline-ckpt", "baseline-orig"]
+ORDER = ["original-default", "original-fastest", "baseline"]
 ORDER += ["basic", "advanced", "ultra"]
 
 
