@@ -149,14 +149,18 @@ def relative_delta(run: Run, base: Run) -> float | None:
     return a / b - 1 if isinstance(a, int | float) and isinstance(b, int | float) and b else None
 
 
-def quality_times(pairs: list[tuple[Run, Run]]) -> tuple[list[float | None], list[float | None]]:
+def quality_times(
+    pairs: list[tuple[Run, Run]], tolerance: float
+) -> tuple[list[float | None], list[float | None]]:
     """Per pair: seconds from launch until the run, and the baseline, first reach the baseline's
-    final validation loss (None: not reached)."""
+    final validation loss, within `tolerance` (the report's "equal quality"; None: not reached).
+    Without the tolerance a run of equal quality would miss the exact figure half the time."""
     mine, theirs = [], []
     for run, base in pairs:
-        target = base.summary.get("val_loss")
-        if not isinstance(target, int | float):
+        final = base.summary.get("val_loss")
+        if not isinstance(final, int | float):
             continue
+        target = final * (1 + tolerance) if final > 0 else final
         mine.append(time_to_quality(run.validations, target))
         theirs.append(time_to_quality(base.validations, target))
     return mine, theirs
@@ -179,7 +183,7 @@ def compare(
         speedup, lo, hi = geometric(speed)
         if len(pairs) < MIN_PAIRS:  # too few seeds for an interval: the mean alone, no pretend spread
             lo = hi = None
-        mine, theirs = quality_times(pairs)
+        mine, theirs = quality_times(pairs, quality_tolerance)
         reached = [(m, t) for m, t in zip(mine, theirs, strict=True) if m is not None and t is not None]
         ttq = mean_interval([math.log(t / m) for m, t in reached if m > 0 and t > 0], confidence)
         ttq_all = len(reached) == len(pairs) >= MIN_PAIRS  # an interval only when every seed reached it
