@@ -4,6 +4,7 @@ import ctypes
 import resource
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,9 @@ def _is_logger(proc: psutil.Process) -> bool:
         return False
 
 
+PSS_BUDGET = 0.02  # share of one core the tree's PSS readings may take (they cost far more than RSS)
+
+
 class SystemMonitor:
     """Samples memory and CPU % of this process and its children (dataloader workers) every interval.
 
@@ -145,6 +149,7 @@ class SystemMonitor:
         self._gpu_util_sum = 0.0
         self.peak_gpu_used_bytes: int | None = None
         self._samples = 0
+        self._next_pss_at = 0.0  # perf_counter time of the next PSS reading
 
     def _tree(self) -> list[psutil.Process]:
         # W&B's service process is a child too, but it is the logger's memory, not training's.
@@ -153,20 +158,26 @@ class SystemMonitor:
         self._procs = {p.pid: self._procs.get(p.pid, p) for p in live}
         return list(self._procs.values())
 
-    def sample(self) -> None:
+    def sample(self, force_pss: bool = False) -> None:
+        # Reading PSS walks the page tables under the process's memory lock (~15 ms per GiB of RSS
+        # here): it is read only as often as keeps that under PSS_BUDGET of one core, not every sample.
+        start = time.perf_counter()
+        read_pss = force_pss or start >= self._next_pss_at
         pss, cpu = 0, 0.0
         for proc in self._tree():
             try:
-                # PSS: a forked worker shares most pages with this process; each shared page counts
-                # once in the tree's sum (split between its sharers), never once per worker.
-                pss += pss_bytes("self" if proc is self._root else proc.pid)
+                if read_pss:  # each page shared with a forked worker counts once in the tree's sum
+                    pss += pss_bytes("self" if proc is self._root else proc.pid)
                 cpu += proc.cpu_percent()
             except (psutil.Error, FileNotFoundError, ProcessLookupError):  # a worker exited meanwhile
                 continue
+        if read_pss:
+            self.tree_pss_bytes = pss
+            self.peak_tree_pss_bytes = max(self.peak_tree_pss_bytes, pss)
+            cost_s = time.perf_counter() - start
+            self._next_pss_at = start + max(self.interval_s, cost_s / PSS_BUDGET)
         self.rss_bytes = self._root.memory_info().rss
-        self.tree_pss_bytes = pss
         self.cpu_percent = cpu
-        self.peak_tree_pss_bytes = max(self.peak_tree_pss_bytes, pss)
         self._cpu_sum += cpu
         self._samples += 1
         if self._gpu is not None:
@@ -180,7 +191,9 @@ class SystemMonitor:
 
     def __enter__(self) -> "SystemMonitor":
         reset_peak_rss()  # peak_rss() from here: the loop's own; job_peak_rss() keeps the time before
-        self.sample()  # primes cpu_percent; the first reading of each process is 0 by psutil's design
+        self.sample(
+            force_pss=True
+        )  # primes cpu_percent; the first reading of each process is 0 by psutil's design
         self.start_rss_bytes = self.rss_bytes  # model, data and libraries, before the first step
         self._thread.start()
         return self
@@ -188,7 +201,7 @@ class SystemMonitor:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        self.sample()
+        self.sample(force_pss=True)
         if self._gpu is not None:
             self._gpu.close()
 
