@@ -181,12 +181,13 @@ def compare(
         step = mean_interval(paired_values(pairs, log_ratio("step_time_s", invert=True)), confidence)
         quality = mean_interval(paired_values(pairs, relative_delta), confidence)
         speedup, lo, hi = geometric(speed)
-        if len(pairs) < MIN_PAIRS:  # too few seeds for an interval: the mean alone, no pretend spread
+        few = len(pairs) < MIN_PAIRS  # too few seeds for an interval: the means alone, no pretend spread
+        if few:
             lo = hi = None
         mine, theirs = quality_times(pairs, quality_tolerance)
         reached = [(m, t) for m, t in zip(mine, theirs, strict=True) if m is not None and t is not None]
         ttq = mean_interval([math.log(t / m) for m, t in reached if m > 0 and t > 0], confidence)
-        ttq_all = len(reached) == len(pairs) >= MIN_PAIRS  # an interval only when every seed reached it
+        ttq_all = len(reached) == len(pairs) and not few  # an interval only when every seed reached it
         ttq_speedup, ttq_lo, ttq_hi = geometric(ttq) if ttq_all else (None, None, None)
         # the process tree's memory (loader workers' PSS included) where both have it, else the main process's
         memory_key = (
@@ -237,8 +238,8 @@ def compare(
             "val_loss": group.median("val_loss"),
             # mean over seeds of (val loss / the same seed's baseline val loss - 1), with its interval
             "val_loss_delta": None if quality is None else quality.mean,
-            "val_loss_delta_lo": None if quality is None or hi is None else quality.lo,
-            "val_loss_delta_hi": None if quality is None or hi is None else quality.hi,
+            "val_loss_delta_lo": None if quality is None or few else quality.lo,
+            "val_loss_delta_hi": None if quality is None or few else quality.hi,
             "train_loss": train,
             "train_loss_delta": train / base_train - 1 if train is not None and base_train else None,
             "errors": [
