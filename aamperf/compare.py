@@ -53,13 +53,17 @@ class Run:
         return data.get("seed"), self.seed
 
     @cached_property
-    def validations(self) -> list[tuple[float, float]]:
-        """(elapsed_s from launch, val_loss) of each validation in metrics.jsonl, in order."""
+    def metrics(self) -> list[dict[str, Any]]:
+        """The run's metrics.jsonl lines (none if it has no file)."""
         path = self.path / "metrics.jsonl"
         if not path.exists():
             return []
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return [(r.get("elapsed_s"), r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    @property
+    def validations(self) -> list[tuple[float, float]]:
+        """(elapsed_s from launch, val_loss) of each validation in metrics.jsonl, in order."""
+        return [(r.get("elapsed_s"), r["val_loss"]) for r in self.metrics if r.get("val_loss") is not None]
 
 
 @dataclass

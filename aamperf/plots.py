@@ -1,6 +1,5 @@
 """The comparison figure: throughput, step time, peak memory and loss curves, baseline beside the rest."""
 
-import json
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -9,15 +8,6 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
-
-
-def _loss_curve(run_dir: Path) -> tuple[list[int], list[float]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return [], []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r.get("loss") is not None]
-    return [r["step"] for r in rows], [r["loss"] for r in rows]
 
 
 def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> None:
@@ -78,7 +68,8 @@ def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> None:
     train_ax, val_ax = axes[1, 0], axes[1, 1]
     for label, color in zip(labels, colors, strict=True):
         for i, run in enumerate(by_label[label].runs):
-            steps, losses = _loss_curve(run.path)
+            logged = [r for r in run.metrics if r.get("loss") is not None]
+            steps, losses = [r["step"] for r in logged], [r["loss"] for r in logged]
             train_ax.plot(steps, losses, color=color, alpha=0.8, lw=1, label=label if i == 0 else None)
             points = [(t, v) for t, v in run.validations if t is not None]
             if points:
