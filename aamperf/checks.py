@@ -28,6 +28,10 @@ def check_config(cfg: DictConfig) -> None:
         )
     else:
         problems += check_distributed(cfg)
+    if not 0 < cfg.compare.confidence < 1:
+        problems.append(f"compare.confidence={cfg.compare.confidence} must be between 0 and 1 (e.g. 0.95)")
+    if cfg.compare.quality_tolerance < 0:
+        problems.append(f"compare.quality_tolerance={cfg.compare.quality_tolerance} must be >= 0 (e.g. 0.02)")
     if t.max_nonfinite < 1:
         problems.append(f"trainer.max_nonfinite={t.max_nonfinite} must be >= 1")
     if t.lr <= 0:

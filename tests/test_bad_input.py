@@ -49,6 +49,7 @@ CONFIG_CASES = {
     "a key nothing reads": (["+trainer.lr_decay=0.5"], "trainer.lr_decay is not a setting aamperf reads"),
     "batch size neither a number nor auto": (["trainer.batch_size=big"], "must be an integer >= 2 or auto"),
     "no non-finite step allowed": (["trainer.max_nonfinite=0"], "trainer.max_nonfinite=0 must be >= 1"),
+    "confidence of 95, not 0.95": (["compare.confidence=95"], "compare.confidence=95.0 must be between 0"),
     "memory stop at 0": (["memory.max_fraction=0"], "memory.max_fraction=0.0 must be in (0, 1]"),
     "batch-size budget of all memory": (
         ["trainer.batch_size=auto", "trainer.auto_batch.budget_fraction=1.5"],
