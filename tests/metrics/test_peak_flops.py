@@ -79,7 +79,9 @@ def test_a_calibration_under_load_is_flagged_and_not_cached(tmp_path):
         for p in busy:
             p.kill()
             p.join()
-    assert record["other_cores_busy"] > 1.0 and "other processes used" in record["under_load"]
+    # two spinners on this machine's cores: well over the 0.25-core threshold (not a full core each: the
+    # calibration competes with them)
+    assert record["other_cores_busy"] > 0.5 and "other processes used" in record["under_load"]
     assert record["status"] == "this_run_under_load" and peak == record["peak_flops"] > 1e8
     assert not cache.exists()
 
