@@ -108,9 +108,15 @@ def attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.St
     return dist.PrefixStore(f"aamperf/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def close_world() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def close_world(completed: bool = True) -> None:
+    """Leave the process group. After a completed run every rank waits for the others first, so none
+    tears its connections down while a peer still uses them; after a failure, no barrier (a peer may
+    never reach it): torchrun stops the others."""
+    if not dist.is_initialized():
+        return
+    if completed:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def world_size() -> int:

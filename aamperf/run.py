@@ -291,7 +291,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         summary["pid"] = os.getpid()
         record.write_summary(summary)
         record.close(failed=summary["status"] != "completed")
-        close_world()
+        close_world(completed=summary["status"] == "completed")
     return summary
 
 

@@ -41,6 +41,9 @@ def launch(tmp_path, cache_dir, name, *overrides, ranks=1):
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = TESTS
+    # a rank that aborts (CI saw one FSDP2 rank end in "terminate called without an active exception",
+    # 1 run in ~10) prints where it was: its Python stack, and the C++ one of a torch error
+    env.update(PYTHONFAULTHANDLER="1", TORCH_SHOW_CPP_STACKTRACES="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

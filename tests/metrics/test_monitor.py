@@ -14,11 +14,19 @@ from aamperf.metrics.monitor import job_peak_rss, peak_rss, pss_bytes, reset_pea
 def test_monitor_counts_child_processes_memory():
     """Dataloader workers are children: their pages must be in the peak of the process tree's PSS."""
     size = 300 * 2**20
-    code = f"import time; b = bytearray({size}); b[::4096] = b'x' * len(b[::4096]); time.sleep(3)"
+    code = (
+        f"import time; b = bytearray({size}); b[::4096] = b'x' * len(b[::4096]); "
+        "print('touched', flush=True); time.sleep(30)"
+    )
     with SystemMonitor(torch.device("cpu"), interval_s=0.05) as monitor:
         before = monitor.tree_pss_bytes
-        child = subprocess.Popen([sys.executable, "-c", code])
-        time.sleep(1.5)
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "touched"
+        # PSS is read at most every cost / PSS_BUDGET seconds (about a second on a loaded machine):
+        # the background thread must see the child's pages within a few of its readings
+        deadline = time.perf_counter() + 15
+        while monitor.tree_pss_bytes < before + size * 0.9 and time.perf_counter() < deadline:
+            time.sleep(0.1)
         child.kill()
         child.wait()
     s = monitor.summary()
