@@ -56,7 +56,7 @@ class DataloaderConfig:
 class PrecisionConfig:
     """Mixed precision (`aamperf/phases/precision.py`)."""
 
-    dtype: str = "fp32"  # fp32 | bf16 | fp16 (fp16 needs CUDA: its GradScaler has no CPU use here)
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 (fp16 needs CUDA: its GradScaler has no CPU use here) | auto
     matmul_precision: str = "highest"  # torch.set_float32_matmul_precision: highest | high (TF32) | medium
 
 
@@ -75,7 +75,7 @@ class CompileConfig:
 class AttentionConfig:
     """Attention implementation (`aamperf/phases/attention.py`)."""
 
-    impl: str = "math"  # math (matmul + softmax, written out) | sdpa (F.scaled_dot_product_attention)
+    impl: str = "math"  # math (matmul + softmax, written out) | sdpa (F.scaled_dot_product_attention) | auto
     backends: list[str] = field(default_factory=list)  # sdpa kernels to allow: flash, efficient, cudnn, math
 
 
@@ -210,6 +210,14 @@ class CompareConfig:
 
 
 @dataclass
+class ProbeConfig:
+    """The device probe that `auto` options read (`aamperf/probe.py`)."""
+
+    cache: str = "${data.cache_dir}/device_probe.json"  # answers per device (delete it to forget them)
+    refresh: bool = False  # measure again now (and replace the cached answers)
+
+
+@dataclass
 class SearchConfig:
     """Auto-tuning (`aamperf/search.py`, conf/hparams_search/): set by hparams_search=fastest."""
 
@@ -238,6 +246,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
     optim: str = "baseline"  # the level's name, set by conf/optim/*.yaml
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0

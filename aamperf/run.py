@@ -35,6 +35,7 @@ from aamperf.metrics import (
     utilization,
 )
 from aamperf.phases import apply_phases, check_phases, setup_phases
+from aamperf.phases.auto import resolve_auto
 from aamperf.trainer import fit, to_device
 
 
@@ -178,7 +179,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             if auto_batch
             else cfg.trainer.batch_size // cfg.trainer.grad_accum_steps
         )
-        # before the data and its loader workers exist: nothing of this run competes with the calibration
+        # before the data and its loader workers exist: nothing of this run competes with the measurements
+        setup.records["auto"] = resolve_auto(cfg, device, micro_batch, world)
         peak, peak_record = measure_peak(cfg, device, world, micro_batch)
         data = build_data(
             cfg.data,

@@ -180,16 +180,51 @@ def _time_matmul(shape: tuple[int, int, int], dtype: torch.dtype, trials: int, t
     return rates
 
 
+class LoadWatch:
+    """How busy the rest of the machine was while a measurement ran: other processes' cores, the
+    hypervisor's steal, the load average before. `verdict(spread)` names every reason not to trust it."""
+
+    def __init__(self) -> None:
+        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.load_before = os.getloadavg()
+        self._me = psutil.Process()
+        self._cpu0, self._own0, self._wall0 = psutil.cpu_times(), self._me.cpu_times(), time.perf_counter()
+
+    def stop(self) -> dict[str, Any]:
+        wall = time.perf_counter() - self._wall0
+        cpu1, own1 = psutil.cpu_times(), self._me.cpu_times()
+        own = (own1.user + own1.system) - (self._own0.user + self._own0.system)
+        return {
+            "cpus": self.cpus,
+            "loadavg_before": list(self.load_before),
+            "loadavg_after": list(os.getloadavg()),
+            "other_cores_busy": max(0.0, (_busy(cpu1) - _busy(self._cpu0) - own) / wall),
+            "steal_cores": (getattr(cpu1, "steal", 0.0) - getattr(self._cpu0, "steal", 0.0)) / wall,
+            "wall_s": wall,
+        }
+
+    @staticmethod
+    def verdict(load: dict[str, Any], spread: float) -> str | None:
+        """None for a quiet measurement, else why it was taken under load."""
+        reasons = []
+        if load["other_cores_busy"] > MAX_OTHER_CORES:
+            reasons.append(f"other processes used {load['other_cores_busy']:.2f} cores while it ran")
+        if load["steal_cores"] > MAX_OTHER_CORES:
+            reasons.append(f"the hypervisor stole {load['steal_cores']:.2f} cores")
+        if load["loadavg_before"][0] > 1 + load["cpus"] / 2:
+            reasons.append(f"load average {load['loadavg_before'][0]:.2f} before it, on {load['cpus']} CPUs")
+        if spread > MAX_SPREAD:
+            reasons.append(f"its trials spread {spread:.0%} around the median")
+        return "; ".join(reasons) or None
+
+
 def calibrate_cpu(
     precision: str, shapes: Sequence[tuple[int, int, int]] = (), trials: int = 5, trial_s: float = 0.03
 ) -> dict[str, Any]:
     """Median FLOP/s over `trials` of each matmul shape (the model's, and a square one), at the current torch
     thread count; the peak is the best shape's median. The record says whether the machine was busy."""
     dtype, threads = _DTYPES[precision], torch.get_num_threads()
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    load_before = os.getloadavg()
-    me = psutil.Process()
-    cpu0, own0, wall0 = psutil.cpu_times(), me.cpu_times(), time.perf_counter()
+    watch = LoadWatch()
     per_shape = []
     for shape in [*[(min(m, MAX_ROWS), k, n) for m, k, n in shapes], square_shape(threads)]:
         rates = _time_matmul(shape, dtype, trials, trial_s)
@@ -202,11 +237,7 @@ def calibrate_cpu(
                 "trials": rates,
             }
         )
-    wall = time.perf_counter() - wall0
-    cpu1, own1 = psutil.cpu_times(), me.cpu_times()
-    own = (own1.user + own1.system) - (own0.user + own0.system)
-    other_cores = max(0.0, (_busy(cpu1) - _busy(cpu0) - own) / wall)
-    steal_cores = (getattr(cpu1, "steal", 0.0) - getattr(cpu0, "steal", 0.0)) / wall
+    load = watch.stop()
     best = max(per_shape, key=lambda s: s["median_flops"])
     record = {
         "peak_flops": best["median_flops"],
@@ -216,25 +247,11 @@ def calibrate_cpu(
         "trials": trials,
         "dtype": precision,
         "threads": threads,
-        "cpus": cpus,
         "cpu_model": _cpuinfo()[0],
         "cpu_flags": _cpuinfo()[1],
-        "loadavg_before": list(load_before),
-        "loadavg_after": list(os.getloadavg()),
-        "other_cores_busy": other_cores,
-        "steal_cores": steal_cores,
-        "wall_s": wall,
+        **load,
     }
-    load = []
-    if other_cores > MAX_OTHER_CORES:
-        load.append(f"other processes used {other_cores:.2f} cores while it ran")
-    if steal_cores > MAX_OTHER_CORES:
-        load.append(f"the hypervisor stole {steal_cores:.2f} cores")
-    if load_before[0] > 1 + cpus / 2:
-        load.append(f"load average {load_before[0]:.2f} before it, on {cpus} CPUs")
-    if best["spread"] > MAX_SPREAD:
-        load.append(f"its trials spread {best['spread']:.0%} around the median")
-    record["under_load"] = "; ".join(load) or None
+    record["under_load"] = LoadWatch.verdict(load, best["spread"])
     return record
 
 

@@ -40,8 +40,8 @@ class SDPAttention(nn.Module):
 
 def check_attention(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> list[str]:
     """A restricted backend must run on this device and dtype: try it once on a tiny masked input."""
-    if cfg.impl not in ("math", "sdpa"):
-        return [f"attention.impl={cfg.impl} is not one of math, sdpa"]
+    if cfg.impl not in ("math", "sdpa", "auto"):
+        return [f"attention.impl={cfg.impl} is not one of math, sdpa, auto"]
     unknown = [b for b in cfg.backends if b not in BACKENDS]
     if unknown:
         return [f"attention.backends: unknown {unknown}; choose from {', '.join(BACKENDS)}"]

@@ -1,0 +1,99 @@
+"""`auto` options resolved on the device the run has, from the probe's measurements (`aamperf/probe.py`).
+
+Each decision is recorded in summary.json `phases.auto.<group>`: what was chosen, the measured reason,
+and the evidence (the probe's figures, whether they were cached or measured in this run).
+- precision=auto: the low-precision autocast dtype whose matmuls at the model's shapes beat fp32's by
+  MIN_MATMUL_GAIN, else fp32.
+- attention=auto: SDPA where one of its kernels runs here and its forward + backward at the model's
+  attention shape is not slower than the written-out math, else the math.
+compile=auto and dataloader=auto need the run's own model and batches: `phases/compile.py` and
+`phases/dataloader.py` decide them by timing real steps.
+"""
+
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from aamperf.distributed import World
+from aamperf.phases.precision import DTYPES
+from aamperf.probe import Probe, low_precision_dtypes, model_shapes
+
+MIN_MATMUL_GAIN = 1.15  # autocast adds casts around every matmul: a smaller matmul gain does not cover them
+DEFAULT_ATTENTION = (32, 4, 128, 32)  # [N, heads, L, head_dim] for a model whose config does not say
+
+
+def decided(choice: Any, reason: str, **evidence: Any) -> dict[str, Any]:
+    return {"chose": choice, "reason": reason, **evidence}
+
+
+def _load_note(answer: dict) -> str:
+    if answer.get("source") == "measured_under_load":
+        return f" (measured under load: {answer['under_load']}; not cached)"
+    return ""
+
+
+def choose_precision(device: torch.device, probe: Probe, shapes: list[tuple[int, int, int]]) -> dict:
+    """The autocast dtype for `device`: the fastest matmul dtype at `shapes`, fp32 unless one gains enough."""
+    answer = probe.matmul(shapes)
+    flops = answer["flops"]
+    gains = {dtype: flops[dtype] / flops["fp32"] for dtype in low_precision_dtypes(device) if dtype in flops}
+    best = max(gains, key=gains.get)
+    choice = best if gains[best] >= MIN_MATMUL_GAIN else "fp32"
+    reason = (
+        f"{best} matmul {gains[best]:.2f}x fp32 at the model's shapes here "
+        f"({'>=' if choice != 'fp32' else '<'} {MIN_MATMUL_GAIN}): {choice}" + _load_note(answer)
+    )
+    return decided(choice, reason, matmul_flops=flops, source=answer["source"], shapes=answer["shapes"])
+
+
+def choose_attention(
+    device: torch.device, probe: Probe, dtype: torch.dtype, shape: tuple[int, int, int, int] | None
+) -> dict:
+    """sdpa or math for `device`: measured forward + backward at the model's attention shape."""
+    shape = shape or DEFAULT_ATTENTION
+    answer = probe.attention(dtype, shape)
+    evidence = {"sdpa_s": answer["sdpa_s"], "math_s": answer["math_s"], "source": answer["source"]}
+    if not answer["backends"]:
+        return decided("math", f"no SDPA kernel runs on {device.type} in {dtype}: math", **evidence)
+    ratio = answer["sdpa_s"] / answer["math_s"]
+    choice = "sdpa" if ratio <= 1.0 else "math"
+    reason = (
+        f"SDPA forward+backward {ratio:.2f}x the math's time at {list(shape)} in "
+        f"{str(dtype).removeprefix('torch.')} here: {choice}" + _load_note(answer)
+    )
+    return decided(choice, reason, backends=answer["backends"], shape=list(shape), **evidence)
+
+
+def resolve_auto(cfg: DictConfig, device: torch.device, micro_batch: int, world: World) -> dict[str, dict]:
+    """Decide every probe-decided `auto` of `cfg` and write the choices into it; {group: decision}.
+    The first rank measures alone (ranks measuring together would see each other's load) and every
+    rank takes its decisions: they must all run the same phases."""
+    if cfg.precision.dtype != "auto" and cfg.attention.impl != "auto":
+        return {}
+    decisions = [measure_decisions(cfg, device, micro_batch) if world.is_main else None]
+    if world.world_size > 1:
+        torch.distributed.broadcast_object_list(decisions, src=0)
+    apply_decisions(cfg, decisions[0])
+    return decisions[0]
+
+
+def measure_decisions(cfg: DictConfig, device: torch.device, micro_batch: int) -> dict[str, dict]:
+    decisions: dict[str, dict] = {}
+    probe = Probe(device, cfg.probe.cache, cfg.probe.refresh)
+    matmuls, attention = model_shapes(cfg.model, micro_batch, cfg.data.max_asvs)
+    if cfg.precision.dtype == "auto":
+        torch.set_float32_matmul_precision(cfg.precision.matmul_precision)  # fp32 as the run would have it
+        decisions["precision"] = choose_precision(device, probe, matmuls)
+    if cfg.attention.impl == "auto":
+        dtype = decisions.get("precision", {}).get("chose", cfg.precision.dtype)
+        decisions["attention"] = choose_attention(device, probe, DTYPES[dtype], attention)
+    return decisions
+
+
+def apply_decisions(cfg: DictConfig, decisions: dict[str, dict]) -> None:
+    """Write the chosen values where `auto` stood: the phases then run as if they had been asked for."""
+    if "precision" in decisions:
+        cfg.precision.dtype = decisions["precision"]["chose"]
+    if "attention" in decisions:
+        cfg.attention.impl = decisions["attention"]["chose"]

@@ -1,0 +1,211 @@
+"""What each device-dependent choice costs on this device, measured once and kept: the evidence `auto` reads.
+
+Three questions, each answered by a measurement, never by a CPU model name:
+- `matmul`: FLOP/s per dtype at the model's own matmul shapes (median of several trials, the load
+  recorded beside it): does a bf16 (fp16) autocast pay here?
+- `attention`: which SDPA kernels run here, and forward + backward time of SDPA against the written-out
+  math at the model's attention shape.
+- `compile`: does torch.compile work here, and how long does compiling one transformer block take?
+
+Answers are cached per device (machine, CPU flags or GPU name, torch, threads) and question shape in
+`probe.cache`; one measured on a busy machine is used but never cached, and `probe.refresh=true`
+measures again.
+"""
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aamperf.metrics.flops import (
+    _DTYPES,
+    MAX_ROWS,
+    LoadWatch,
+    _read_cache,
+    _write_cache,
+    calibrate_cpu,
+    machine_key,
+)
+
+TRIALS = 5  # timed repeats of each measurement; its median is the figure
+
+
+def device_key(device: torch.device) -> str:
+    """This device as the cache knows it: a CPU by machine, model, matmul flags, threads and torch; a GPU
+    by name and CUDA version."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}|cuda={torch.version.cuda}|torch={torch.__version__}"
+    return machine_key("", torch.get_num_threads()).rstrip("|")
+
+
+def low_precision_dtypes(device: torch.device) -> list[str]:
+    """The autocast dtypes worth asking about (fp16 only on CUDA: its GradScaler is a GPU tool)."""
+    if device.type == "cuda":
+        return ["bf16", "fp16"] if torch.cuda.is_bf16_supported() else ["fp16"]
+    return ["bf16"]
+
+
+def _timed(fn: Callable[[], Any], device: torch.device, trials: int = TRIALS) -> list[float]:
+    """Seconds of `trials` calls of `fn` after one warm-up call (synchronized on a GPU)."""
+    fn()
+    times = []
+    for _ in range(trials):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _spread(values: list[float]) -> float:
+    middle = statistics.median(values)
+    return (max(values) - min(values)) / middle if middle else 0.0
+
+
+def measure_matmul(device: torch.device, shapes: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """{dtype: median FLOP/s over the model's shapes} for fp32 and each low-precision dtype."""
+    dtypes = ["fp32", *low_precision_dtypes(device)]
+    record: dict[str, Any] = {"shapes": [list(s) for s in shapes], "flops": {}, "spread": {}}
+    if device.type == "cpu":
+        loads = []
+        for dtype in dtypes:
+            cal = calibrate_cpu(dtype, shapes)
+            model_shapes = cal["shapes"][: len(shapes)] or cal["shapes"]  # the square one only if none given
+            record["flops"][dtype] = statistics.median(s["median_flops"] for s in model_shapes)
+            record["spread"][dtype] = max(s["spread"] for s in model_shapes)
+            record["loadavg_before"] = record.get("loadavg_before", cal["loadavg_before"])
+            loads += [cal["under_load"]] if cal["under_load"] else []
+        record["under_load"] = "; ".join(loads) or None
+        return record
+    for dtype in dtypes:  # CUDA: the same shapes, timed with synchronization
+        rates = []
+        for m, k, n in shapes:
+            a = torch.randn(m, k, device=device, dtype=_DTYPES[dtype])
+            b = torch.randn(k, n, device=device, dtype=_DTYPES[dtype])
+            times = _timed(lambda a=a, b=b: a @ b, device)
+            rates.append(statistics.median(2 * m * k * n / t for t in times))
+        record["flops"][dtype] = statistics.median(rates)
+    record["under_load"] = None
+    return record
+
+
+def measure_attention(
+    device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int]
+) -> dict[str, Any]:
+    """Which SDPA kernels run on `device` in `dtype`, and forward + backward seconds of SDPA (torch's choice
+    of kernel) and of the written-out math on q, k, v of `shape` [N, heads, L, head_dim] with a key mask."""
+    from torch.nn.attention import sdpa_kernel
+
+    from aamperf.model.layers import MathAttention
+    from aamperf.phases.attention import BACKENDS, SDPAttention
+
+    gen = torch.Generator().manual_seed(0)
+    n, heads, length, head_dim = shape
+    q, k, v = (
+        torch.randn(shape, generator=gen).to(device=device, dtype=dtype).requires_grad_() for _ in range(3)
+    )
+    mask = (torch.rand(n, 1, 1, length, generator=gen) < 0.8).to(device)
+    mask[..., 0] = True
+    runs = []
+    for name, backend in BACKENDS.items():
+        try:
+            with sdpa_kernel([backend]):
+                torch.nn.functional.scaled_dot_product_attention(q[:1], k[:1], v[:1], attn_mask=mask[:1])
+            runs.append(name)
+        except RuntimeError:
+            pass
+
+    def step(module: torch.nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            module(q, k, v, mask).sum().backward()
+            q.grad = k.grad = v.grad = None
+
+        return run
+
+    watch = LoadWatch()
+    math_s = _timed(step(MathAttention(0.0)), device)
+    sdpa_s = _timed(step(SDPAttention(0.0, [])), device)
+    load = watch.stop()
+    spread = max(_spread(math_s), _spread(sdpa_s))
+    return {
+        "shape": list(shape),
+        "dtype": str(dtype).removeprefix("torch."),
+        "backends": runs,
+        "math_s": statistics.median(math_s),
+        "sdpa_s": statistics.median(sdpa_s),
+        "spread": spread,
+        **load,
+        "under_load": LoadWatch.verdict(load, spread) if device.type == "cpu" else None,
+    }
+
+
+def measure_compile(device: torch.device, dim: int = 32, heads: int = 2) -> dict[str, Any]:
+    """Whether torch.compile (inductor) works here, and the seconds it takes to compile forward and
+    backward of one transformer block (aamperf's `Block`, small): the price of each graph compiled."""
+    from aamperf.model.layers import Block
+
+    block = Block(dim, heads, 4, 0.0).to(device)
+    x = torch.randn(4, 16, dim, device=device, requires_grad=True)
+    start = time.perf_counter()
+    try:
+        compiled = torch.compile(block)
+        compiled(x, None).sum().backward()
+    except Exception as exc:  # a missing C compiler, an unsupported device: compile does not work here
+        return {"works": False, "error": " ".join(f"{type(exc).__name__}: {exc}".split())[:300]}
+    finally:
+        torch._dynamo.reset()  # the probe's graphs must not count as the run's compiles
+    return {"works": True, "error": None, "block_compile_s": time.perf_counter() - start}
+
+
+class Probe:
+    """The answers for one device, measured on first use and cached in `cache_file`."""
+
+    def __init__(self, device: torch.device, cache_file: str | Path, refresh: bool = False):
+        self.device, self.cache_file, self.refresh = device, Path(cache_file), refresh
+        self.key = device_key(device)
+
+    def answer(self, question: str, params: dict[str, Any], measure: Callable[[], dict]) -> dict:
+        """The cached answer to `question` with these `params` on this device, or a new measurement (cached
+        when the machine was quiet; otherwise a quiet earlier one is preferred)."""
+        key = f"{self.key}|{question}|" + ",".join(f"{k}={v}" for k, v in sorted(params.items()))
+        cached = _read_cache(self.cache_file).get(key)
+        if cached and not self.refresh:
+            return {**cached, "source": "cache"}
+        record = {**measure(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if record.get("under_load") is None:
+            _write_cache(self.cache_file, key, record)
+            return {**record, "source": "measured"}
+        if cached:  # this one is unreliable; the quiet one of an earlier run stands
+            return {**cached, "source": "cache", "rejected": record}
+        return {**record, "source": "measured_under_load"}
+
+    def matmul(self, shapes: list[tuple[int, int, int]]) -> dict:
+        return self.answer("matmul", {"shapes": shapes}, lambda: measure_matmul(self.device, shapes))
+
+    def attention(self, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> dict:
+        params = {"dtype": dtype, "shape": shape}
+        return self.answer("attention", params, lambda: measure_attention(self.device, dtype, shape))
+
+    def compile(self) -> dict:
+        return self.answer("compile", {}, lambda: measure_compile(self.device))
+
+
+def model_shapes(
+    model_cfg: Any, micro_batch: int, max_asvs: int
+) -> tuple[list[tuple[int, int, int]], tuple[int, int, int, int] | None]:
+    """AAM's ASV-encoder matmuls ([rows * seq_len, D] x [D, 3D | 4D] and back) and attention shape
+    [rows, heads, seq_len, head_dim] at this batch, rows capped where the rate stops changing; for a
+    model without these config keys: no shapes (the probe's square matmul and default attention)."""
+    if not {"embedding_dim", "ffn_mult", "seq_len", "num_heads"} <= set(model_cfg.keys()):
+        return [], None
+    dim, length, heads = model_cfg.embedding_dim, model_cfg.seq_len, model_cfg.num_heads
+    tokens = min(micro_batch * max_asvs * length, MAX_ROWS)
+    ffn = model_cfg.ffn_mult * dim
+    matmuls = [(tokens, dim, ffn), (tokens, ffn, dim), (tokens, dim, 3 * dim)]
+    return matmuls, (max(1, tokens // length), heads, length, dim // heads)
