@@ -64,7 +64,7 @@ class PrecisionConfig:
 class CompileConfig:
     """torch.compile (`aamperf/phases/compile.py`)."""
 
-    mode: str = "disabled"  # disabled | default | reduce-overhead | max-autotune
+    mode: str = "disabled"  # disabled | default | reduce-overhead | max-autotune | auto (measured)
     backend: str = "inductor"
     dynamic: bool | None = None  # None: torch decides; True for shapes that change per batch
     fullgraph: bool = False

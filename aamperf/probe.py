@@ -170,10 +170,19 @@ class Probe:
         self.device, self.cache_file, self.refresh = device, Path(cache_file), refresh
         self.key = device_key(device)
 
+    def _key(self, question: str, params: dict[str, Any]) -> str:
+        return f"{self.key}|{question}|" + ",".join(f"{k}={v}" for k, v in sorted(params.items()))
+
+    def cached(self, question: str, params: dict[str, Any]) -> dict | None:
+        """The cached answer, or None (none yet, or probe.refresh asks for a new one)."""
+        if self.refresh:
+            return None
+        return _read_cache(self.cache_file).get(self._key(question, params))
+
     def answer(self, question: str, params: dict[str, Any], measure: Callable[[], dict]) -> dict:
         """The cached answer to `question` with these `params` on this device, or a new measurement (cached
         when the machine was quiet; otherwise a quiet earlier one is preferred)."""
-        key = f"{self.key}|{question}|" + ",".join(f"{k}={v}" for k, v in sorted(params.items()))
+        key = self._key(question, params)
         cached = _read_cache(self.cache_file).get(key)
         if cached and not self.refresh:
             return {**cached, "source": "cache"}

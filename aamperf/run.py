@@ -34,8 +34,9 @@ from aamperf.metrics import (
     start_job_peak_rss,
     utilization,
 )
-from aamperf.phases import apply_phases, check_phases, setup_phases
+from aamperf.phases import TRIAL_BATCHES, apply_phases, check_phases, setup_phases
 from aamperf.phases.auto import resolve_auto
+from aamperf.phases.compile import compiled_graphs
 from aamperf.trainer import fit, to_device
 
 
@@ -106,12 +107,13 @@ def measure_peak(cfg: DictConfig, device: torch.device, world, micro_batch: int)
     return peak, record
 
 
-def warmup_step(loss_fn, batch: dict[str, Any]):
-    """One forward + backward on `batch` (compilation happens here), leaving no gradients behind."""
+def warmup_step(loss_fn, batches: list[dict[str, Any]]):
+    """One forward + backward on batch i of `batches` (compilation happens here, and compile=auto's
+    trial), leaving no gradients behind."""
 
-    def run(model: torch.nn.Module, autocast, scaler) -> None:
+    def run(model: torch.nn.Module, autocast, scaler, i: int = 0) -> None:
         with autocast():
-            loss, _ = loss_fn(model, batch, 0)
+            loss, _ = loss_fn(model, batches[i % len(batches)], 0)
         scaler.scale(loss).backward()
         model.zero_grad(set_to_none=True)
 
@@ -180,7 +182,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             else cfg.trainer.batch_size // cfg.trainer.grad_accum_steps
         )
         # before the data and its loader workers exist: nothing of this run competes with the measurements
-        setup.records["auto"] = resolve_auto(cfg, device, micro_batch, world)
+        decisions = resolve_auto(cfg, device, micro_batch, world)
         peak, peak_record = measure_peak(cfg, device, world, micro_batch)
         data = build_data(
             cfg.data,
@@ -206,7 +208,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         # A model without an analytic count is counted by torch now, eager and before any phase
         # (FlopCounterMode cannot see inside compiled kernels); AAM is counted after its phases.
         counted = None if hasattr(model, "flops_per_step") else counted_flops(model, loss_fn, first)
-        plan = apply_phases(model, cfg, device, warmup_step(loss_fn, first), setup.records, world)
+        trial = [first] + [to_device(b, device, False) for b in host_batches[1:TRIAL_BATCHES]]
+        warmup = warmup_step(loss_fn, trial)
+        plan = apply_phases(model, cfg, device, warmup, setup.records, world, micro_batch)
+        for group, decision in decisions.items():  # each `auto` beside what its phase then did
+            plan.records[group]["auto"] = decision
         if auto_batch:
             found = find_batch_size(plan, loss_fn, data, cfg, device, world.world_size)
             summary["batch_finder"] = found
@@ -235,6 +241,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             n_val=data.n_val,
             unifrac_cached=data.unifrac_cached,
         )
+        graphs = compiled_graphs()
         with SystemMonitor(device, cfg.metrics.monitor_interval_s) as monitor:
             result = fit(
                 plan, loss_fn, data, cfg, device, record, monitor, meter, setup.loader.non_blocking, run_dir
@@ -245,6 +252,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         if timing["compile_time_s"] is not None:
             timing["compile_time_s"] += plan.records["compile"].get("compile_time_s", 0.0)
         summary.update(timing, **monitor.summary(), memory_cleanups=plan.memory_guard.cleanups)
+        summary["recompiles"] = compiled_graphs() - graphs  # graphs compiled for new shapes while training
         if world.world_size > 1:  # each rank's own figures, and the job's total memory
             summary["per_rank"] = per_rank(summary, ("peak_rss_bytes", "step_time_s", "peak_device_bytes"))
             summary["peak_rss_bytes_all_ranks"] = sum(r["peak_rss_bytes"] for r in summary["per_rank"])

@@ -134,7 +134,7 @@ def first_step_gradients(config: dict, rank: int, world: int, port: int, out: st
         world_size=world_info.world_size,
     )
     model, loss_fn = instantiate(cfg.model), instantiate(cfg.loss)
-    plan = apply_phases(model, cfg, device, lambda *a: None, setup.records, world_info)
+    plan = apply_phases(model, cfg, device, lambda *a: None, setup.records, world_info, 4)
     loss, _ = loss_fn(plan.model, next(iter(data.train_loader)), 1)
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}

@@ -150,7 +150,7 @@ def step_flops(make_cfg, *overrides: str) -> tuple[float, float]:
     setup = setup_phases(cfg, device)
     data = build_data(cfg.data, batch_size=4, seed=cfg.seed, loader=setup.loader, pad_to=setup.pad_to)
     model = build(cfg, "model")
-    apply_phases(model, cfg, device, lambda *args: None, setup.records, World())
+    apply_phases(model, cfg, device, lambda *args: None, setup.records, World(), 4)
     return analytic_flops(model, list(itertools.islice(data.train_loader, 3)))
 
 

@@ -8,6 +8,7 @@ precision -> attention -> dropout -> AAM ops -> channels_last -> activation chec
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from omegaconf import DictConfig
@@ -17,7 +18,7 @@ from aamperf.distributed import World
 from aamperf.errors import UserError
 from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to
 from aamperf.phases.attention import apply_attention, check_attention
-from aamperf.phases.compile import apply_compile, check_compile
+from aamperf.phases.compile import apply_compile, auto_compile, check_compile, trial_context
 from aamperf.phases.dataloader import resolve_dataloader
 from aamperf.phases.distributed import grad_sync, wrap_model
 from aamperf.phases.dropout import apply_dropout, check_dropout
@@ -25,6 +26,9 @@ from aamperf.phases.memory import MemoryGuard, apply_checkpointing, apply_cuda_m
 from aamperf.phases.optimizer import build_optimizer, check_optimizer
 from aamperf.phases.precision import DTYPES, apply_precision, check_precision
 from aamperf.phases.system import apply_channels_last, apply_system
+from aamperf.probe import Probe
+
+TRIAL_BATCHES = 4  # batches of compile=auto's trial (shapes differ per batch: recompiles are in it)
 
 
 def check_phases(cfg: DictConfig, device: torch.device) -> None:
@@ -72,18 +76,24 @@ def apply_phases(
     model: nn.Module,
     cfg: DictConfig,
     device: torch.device,
-    warmup: Callable[[nn.Module, Callable, object], None],
+    warmup: Callable[[nn.Module, Callable, object, int], None],
     records: dict[str, dict],
     world: World,
+    micro_batch: int,
 ) -> Plan:
-    """Transform `model` in the fixed order; `warmup(model, autocast, scaler)` runs one forward+backward."""
+    """Transform `model` in the fixed order; `warmup(model, autocast, scaler, i)` runs one forward + backward
+    of the run's i-th batch (i < TRIAL_BATCHES)."""
     autocast, scaler, records["precision"] = apply_precision(cfg.precision, device)
     records["attention"] = apply_attention(model, cfg.attention)
     records["dropout"] = apply_dropout(model, cfg.dropout, device)  # after attention: reaches its dropout too
     records["aam_ops"] = apply_aam_ops(model, cfg.aam_ops)
     records["channels_last"] = apply_channels_last(model, cfg.system)
     records["checkpointing"] = apply_checkpointing(model, cfg.memory)
-    records["compile"] = apply_compile(model, cfg.compile, lambda: warmup(model, autocast, scaler))
+    step = partial(warmup, model, autocast, scaler)
+    if cfg.compile.mode == "auto":
+        records["compile"] = decide_compile(model, cfg, step, world, micro_batch, device)
+    else:
+        records["compile"] = apply_compile(model, cfg.compile, lambda: step(0))
     param_dtype = DTYPES.get(cfg.precision.dtype, torch.float32)
     model, records["distributed"] = wrap_model(model, cfg, world, device, param_dtype)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -92,3 +102,23 @@ def apply_phases(
     return Plan(
         model, autocast, scaler, optimizer, guard, records, grad_sync(model), world.is_main, world.rank
     )
+
+
+def decide_compile(
+    model: nn.Module, cfg: DictConfig, step: Callable[[int], None], world: World, micro_batch: int, device
+) -> dict:
+    """compile=auto on the first rank (alone: ranks timing steps together would each see the others'
+    load); every rank follows its decision."""
+    record = None
+    if world.is_main:
+        probe = Probe(device, cfg.probe.cache, cfg.probe.refresh)
+        context = trial_context(cfg, micro_batch)
+        record = auto_compile(model, cfg.compile, step, TRIAL_BATCHES, cfg.trainer.max_steps, probe, context)
+    if world.world_size == 1:
+        return record
+    box = [record]
+    torch.distributed.broadcast_object_list(box, src=0)
+    record = box[0]
+    if not world.is_main and record["auto"]["chose"] == "default":
+        return {**apply_compile(model, cfg.compile, lambda: step(0)), "auto": record["auto"]}
+    return record

@@ -1,6 +1,6 @@
 """`auto` options resolved on the device the run has, from the probe's measurements (`aamperf/probe.py`).
 
-Each decision is recorded in summary.json `phases.auto.<group>`: what was chosen, the measured reason,
+Each decision is recorded in summary.json `phases.<group>.auto`: what was chosen, the measured reason,
 and the evidence (the probe's figures, whether they were cached or measured in this run).
 - precision=auto: the low-precision autocast dtype whose matmuls at the model's shapes beat fp32's by
   MIN_MATMUL_GAIN, else fp32.

@@ -1,16 +1,37 @@
-"""torch.compile of the model (or of each transformer block), with a recorded fallback to eager."""
+"""torch.compile of the model (or of each transformer block), with a recorded fallback to eager.
 
+compile=auto compiles only where it pays for itself on this device, this model and these batches:
+the steady gain per step, times the run's steps, must exceed the compile time, both measured here by
+timing real steps eager and compiled (a trial, cached by device, model, phases and batch shape). A trial
+that cannot pay is not run: compile saves at most MAX_COMPILE_SPEEDUP of an eager step, and compiling one
+transformer block costs what the device probe measured.
+"""
+
+import hashlib
+import json
+import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from aamperf.metrics.flops import LoadWatch
 from aamperf.model.layers import Block
 from aamperf.phases.record import applied, fallback, skipped
+from aamperf.probe import Probe
 
-MODES = ("disabled", "default", "reduce-overhead", "max-autotune")
+MODES = ("disabled", "default", "reduce-overhead", "max-autotune", "auto")
+MAX_COMPILE_SPEEDUP = 0.5  # the most of an eager step compile can save (it fuses elementwise work; the
+# matmuls run the same kernels): only to skip trials that cannot pay, the decision is the trial's
+TRIAL_PASSES = 2  # passes over the trial batches: the first compiles (and recompiles for new shapes)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (recompiles for new shapes included)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def check_compile(cfg: DictConfig) -> list[str]:
@@ -19,31 +40,157 @@ def check_compile(cfg: DictConfig) -> list[str]:
     return []
 
 
+def _targets(model: nn.Module, cfg: DictConfig) -> list[nn.Module]:
+    # Per block: AAM's ASV gathering (nonzero / unique) would break one whole-model graph into pieces;
+    # the blocks hold almost all the FLOPs and have no data-dependent ops.
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    return blocks if cfg.per_block and blocks else [model]
+
+
+def _to_eager(targets: list[nn.Module]) -> None:
+    for module in targets:
+        module._compiled_call_impl = None  # the slot nn.Module.compile() fills: emptied, eager again
+    torch._dynamo.reset()
+
+
 def apply_compile(model: nn.Module, cfg: DictConfig, warmup: Callable[[], None]) -> dict:
     """Compile in place (state_dict keys unchanged), then run `warmup` (one forward + backward) so that
     compilation happens here, timed apart from the training steps. Any failure -> eager, recorded."""
     if cfg.mode == "disabled":
         return skipped("compile=disabled")
-    # Per block: AAM's ASV gathering (nonzero / unique) would break one whole-model graph into pieces;
-    # the blocks hold almost all the FLOPs and have no data-dependent ops.
-    blocks = [m for m in model.modules() if isinstance(m, Block)]
-    targets = blocks if cfg.per_block and blocks else [model]
-    mode = None if cfg.mode == "default" else cfg.mode
-    start = time.perf_counter()
+    targets = _targets(model, cfg)
+    mode = None if cfg.mode in ("default", "auto") else cfg.mode
+    start, graphs = time.perf_counter(), compiled_graphs()
     try:
         for module in targets:
             module.compile(mode=mode, backend=cfg.backend, dynamic=cfg.dynamic, fullgraph=cfg.fullgraph)
         warmup()
     except Exception as exc:  # a backend that is missing or fails on this model: train eagerly instead
-        for module in targets:
-            module._compiled_call_impl = None  # the slot nn.Module.compile() fills: emptied, eager again
-        torch._dynamo.reset()
+        _to_eager(targets)
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         return fallback(f"torch.compile failed, running eager: {reason}", mode=cfg.mode, backend=cfg.backend)
     return applied(
         mode=cfg.mode,
         backend=cfg.backend,
-        per_block=bool(cfg.per_block and blocks),
+        per_block=targets[0] is not model,
         modules=len(targets),
         compile_time_s=time.perf_counter() - start,
+        graphs=compiled_graphs() - graphs,
     )
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # host sync: a GPU step is timed when its kernels are done
+
+
+def _pass_s(step: Callable[[int], None], batches: int) -> float:
+    """Mean seconds of a step over the trial batches."""
+    _sync()
+    start = time.perf_counter()
+    for i in range(batches):
+        step(i)
+    _sync()
+    return (time.perf_counter() - start) / batches
+
+
+def compile_trial(model: nn.Module, cfg: DictConfig, step: Callable[[int], None], batches: int) -> dict:
+    """Time `step` over the trial batches eager, then compile and time it again; the model is left
+    compiled. {eager_step_s, compiled_step_s, compile_s, graphs, under_load}."""
+    watch = LoadWatch()
+    eager = [_pass_s(step, batches) for _ in range(TRIAL_PASSES)][1:]  # the first pass warms the caches
+    start, graphs = time.perf_counter(), compiled_graphs()
+    record = apply_compile(model, cfg, lambda: step(0))
+    if record["status"] != "applied":
+        return {"error": record["reason"], "under_load": None}
+    passes = [_pass_s(step, batches) for _ in range(TRIAL_PASSES)]
+    compiled_s = statistics.median(passes[1:])
+    load = watch.stop()
+    return {
+        "eager_step_s": statistics.median(eager),
+        "compiled_step_s": compiled_s,
+        # the trial's compiled passes beyond the steady step time were compiling too
+        "compile_s": time.perf_counter() - start - batches * compiled_s * len(passes),
+        "graphs": compiled_graphs() - graphs,
+        "batches": batches,
+        "under_load": LoadWatch.verdict(load, 0.0) if next(model.parameters()).device.type == "cpu" else None,
+    }
+
+
+def trial_context(cfg: DictConfig, micro_batch: int) -> str:
+    """What a compile trial's figures depend on besides the device: the model, the phases that change
+    its graph, the batch shape."""
+    groups = ("model", "precision", "attention", "dropout", "memory", "aam_ops", "compile")
+    nodes = {g: OmegaConf.to_container(cfg[g], resolve=True) for g in groups}
+    nodes["batch"] = [micro_batch, cfg.data.max_asvs, cfg.data.get("n_asvs"), cfg.data.get("mean_richness")]
+    return hashlib.sha1(json.dumps(nodes, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def pays(figures: dict[str, Any], steps: int, compiled_already: bool = False) -> tuple[bool, str]:
+    """Does compiling pay over `steps` training steps, given a trial's figures? Once the trial has
+    compiled the model, its compile time is spent: compiled steps only have to be faster."""
+    gain_s = (figures["eager_step_s"] - figures["compiled_step_s"]) * steps
+    cost_s = 0.0 if compiled_already else figures["compile_s"]
+    verdict = gain_s > cost_s
+    why = (
+        f"compiled step {figures['compiled_step_s'] / figures['eager_step_s']:.2f}x the eager one "
+        f"({figures['compiled_step_s']:.3g} s vs {figures['eager_step_s']:.3g} s): {gain_s:.1f} s saved over "
+        f"{steps} steps {'>' if verdict else '<='} "
+        + ("0 (compiled already in the trial)" if compiled_already else f"{cost_s:.1f} s of compiling")
+        + f": {'compiled' if verdict else 'eager'}"
+    )
+    return verdict, why
+
+
+def auto_compile(
+    model: nn.Module,
+    cfg: DictConfig,
+    step: Callable[[int], None],
+    batches: int,
+    steps: int,
+    probe: Probe,
+    context: str,
+) -> dict:
+    """compile=auto: compile `model` only if it pays over `steps`; `step(i)` runs forward + backward of
+    trial batch i (< `batches`). The record's `auto` holds the decision, its reason and the figures."""
+
+    def eager(reason: str, **figures: Any) -> dict:
+        return skipped(f"compile=auto: {reason}", auto={"chose": "disabled", "reason": reason, **figures})
+
+    params = {"context": context}
+    cached = probe.cached("compile_trial", params)
+    if cached is not None and "error" in cached:
+        return eager(f"an earlier trial here failed ({cached['error']})")
+    if cached is not None:  # the figures of an earlier trial here: decide without one
+        compile_it, why = pays(cached, steps)
+        if not compile_it:
+            return eager(why, source="cache", **cached)
+        auto = {"chose": "default", "reason": why, "source": "cache", **cached}
+        return {**apply_compile(model, cfg, lambda: step(0)), "auto": auto}
+    works = probe.compile()
+    if not works["works"]:
+        return eager(f"torch.compile does not work here ({works['error']})")
+    start = time.perf_counter()
+    with torch.random.fork_rng(devices=[]):  # the trial's dropout draws leave the run's stream as it was
+        step(0)  # warm-up: the first step pays for allocations and kernel choices
+        eager_s = _pass_s(step, 1)  # one warm step: forward + backward of the first batch
+        bound_s = MAX_COMPILE_SPEEDUP * eager_s * steps
+        if bound_s <= works["block_compile_s"]:
+            return eager(
+                f"{steps} steps can gain at most {bound_s:.1f} s ({MAX_COMPILE_SPEEDUP:.0%} of a "
+                f"{eager_s:.3g} s eager step each); compiling one block took "
+                f"{works['block_compile_s']:.1f} s here",
+                trial_s=time.perf_counter() - start,
+            )
+        figures = probe.answer("compile_trial", params, lambda: compile_trial(model, cfg, step, batches))
+    trial_s = time.perf_counter() - start
+    if "error" in figures:
+        return fallback(f"compile=auto: the trial failed ({figures['error']}): eager", trial_s=trial_s)
+    compile_it, why = pays(figures, steps, compiled_already=True)
+    auto = {"chose": "default" if compile_it else "disabled", "reason": why, "trial_s": trial_s, **figures}
+    if compile_it:
+        return applied(
+            mode="default", backend=cfg.backend, compile_time_s=trial_s, graphs=figures["graphs"], auto=auto
+        )
+    _to_eager(_targets(model, cfg))
+    return skipped(f"compile=auto: {why}", compile_time_s=trial_s, auto=auto)

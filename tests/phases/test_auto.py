@@ -83,3 +83,92 @@ def test_no_auto_no_probe(make_cfg, tmp_path):
     assert resolve_auto(cfg, CPU, 4, World()) == {}
     assert not (tmp_path / "probe.json").exists()
     assert Probe(CPU, tmp_path / "probe.json").key == device_key(CPU)
+
+
+# ---- compile=auto: a trial's figures (injected through the probe's cache, or measured) decide ----------
+
+COMPILE = {"mode": "auto", "backend": "inductor", "dynamic": None, "fullgraph": False, "per_block": True}
+
+
+class Tiny(torch.nn.Module):
+    """Defined here, not a torch.nn built-in: dynamo does not compile a top-level frame of torch's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+def tiny_step():
+    from omegaconf import OmegaConf
+
+    model = Tiny()
+    batches = [torch.randn(4 + i, 8) for i in range(2)]
+
+    def step(i: int) -> None:
+        model(batches[i % 2]).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    return model, OmegaConf.create(COMPILE), step
+
+
+def inject(probe, question, params, figures):
+    probe.answer(question, params, lambda: {**figures, "under_load": None})
+
+
+@pytest.mark.parametrize(("steps", "compiled"), [(100, True), (10, False)])
+def test_compile_auto_follows_a_cached_trial(tmp_path, steps, compiled):
+    from aamperf.phases.compile import auto_compile
+
+    model, cfg, step = tiny_step()
+    probe = Probe(CPU, tmp_path / "probe.json")
+    figures = {"eager_step_s": 1.0, "compiled_step_s": 0.5, "compile_s": 10.0, "graphs": 1}
+    inject(probe, "compile_trial", {"context": "c"}, figures)  # saves 0.5 s a step; 10 s to compile
+    record = auto_compile(model, cfg, step, 2, steps, probe, "c")
+    torch._dynamo.reset()
+    assert record["auto"]["chose"] == ("default" if compiled else "disabled")
+    assert record["status"] == ("applied" if compiled else "skipped")
+    assert (model._compiled_call_impl is not None) == compiled
+    assert f"{0.5 * steps:.1f} s saved over {steps} steps" in record["auto"]["reason"]
+
+
+def test_compile_auto_stays_eager_where_compile_does_not_work(tmp_path):
+    from aamperf.phases.compile import auto_compile
+
+    model, cfg, step = tiny_step()
+    probe = Probe(CPU, tmp_path / "probe.json")
+    inject(probe, "compile", {}, {"works": False, "error": "InvalidCxxCompiler: no working C++ compiler"})
+    record = auto_compile(model, cfg, step, 2, 1000, probe, "c")
+    assert record["status"] == "skipped" and "does not work here" in record["reason"]
+    assert model._compiled_call_impl is None
+
+
+def test_compile_auto_skips_a_trial_that_cannot_pay(tmp_path):
+    from aamperf.phases.compile import auto_compile
+
+    model, cfg, step = tiny_step()
+    probe = Probe(CPU, tmp_path / "probe.json")
+    inject(probe, "compile", {}, {"works": True, "error": None, "block_compile_s": 1e6})
+    record = auto_compile(model, cfg, step, 2, 100, probe, "c")
+    assert record["auto"]["chose"] == "disabled" and "can gain at most" in record["reason"]
+    assert probe.cached("compile_trial", {"context": "c"}) is None  # no trial ran
+
+
+def test_compile_auto_trial_times_both_and_caches_its_figures(tmp_path):
+    """A real trial: eager and compiled steps timed here, the decision follows the figures."""
+    from aamperf.phases.compile import auto_compile, pays
+
+    model, cfg, step = tiny_step()
+    probe = Probe(CPU, tmp_path / "probe.json")
+    inject(probe, "compile", {}, {"works": True, "error": None, "block_compile_s": 0.0})  # always try
+    record = auto_compile(model, cfg, step, 2, 100, probe, "c")
+    torch._dynamo.reset()
+    auto = record["auto"]
+    assert auto["eager_step_s"] > 0 and auto["compiled_step_s"] > 0 and auto["graphs"] >= 1
+    compiled = auto["compiled_step_s"] < auto["eager_step_s"]
+    assert auto["chose"] == ("default" if compiled else "disabled")
+    assert (model._compiled_call_impl is not None) == compiled
+    if auto["source"] == "measured":  # a quiet trial is kept: the next run decides without one
+        assert pays(probe.cached("compile_trial", {"context": "c"}), 100)[0] == pays(auto, 100)[0]
