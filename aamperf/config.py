@@ -45,7 +45,7 @@ class DataConfig:
 class DataloaderConfig:
     """torch DataLoader settings (`conf/dataloader/`)."""
 
-    num_workers: int = 0
+    num_workers: Any = 0  # an integer >= 0, or auto (measured: aamperf/phases/dataloader.py)
     pin_memory: bool = False
     persistent_workers: bool = False
     prefetch_factor: int | None = None

@@ -5,6 +5,7 @@ import itertools
 import os
 import platform
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from aamperf.metrics import (
 from aamperf.phases import TRIAL_BATCHES, apply_phases, check_phases, setup_phases
 from aamperf.phases.auto import resolve_auto
 from aamperf.phases.compile import compiled_graphs
+from aamperf.phases.dataloader import decide_workers
 from aamperf.trainer import fit, to_device
 
 
@@ -118,6 +120,27 @@ def warmup_step(loss_fn, batches: list[dict[str, Any]]):
         model.zero_grad(set_to_none=True)
 
     return run
+
+
+def timed_batches(loader, n: int) -> tuple[list[dict[str, Any]], float]:
+    """The loader's first `n` batches, and the seconds each took to make (to arrive, with workers)."""
+    start = time.perf_counter()
+    batches = list(itertools.islice(loader, n))
+    return batches, (time.perf_counter() - start) / len(batches)
+
+
+def warm_step_s(step, plan) -> float:
+    """Seconds of one forward + backward of the phased model, after one untimed (dropout draws
+    forked: the run's random stream stays as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        step(plan.model, plan.autocast, plan.scaler)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # host sync: the step is timed when its kernels are done
+        start = time.perf_counter()
+        step(plan.model, plan.autocast, plan.scaler)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
 
 
 def resolved_config(cfg: DictConfig) -> dict[str, Any]:
@@ -203,7 +226,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         if world.world_size > 1:  # the same initial weights everywhere; from here each rank its own draws
             seed_everything(cfg.seed + world.rank)
         loss_fn = build(cfg, "loss")
-        host_batches = list(itertools.islice(data.train_loader, cfg.metrics.flop_batches))
+        host_batches, batch_s = timed_batches(data.train_loader, cfg.metrics.flop_batches)
         first = to_device(host_batches[0], device, False)
         # A model without an analytic count is counted by torch now, eager and before any phase
         # (FlopCounterMode cannot see inside compiled kernels); AAM is counted after its phases.
@@ -221,9 +244,15 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 found["grad_accum_steps"],
             )
             rebatch(data, found["micro_batch"], cfg.seed, setup.loader)
-            host_batches = list(itertools.islice(data.train_loader, cfg.metrics.flop_batches))
+            host_batches, batch_s = timed_batches(data.train_loader, cfg.metrics.flop_batches)
             if counted is not None:  # a model torch counts: counted again at the batch it will train on
                 counted = counted_flops(model, loss_fn, to_device(host_batches[0], device, False))
+        if cfg.dataloader.num_workers == "auto":  # batches timed in-process above; now a step
+            step_s = warm_step_s(warmup_step(loss_fn, [to_device(host_batches[0], device, False)]), plan)
+            loader, plan.records["dataloader"] = decide_workers(setup.loader, cfg.dataloader, batch_s, step_s)
+            if loader is not None:
+                setup.loader = loader
+                rebatch(data, data.train_loader.batch_size, cfg.seed, loader)
         # a plug-in model is counted once by torch: its model FLOPs are what it executes
         model_flops, hardware_flops = (
             (counted, counted) if counted is not None else analytic_flops(model, host_batches)

@@ -172,3 +172,59 @@ def test_compile_auto_trial_times_both_and_caches_its_figures(tmp_path):
     assert (model._compiled_call_impl is not None) == compiled
     if auto["source"] == "measured":  # a quiet trial is kept: the next run decides without one
         assert pays(probe.cached("compile_trial", {"context": "c"}), 100)[0] == pays(auto, 100)[0]
+
+
+# ---- dataloader=auto: batch-making time against a step's ------------------------------------------
+
+
+@pytest.mark.parametrize(("batch_s", "workers"), [(0.02, 1), (0.002, 0)])
+def test_dataloader_auto_moves_batch_making_to_a_worker_only_where_it_is_a_share_of_the_step(
+    batch_s, workers
+):
+    from omegaconf import OmegaConf
+
+    from aamperf.phases.dataloader import decide_workers, resolve_dataloader
+
+    requested = OmegaConf.create(
+        {
+            "num_workers": "auto",
+            "pin_memory": True,
+            "persistent_workers": True,
+            "prefetch_factor": 4,
+            "non_blocking": True,
+        }
+    )
+    resolved, pending = resolve_dataloader(requested, CPU)
+    assert resolved.num_workers == 0 and resolved.prefetch_factor is None  # in-process until measured
+    loader, record = decide_workers(resolved, requested, batch_s, 0.1)
+    assert (
+        record["auto"]["chose"] == workers
+        and f"{batch_s / 0.1:.1%} of a 100 ms step" in record["auto"]["reason"]
+    )
+    if workers:
+        assert (loader.num_workers, loader.prefetch_factor, loader.pin_memory) == (1, 4, False)
+    else:
+        assert loader is None
+
+
+def test_a_run_with_every_auto_records_each_decision_beside_its_phase(make_cfg, tmp_path):
+    """precision, attention and the loader measured here; compile decided from the probe's compile
+    time (injected: compiling for real takes a minute on 2 cores)."""
+    from aamperf.run import train
+
+    cache = tmp_path / "probe.json"
+    inject(Probe(CPU, cache), "compile", {}, {"works": True, "error": None, "block_compile_s": 1e6})
+    cfg = make_cfg(
+        "precision=auto", "attention=auto", "compile=auto", "dataloader=auto", f"probe.cache={cache}"
+    )
+    summary = train(cfg, tmp_path / "run")
+    phases = summary["phases"]
+    for group in ("precision", "attention", "compile", "dataloader"):
+        assert phases[group]["auto"]["reason"], group
+    assert summary["config"]["precision"]["dtype"] == phases["precision"]["auto"]["chose"]
+    assert (phases["attention"]["status"] == "applied") == (phases["attention"]["auto"]["chose"] == "sdpa")
+    assert phases["compile"]["auto"]["chose"] == "disabled" and summary["recompiles"] == 0
+    workers = phases["dataloader"]["auto"]["chose"]
+    assert phases["dataloader"]["auto"]["step_s"] > 0 and (phases["dataloader"]["status"] == "applied") == (
+        workers == 1
+    )
