@@ -111,6 +111,7 @@ class AAMOpsConfig:
 
     dedup: bool = False  # encode each distinct ASV of a batch once, scatter the vectors back
     skip_padding: bool = False  # pad a batch to its longest sample, not data.max_asvs
+    bucket: bool = False  # round encoded rows and batch widths up to a few sizes (reused graphs and memory)
 
 
 @dataclass

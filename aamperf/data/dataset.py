@@ -21,6 +21,7 @@ from aamperf.data.tables import (
 from aamperf.data.tokenize import TOKENS_PER_ASV, count_real_tokens, tokenize_sequences
 from aamperf.data.unifrac import cached_unifrac, select_unifrac
 from aamperf.errors import UserError
+from aamperf.model.aam import bucket_size
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class Collate:
     pad_to: int | None
     rank: int = 0  # under torch.distributed: the items are the global batch, this rank takes its slice
     world_size: int = 1
+    bucket_cap: int | None = None  # with pad_to=None: the longest sample rounded up to `bucket_size`, <= this
 
     def __call__(self, items: list[dict]) -> dict:
         # Counted over the global batch: what one optimizer (micro-)step processes on all ranks.
@@ -92,6 +94,8 @@ class Collate:
             items = items[self.rank * share : (self.rank + 1) * share]
         lengths = torch.tensor([len(item["asv_idx"]) for item in items])
         width = int(lengths.max()) if self.pad_to is None else self.pad_to
+        if self.pad_to is None and self.bucket_cap is not None:
+            width = min(bucket_size(width), self.bucket_cap)
         assert int(lengths.max()) <= width, "a sample has more ASVs than pad_to"
         batch_pos = torch.repeat_interleave(torch.arange(len(items)), lengths)
         asv_pos = torch.cat([torch.arange(n) for n in lengths.tolist()])
@@ -220,7 +224,7 @@ def build_data(
     batch_size: int,
     seed: int,
     loader: DictConfig,
-    pad_to: int | None | Literal["max"] = "max",
+    pad_to: int | None | Literal["max", "bucket"] = "max",
     rank: int = 0,
     world_size: int = 1,
 ) -> Data:
@@ -230,18 +234,22 @@ def build_data(
     split (the same data for every run of a sweep); `seed`, the run's, drives the batch order.
     `batch_size` is the global batch of one forward pass; `rank` of `world_size` encodes its slice.
     `pad_to`: the `S` of a batch: "max" pads every batch to data.max_asvs (fixed shapes, as the original
-    AAM), None each batch to its longest sample (`aamperf.phases.aam_ops.collate_pad_to`), an int to
-    that many ASVs (>= data.max_asvs).
+    AAM), None each batch to its longest sample (`aamperf.phases.aam_ops.collate_pad_to`), "bucket" to
+    its longest sample rounded up to `bucket_size` (at most data.max_asvs), an int to that many ASVs
+    (>= data.max_asvs).
     """
     if batch_size < 2:
         raise UserError("trainer.batch_size must be >= 2 (UniFrac compares pairs of samples)")
     if cfg.max_asvs < 1:
         raise UserError(f"data.max_asvs must be >= 1 (got {cfg.max_asvs})")
+    bucket_cap = cfg.max_asvs if pad_to == "bucket" else None
     if pad_to == "max":
         pad_to = cfg.max_asvs
+    elif pad_to == "bucket":
+        pad_to = None
     elif pad_to is not None and not (isinstance(pad_to, int) and pad_to >= cfg.max_asvs):
         raise ValueError(
-            f"pad_to must be 'max', None or an int >= data.max_asvs={cfg.max_asvs} (got {pad_to!r})"
+            f"pad_to must be 'max', 'bucket', None or an int >= data.max_asvs={cfg.max_asvs} (got {pad_to!r})"
         )
     files = resolve_files(cfg)
     table = read_table(files["table"])
@@ -285,7 +293,7 @@ def build_data(
     dataset = SampleDataset(asv_idx, counts, n_tokens, target)
 
     train_idx, val_idx = split_indices(len(sample_ids), cfg.val_fraction, cfg.seed)
-    collate = Collate(tokens, torch.from_numpy(unifrac).float(), pad_to, rank, world_size)
+    collate = Collate(tokens, torch.from_numpy(unifrac).float(), pad_to, rank, world_size, bucket_cap)
     train_loader, val_loader = make_loaders(
         dataset, collate, train_idx, val_idx, batch_size=batch_size, seed=seed, loader=loader
     )

@@ -10,6 +10,16 @@ PAD, A, C, G, T, START, MASK = range(7)  # token ids, as the data pipeline write
 ASV_ROWS = ("all", "real", "unique")  # which ASV rows the ASV encoder runs on (`AAM.asv_rows`)
 
 
+def bucket_size(n: int) -> int:
+    """The smallest size >= n of the ladder 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ... (four per doubling):
+    shapes padded to it take few distinct values (compiled graphs reused, allocator blocks reused) at
+    under 25% padding."""
+    if n <= 4:
+        return max(n, 1)
+    step = 1 << max(0, (n - 1).bit_length() - 3)  # a quarter of the power of two below n
+    return -(-n // step) * step
+
+
 class AAM(nn.Module):
     """Hierarchical transformer: an ASV encoder over the bases of every ASV, then a sample encoder
     over the ASVs of every sample. Heads: nucleotide logits per position, optional target.
@@ -69,6 +79,7 @@ class AAM(nn.Module):
 
         self.apply(self._init_weights)
         self.asv_rows = "real"  # one of ASV_ROWS; set by the aam_ops phase, before any wrapper
+        self.bucket_rows = False  # pad the encoded rows to `bucket_size` (aam_ops.bucket)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -144,7 +155,17 @@ class AAM(nn.Module):
         return asv.view(batch, n_asvs, -1), logits.view(batch, n_asvs, length, -1)
 
     def _encode_rows(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """The ASV encoder on [N, L] token rows -> (pooled vectors [N, D], nucleotide logits [N, L, V])."""
+        """The ASV encoder on [N, L] token rows -> (pooled vectors [N, D], nucleotide logits [N, L, V]).
+        With `bucket_rows`, all-padding rows are appended up to `bucket_size(N)` and their results
+        dropped: each row is encoded on its own, so the real rows' results are unchanged."""
+        if self.bucket_rows and bucket_size(len(tokens)) > len(tokens):
+            n = len(tokens)
+            padded = torch.cat([tokens, tokens.new_full((bucket_size(n) - n, tokens.size(1)), PAD)])
+            asv, logits = self._encode_rows_as_given(padded)
+            return asv[:n], logits[:n]
+        return self._encode_rows_as_given(tokens)
+
+    def _encode_rows_as_given(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         real_base = tokens != PAD
         x = self.token_embedding(tokens) + self.base_position.weight[: tokens.size(1)]
         x = self.asv_encoder(x, real_base)
@@ -157,9 +178,8 @@ class AAM(nn.Module):
         if self.asv_rows == "all":
             return batch * n_asvs
         real = (tokens != PAD).any(dim=-1)
-        if self.asv_rows == "unique":
-            return int(asv_ids[real].unique().numel())
-        return int(real.sum())
+        rows = int(asv_ids[real].unique().numel()) if self.asv_rows == "unique" else int(real.sum())
+        return bucket_size(rows) if self.bucket_rows else rows
 
     @staticmethod
     def real_asvs_per_sample(tokens: Tensor) -> list[int]:

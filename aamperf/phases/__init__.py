@@ -46,7 +46,7 @@ class Setup:
     """What the phases decide before the data exists."""
 
     loader: DictConfig
-    pad_to: int | None
+    pad_to: int | str | None
     records: dict[str, dict]
 
 

@@ -172,7 +172,7 @@ def test_build_data_pads_to_the_longest_sample_or_to_a_given_width(cache_dir):
     assert (fixed.collate.pad_to, longest.collate.pad_to) == (32, None)
     wide = build_data(data_cfg(cache_dir), batch_size=8, seed=0, loader=LOADER, pad_to=40)
     assert next(iter(wide.val_loader))["asv_ids"].shape == (8, 40)
-    with pytest.raises(ValueError, match=r"pad_to must be 'max', None or an int >= data\.max_asvs=32"):
+    with pytest.raises(ValueError, match=r"'bucket', None or an int >= data\.max_asvs=32"):
         build_data(data_cfg(cache_dir), batch_size=8, seed=0, loader=LOADER, pad_to=16)
 
 

@@ -8,6 +8,7 @@ from hydra.utils import instantiate
 
 from aamperf.data import build_data
 from aamperf.data.dataset import Collate
+from aamperf.model.aam import bucket_size
 from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to
 
 MAX_ASVS = 32  # above the tiny data's mean richness (20): the batch has padding rows
@@ -24,11 +25,13 @@ def tiny(make_cfg):
     items = [data.dataset[i] for i in next(iter(data.train_loader))["sample_idx"].tolist()]
     fixed = data.collate(items)  # [8, max_asvs, 151]
     longest = Collate(data.collate.tokens, data.collate.unifrac, pad_to=None)(items)
+    bucketed = Collate(data.collate.tokens, data.collate.unifrac, pad_to=None, bucket_cap=MAX_ASVS)(items)
     real = fixed["asv_ids"] >= 0
     # the batch this test needs: padding rows, and ASVs held by more than one sample
     assert longest["tokens"].shape[1] < MAX_ASVS and real.sum() < real.numel()
     assert fixed["asv_ids"][real].unique().numel() < real.sum()
-    return cfg, model, instantiate(cfg.loss), fixed, longest
+    assert bucketed["tokens"].shape[1] == bucket_size(longest["tokens"].shape[1])
+    return cfg, model, instantiate(cfg.loss), fixed, longest, bucketed
 
 
 def run(model, loss_fn, batch) -> dict:
@@ -58,20 +61,42 @@ def assert_same(got: dict, expected: dict) -> None:
 
 @pytest.mark.parametrize("option", ["padding_aware", "dedup", "fast"])
 def test_every_option_gives_the_plain_embeddings_loss_and_gradients(tiny, make_cfg, option):
-    cfg, model, loss_fn, fixed, longest = tiny
+    cfg, model, loss_fn, fixed, longest, _ = tiny
     expected = run(model, loss_fn, fixed)
     other = copy.deepcopy(model)
     ops = make_cfg(f"aam_ops={option}").aam_ops
     record = apply_aam_ops(other, ops)
-    assert record == {"status": "applied", "reason": None, "asv_rows": OPTIONS[option]}
+    assert record == {"status": "applied", "reason": None, "asv_rows": OPTIONS[option], "bucket": False}
     batch = longest if collate_pad_to(ops, MAX_ASVS) is None else fixed
     assert_same(run(other, loss_fn, batch), expected)
     if ops.skip_padding:  # and the same loss on the batch padded to max_asvs
         torch.testing.assert_close(run(other, loss_fn, fixed)["loss"], expected["loss"], rtol=1e-5, atol=0)
 
 
+def test_bucketed_shapes_give_the_plain_embeddings_loss_and_gradients_in_fp32(tiny, make_cfg):
+    """aam_ops.bucket pads the encoded rows and the batch width to bucket sizes: the same results."""
+    cfg, model, loss_fn, fixed, longest, bucketed = tiny
+    expected = run(model, loss_fn, fixed)
+    other = copy.deepcopy(model)
+    ops = make_cfg("aam_ops=fast", "aam_ops.bucket=true").aam_ops
+    assert apply_aam_ops(other, ops)["bucket"] is True and collate_pad_to(ops, MAX_ASVS) == "bucket"
+    seen = []
+    other.asv_encoder.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
+    assert_same(run(other, loss_fn, bucketed), expected)
+    distinct = bucketed["asv_ids"][bucketed["asv_ids"] >= 0].unique().numel()
+    assert seen[0] == bucket_size(distinct) > distinct  # padding rows were encoded, and dropped
+    assert other.count_encoded_rows(bucketed["tokens"], bucketed["asv_ids"]) == seen[0]
+
+
+def test_bucket_sizes_are_few_and_pad_by_under_a_quarter():
+    sizes = [bucket_size(n) for n in range(1, 1025)]
+    assert all(n <= b <= max(4, n * 1.25) for n, b in zip(range(1, 1025), sizes, strict=True))
+    assert sorted(set(sizes[64:128])) == [80, 96, 112, 128]  # four per doubling
+    assert all(bucket_size(b) == b for b in set(sizes))
+
+
 def test_fewer_rows_are_encoded(tiny):
-    _, model, loss_fn, fixed, longest = tiny
+    _, model, loss_fn, fixed, longest, _ = tiny
     seen = []
     model.asv_encoder.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
     ids = fixed["asv_ids"]
@@ -94,7 +119,7 @@ def test_records_and_padding_of_every_option(make_cfg):
         ops = make_cfg(f"aam_ops={option}").aam_ops
         model = instantiate(make_cfg().model)
         record = apply_aam_ops(model, ops)
-        assert model.asv_rows == record["asv_rows"] == rows
+        assert model.asv_rows == record["asv_rows"] == rows and not model.bucket_rows
         assert record["status"] == ("skipped" if option == "plain" else "applied")
         assert record["reason"] == ("aam_ops=plain" if option == "plain" else None)
         assert collate_pad_to(ops, 16) == (None if option in ("padding_aware", "fast") else 16)
