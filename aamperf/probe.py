@@ -30,7 +30,7 @@ from aamperf.metrics.flops import (
     machine_key,
 )
 
-TRIALS = 5  # timed repeats of each measurement; its median is the figure
+TRIALS = 7  # timed repeats of each measurement; its median is the figure
 
 
 def device_key(device: torch.device) -> str:
@@ -63,9 +63,11 @@ def _timed(fn: Callable[[], Any], device: torch.device, trials: int = TRIALS) ->
     return times
 
 
-def _spread(values: list[float]) -> float:
-    middle = statistics.median(values)
-    return (max(values) - min(values)) / middle if middle else 0.0
+def iqr_spread(values: list[float]) -> float:
+    """Interquartile range / median: how far the middle half of the trials spread (one trial slowed by
+    another process's burst does not make the median untrustworthy; a busy machine does)."""
+    q1, middle, q3 = statistics.quantiles(values, n=4)
+    return (q3 - q1) / middle if middle else 0.0
 
 
 def measure_matmul(device: torch.device, shapes: list[tuple[int, int, int]]) -> dict[str, Any]:
@@ -75,12 +77,13 @@ def measure_matmul(device: torch.device, shapes: list[tuple[int, int, int]]) -> 
     if device.type == "cpu":
         loads = []
         for dtype in dtypes:
-            cal = calibrate_cpu(dtype, shapes)
+            cal = calibrate_cpu(dtype, shapes, trials=TRIALS)
             model_shapes = cal["shapes"][: len(shapes)] or cal["shapes"]  # the square one only if none given
             record["flops"][dtype] = statistics.median(s["median_flops"] for s in model_shapes)
-            record["spread"][dtype] = max(s["spread"] for s in model_shapes)
+            record["spread"][dtype] = max(iqr_spread(s["trials"]) for s in model_shapes)
             record["loadavg_before"] = record.get("loadavg_before", cal["loadavg_before"])
-            loads += [cal["under_load"]] if cal["under_load"] else []
+            load = LoadWatch.verdict(cal, record["spread"][dtype])
+            loads += [f"{dtype}: {load}"] if load else []
         record["under_load"] = "; ".join(loads) or None
         return record
     for dtype in dtypes:  # CUDA: the same shapes, timed with synchronization
@@ -132,7 +135,7 @@ def measure_attention(
     math_s = _timed(step(MathAttention(0.0)), device)
     sdpa_s = _timed(step(SDPAttention(0.0, [])), device)
     load = watch.stop()
-    spread = max(_spread(math_s), _spread(sdpa_s))
+    spread = max(iqr_spread(math_s), iqr_spread(sdpa_s))
     return {
         "shape": list(shape),
         "dtype": str(dtype).removeprefix("torch."),

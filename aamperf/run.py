@@ -249,7 +249,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 counted = counted_flops(model, loss_fn, to_device(host_batches[0], device, False))
         if cfg.dataloader.num_workers == "auto":  # batches timed in-process above; now a step
             step_s = warm_step_s(warmup_step(loss_fn, [to_device(host_batches[0], device, False)]), plan)
-            loader, plan.records["dataloader"] = decide_workers(setup.loader, cfg.dataloader, batch_s, step_s)
+            notes = plan.records["dataloader"]["notes"]
+            loader, plan.records["dataloader"] = decide_workers(
+                setup.loader, cfg.dataloader, batch_s, step_s, notes
+            )
             if loader is not None:
                 setup.loader = loader
                 rebatch(data, data.train_loader.batch_size, cfg.seed, loader)

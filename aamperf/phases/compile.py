@@ -3,8 +3,9 @@
 compile=auto compiles only where it pays for itself on this device, this model and these batches:
 the steady gain per step, times the run's steps, must exceed the compile time, both measured here by
 timing real steps eager and compiled (a trial, cached by device, model, phases and batch shape). A trial
-that cannot pay is not run: compile saves at most MAX_COMPILE_SPEEDUP of an eager step, and compiling one
-transformer block costs what the device probe measured.
+that cannot pay is not run: compile saves at most MAX_COMPILE_SPEEDUP of an eager step, and compiling
+costs about what the device probe measured for one transformer block, times the modules compiled (each
+block is its own graph, forward and backward).
 """
 
 import hashlib
@@ -175,11 +176,13 @@ def auto_compile(
         step(0)  # warm-up: the first step pays for allocations and kernel choices
         eager_s = _pass_s(step, 1)  # one warm step: forward + backward of the first batch
         bound_s = MAX_COMPILE_SPEEDUP * eager_s * steps
-        if bound_s <= works["block_compile_s"]:
+        modules = len(_targets(model, cfg))
+        cost_s = works["block_compile_s"] * modules
+        if bound_s <= cost_s:
             return eager(
                 f"{steps} steps can gain at most {bound_s:.1f} s ({MAX_COMPILE_SPEEDUP:.0%} of a "
-                f"{eager_s:.3g} s eager step each); compiling one block took "
-                f"{works['block_compile_s']:.1f} s here",
+                f"{eager_s:.3g} s eager step each); compiling {modules} modules costs about {cost_s:.1f} s "
+                f"here ({works['block_compile_s']:.1f} s for one block, device probe)",
                 trial_s=time.perf_counter() - start,
             )
         figures = probe.answer("compile_trial", params, lambda: compile_trial(model, cfg, step, batches))

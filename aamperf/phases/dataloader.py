@@ -44,11 +44,12 @@ def resolve_dataloader(cfg: DictConfig, device: torch.device) -> tuple[DictConfi
 
 
 def decide_workers(
-    cfg: DictConfig, requested: DictConfig, batch_s: float, step_s: float
+    cfg: DictConfig, requested: DictConfig, batch_s: float, step_s: float, notes: list[str] = ()
 ) -> tuple[DictConfig | None, dict]:
     """dataloader=auto: (the loader config with one worker, or None to keep batches in-process;
     the decision with its measured reason). `cfg` is the resolved (in-process) loader config,
-    `requested` the dataloader node as asked for (its persistent_workers and prefetch_factor)."""
+    `requested` the dataloader node as asked for (its persistent_workers and prefetch_factor),
+    `notes` those of `resolve_dataloader`."""
     share = batch_s / step_s
     workers = 1 if share >= MIN_BATCH_SHARE else 0
     reason = (
@@ -58,11 +59,12 @@ def decide_workers(
     )
     auto = {"chose": workers, "reason": reason, "batch_s": batch_s, "step_s": step_s}
     if not workers:
-        return None, skipped(f"dataloader=auto: {reason}", auto=auto)
+        record = skipped(f"dataloader=auto: {reason}", **OmegaConf.to_container(cfg), notes=list(notes))
+        return None, {**record, "auto": auto}
     with_worker = {
         "num_workers": 1,
         "persistent_workers": requested.persistent_workers,
         "prefetch_factor": requested.prefetch_factor,
     }
     cfg = OmegaConf.merge(cfg, with_worker)
-    return cfg, applied(**OmegaConf.to_container(cfg), auto=auto)
+    return cfg, applied(**OmegaConf.to_container(cfg), notes=list(notes), auto=auto)

@@ -61,13 +61,14 @@ def assert_same(got: dict, expected: dict) -> None:
 
 @pytest.mark.parametrize("option", ["padding_aware", "dedup", "fast"])
 def test_every_option_gives_the_plain_embeddings_loss_and_gradients(tiny, make_cfg, option):
-    cfg, model, loss_fn, fixed, longest, _ = tiny
+    cfg, model, loss_fn, fixed, longest, bucketed = tiny
     expected = run(model, loss_fn, fixed)
     other = copy.deepcopy(model)
     ops = make_cfg(f"aam_ops={option}").aam_ops
     record = apply_aam_ops(other, ops)
-    assert record == {"status": "applied", "reason": None, "asv_rows": OPTIONS[option], "bucket": False}
-    batch = longest if collate_pad_to(ops, MAX_ASVS) is None else fixed
+    bucket = option == "fast"
+    assert record == {"status": "applied", "reason": None, "asv_rows": OPTIONS[option], "bucket": bucket}
+    batch = {None: longest, "bucket": bucketed}.get(collate_pad_to(ops, MAX_ASVS), fixed)
     assert_same(run(other, loss_fn, batch), expected)
     if ops.skip_padding:  # and the same loss on the batch padded to max_asvs
         torch.testing.assert_close(run(other, loss_fn, fixed)["loss"], expected["loss"], rtol=1e-5, atol=0)
@@ -119,10 +120,10 @@ def test_records_and_padding_of_every_option(make_cfg):
         ops = make_cfg(f"aam_ops={option}").aam_ops
         model = instantiate(make_cfg().model)
         record = apply_aam_ops(model, ops)
-        assert model.asv_rows == record["asv_rows"] == rows and not model.bucket_rows
+        assert model.asv_rows == record["asv_rows"] == rows and model.bucket_rows == (option == "fast")
         assert record["status"] == ("skipped" if option == "plain" else "applied")
         assert record["reason"] == ("aam_ops=plain" if option == "plain" else None)
-        assert collate_pad_to(ops, 16) == (None if option in ("padding_aware", "fast") else 16)
+        assert collate_pad_to(ops, 16) == {"padding_aware": None, "fast": "bucket"}.get(option, 16)
     other = torch.nn.Linear(2, 2)
     assert apply_aam_ops(other, make_cfg("aam_ops=dedup").aam_ops) == {
         "status": "skipped",
