@@ -87,6 +87,13 @@ def find_batch_size(
     cap = min(ac.max_batch, len(train_idx)) // grid * grid
     budget = memory_budget(ac.budget_fraction, device)
     unsafe = memory_budget(max(cfg.memory.max_fraction, ac.budget_fraction), device)  # never probed on a CPU
+    if ac.budget_gib is not None:  # a fixed budget (the memory study's); the RAM limit still stands
+        budget = int(ac.budget_gib * 2**30)
+    asked = (
+        f"trainer.auto_batch.budget_gib={ac.budget_gib}"
+        if ac.budget_gib is not None
+        else f"trainer.auto_batch.budget_fraction={ac.budget_fraction}"
+    )
     model, optimizer = plan.model, plan.optimizer
     params = [p.detach().clone() for p in model.parameters()]
     rngs, optimizer_state = rng_state(), optimizer.state_dict()
@@ -126,7 +133,7 @@ def find_batch_size(
         if cap < grid or not fits(grid):
             raise UserError(
                 f"trainer.batch_size=auto: not even a batch of {grid} fits "
-                f"trainer.auto_batch.budget_fraction={ac.budget_fraction} ({budget / 2**30:.2f} GiB) "
+                f"{asked} ({budget / 2**30:.2f} GiB) "
                 f"with {len(train_idx)} training samples; raise the budget, use memory=checkpointing or "
                 "precision=bf16, or give trainer.batch_size"
             )

@@ -94,6 +94,8 @@ def check_auto_batch(t: DictConfig) -> list[str]:
     a, problems = t.auto_batch, []
     if not 0 < a.budget_fraction < 1:
         problems.append(f"trainer.auto_batch.budget_fraction={a.budget_fraction} must be in (0, 1)")
+    if a.budget_gib is not None and a.budget_gib <= 0:
+        problems.append(f"trainer.auto_batch.budget_gib={a.budget_gib} must be > 0 (GiB per rank)")
     if a.max_batch < 2 or a.tolerance <= 0:
         problems.append("trainer.auto_batch.max_batch must be >= 2 and trainer.auto_batch.tolerance > 0")
     if a.effective_batch is not None and a.effective_batch < 2:

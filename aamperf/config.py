@@ -131,6 +131,7 @@ class AutoBatchConfig:
     """The batch-size finder, for trainer.batch_size=auto (`aamperf/batch_size.py`)."""
 
     budget_fraction: float = 0.6  # of device memory (CUDA) or of the RAM this run can have (CPU), per rank
+    budget_gib: float | None = None  # a fixed budget per rank instead (GiB): the same on any machine
     max_batch: int = 1024  # the search stops here (and at the number of training samples)
     tolerance: float = 0.1  # bisect until the largest fitting batch is known within this fraction
     effective_batch: int | None = None  # samples per optimizer step to keep: grad_accum_steps is derived

@@ -23,7 +23,7 @@ from aamperf.train import cli
 CONFIG_CASES = {
     "unknown key": (["trainer.batchsize=8"], "did you mean trainer.batch_size?"),
     "wrong type": (["trainer.max_steps=ten"], "trainer.max_steps=ten: expected int"),
-    "unknown group option": (["precision=fp8"], "choose one of bf16, fp16, fp32 (conf/precision/)"),
+    "unknown group option": (["precision=fp8"], "choose one of auto, bf16, fp16, fp32 (conf/precision/)"),
     "unknown group": (["precisio=fp32"], "did you mean precision?"),
     "unknown option of an optional group": (["experiment=headlin"], "choose one of ablation"),
     "override syntax": (["trainer.lr=="], "cannot parse the override 'trainer.lr=='"),
@@ -54,6 +54,14 @@ CONFIG_CASES = {
     "batch-size budget of all memory": (
         ["trainer.batch_size=auto", "trainer.auto_batch.budget_fraction=1.5"],
         "trainer.auto_batch.budget_fraction=1.5 must be in (0, 1)",
+    ),
+    "a fixed batch-size budget of no memory": (
+        ["trainer.batch_size=auto", "trainer.auto_batch.budget_gib=0"],
+        "trainer.auto_batch.budget_gib=0.0 must be > 0",
+    ),
+    "loader workers neither a number nor auto": (
+        ["dataloader.num_workers=some"],
+        "must be an integer >= 0 or auto",
     ),
     "missing BIOM": (
         ["data=biom", "data.table={inputs}/nope.biom", "data.tree={inputs}/tips.nwk"],
