@@ -148,22 +148,69 @@ def measure_attention(
     }
 
 
-def measure_compile(device: torch.device, dim: int = 32, heads: int = 2) -> dict[str, Any]:
-    """Whether torch.compile (inductor) works here, and the seconds it takes to compile forward and
-    backward of one transformer block (aamperf's `Block`, small): the price of each graph compiled."""
+SMALL_BLOCK = (4, 16, 32, 2, 4)  # [rows, length, dim], heads, ffn_mult: a block for a model that says none
+
+
+def measure_compile(
+    device: torch.device,
+    block: tuple[int, int, int, int, int] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
+    """Whether torch.compile (inductor) works here; the seconds it takes to compile forward and backward
+    of one transformer block (aamperf's `Block`) of `block` = (rows, length, dim, heads, ffn_mult); and
+    its forward + backward time eager and compiled there, under autocast to `dtype`: what compiling
+    one block costs and gains on this device."""
     from aamperf.model.layers import Block
 
-    block = Block(dim, heads, 4, 0.0).to(device)
-    x = torch.randn(4, 16, dim, device=device, requires_grad=True)
-    start = time.perf_counter()
+    rows, length, dim, heads, ffn_mult = block or SMALL_BLOCK
+    module = Block(dim, heads, ffn_mult, 0.0).to(device)
+    x = torch.randn(rows, length, dim, device=device, requires_grad=True)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    def step(fn: Callable) -> Callable[[], None]:
+        def run() -> None:
+            with autocast:
+                y = fn(x, None)
+            y.float().sum().backward()
+            x.grad = None
+            module.zero_grad(set_to_none=True)
+
+        return run
+
+    watch = LoadWatch()
+    eager_s = _timed(step(module), device)
     try:
-        compiled = torch.compile(block)
-        compiled(x, None).sum().backward()
+        compiled = torch.compile(module)
+        start = time.perf_counter()
+        step(compiled)()
+        compile_s = time.perf_counter() - start
+        compiled_s = _timed(step(compiled), device)
     except Exception as exc:  # a missing C compiler, an unsupported device: compile does not work here
-        return {"works": False, "error": " ".join(f"{type(exc).__name__}: {exc}".split())[:300]}
+        error = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        return {"works": False, "error": error, "under_load": None}
     finally:
         torch._dynamo.reset()  # the probe's graphs must not count as the run's compiles
-    return {"works": True, "error": None, "block_compile_s": time.perf_counter() - start}
+    load = watch.stop()
+    spread = max(iqr_spread(eager_s), iqr_spread(compiled_s))
+    return {
+        "works": True,
+        "error": None,
+        "block": [rows, length, dim, heads, ffn_mult],
+        "dtype": str(dtype).removeprefix("torch."),
+        "block_compile_s": compile_s,
+        "eager_block_s": statistics.median(eager_s),
+        "compiled_block_s": statistics.median(compiled_s),
+        "under_load": LoadWatch.verdict(load, spread) if device.type == "cpu" else None,
+    }
+
+
+def compile_block(model_cfg: Any, micro_batch: int, max_asvs: int) -> tuple[int, int, int, int, int] | None:
+    """The ASV encoder's block at this batch (rows capped as in `model_shapes`), for the compile probe."""
+    _, attention = model_shapes(model_cfg, micro_batch, max_asvs)
+    if attention is None:
+        return None
+    rows, heads, length, head_dim = attention
+    return rows, length, heads * head_dim, heads, int(model_cfg.ffn_mult)
 
 
 class Probe:
@@ -204,8 +251,9 @@ class Probe:
         params = {"dtype": dtype, "shape": shape}
         return self.answer("attention", params, lambda: measure_attention(self.device, dtype, shape))
 
-    def compile(self) -> dict:
-        return self.answer("compile", {}, lambda: measure_compile(self.device))
+    def compile(self, block: tuple[int, int, int, int, int] | None, dtype: torch.dtype) -> dict:
+        params = {"block": block, "dtype": dtype}
+        return self.answer("compile", params, lambda: measure_compile(self.device, block, dtype))
 
 
 def model_shapes(

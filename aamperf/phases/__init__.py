@@ -26,7 +26,7 @@ from aamperf.phases.memory import MemoryGuard, apply_checkpointing, apply_cuda_m
 from aamperf.phases.optimizer import build_optimizer, check_optimizer
 from aamperf.phases.precision import DTYPES, apply_precision, check_precision
 from aamperf.phases.system import apply_channels_last, apply_system
-from aamperf.probe import Probe
+from aamperf.probe import Probe, compile_block
 
 TRIAL_BATCHES = 4  # batches of compile=auto's trial (shapes differ per batch: recompiles are in it)
 
@@ -113,7 +113,11 @@ def decide_compile(
     if world.is_main:
         probe = Probe(device, cfg.probe.cache, cfg.probe.refresh)
         context = trial_context(cfg, micro_batch)
-        record = auto_compile(model, cfg.compile, step, TRIAL_BATCHES, cfg.trainer.max_steps, probe, context)
+        block = compile_block(cfg.model, micro_batch, cfg.data.max_asvs)
+        dtype = DTYPES.get(cfg.precision.dtype, torch.float32)
+        record = auto_compile(
+            model, cfg.compile, step, TRIAL_BATCHES, cfg.trainer.max_steps, probe, context, block, dtype
+        )
     if world.world_size == 1:
         return record
     box = [record]

@@ -3,8 +3,9 @@
 compile=auto compiles only where it pays for itself on this device, this model and these batches:
 the steady gain per step, times the run's steps, must exceed the compile time, both measured here by
 timing real steps eager and compiled (a trial, cached by device, model, phases and batch shape). A trial
-that cannot pay is not run: compile saves at most MAX_COMPILE_SPEEDUP of an eager step, and compiling
-costs about what the device probe measured for one transformer block, times the modules compiled (each
+that cannot pay is not run: the device probe compiles one transformer block of the model's shape and
+times it eager and compiled; the gain per step is at most the eager step times the share the compiled
+block saved, and compiling costs about the probe's time for one block times the modules compiled (each
 block is its own graph, forward and backward).
 """
 
@@ -25,8 +26,6 @@ from aamperf.phases.record import applied, fallback, skipped
 from aamperf.probe import Probe
 
 MODES = ("disabled", "default", "reduce-overhead", "max-autotune", "auto")
-MAX_COMPILE_SPEEDUP = 0.5  # the most of an eager step compile can save (it fuses elementwise work; the
-# matmuls run the same kernels): only to skip trials that cannot pay, the decision is the trial's
 TRIAL_PASSES = 2  # passes over the trial batches: the first compiles (and recompiles for new shapes)
 
 
@@ -151,9 +150,12 @@ def auto_compile(
     steps: int,
     probe: Probe,
     context: str,
+    block: tuple[int, int, int, int, int] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
     """compile=auto: compile `model` only if it pays over `steps`; `step(i)` runs forward + backward of
-    trial batch i (< `batches`). The record's `auto` holds the decision, its reason and the figures."""
+    trial batch i (< `batches`); `block` and `dtype`: the model's block shape and autocast dtype, for the
+    device probe. The record's `auto` holds the decision, its reason and the figures."""
 
     def eager(reason: str, **figures: Any) -> dict:
         return skipped(f"compile=auto: {reason}", auto={"chose": "disabled", "reason": reason, **figures})
@@ -168,21 +170,23 @@ def auto_compile(
             return eager(why, source="cache", **cached)
         auto = {"chose": "default", "reason": why, "source": "cache", **cached}
         return {**apply_compile(model, cfg, lambda: step(0)), "auto": auto}
-    works = probe.compile()
+    works = probe.compile(block, dtype)
     if not works["works"]:
         return eager(f"torch.compile does not work here ({works['error']})")
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[]):  # the trial's dropout draws leave the run's stream as it was
         step(0)  # warm-up: the first step pays for allocations and kernel choices
         eager_s = _pass_s(step, 1)  # one warm step: forward + backward of the first batch
-        bound_s = MAX_COMPILE_SPEEDUP * eager_s * steps
+        ratio = works["compiled_block_s"] / works["eager_block_s"]
+        bound_s = eager_s * max(0.0, 1.0 - ratio) * steps
         modules = len(_targets(model, cfg))
         cost_s = works["block_compile_s"] * modules
         if bound_s <= cost_s:
             return eager(
-                f"{steps} steps can gain at most {bound_s:.1f} s ({MAX_COMPILE_SPEEDUP:.0%} of a "
-                f"{eager_s:.3g} s eager step each); compiling {modules} modules costs about {cost_s:.1f} s "
-                f"here ({works['block_compile_s']:.1f} s for one block, device probe)",
+                f"a compiled block ran {ratio:.2f}x its eager time here (device probe: {works['block']} in "
+                f"{works['dtype']}): {steps} steps of {eager_s:.3g} s can gain at most {bound_s:.1f} s; "
+                f"compiling {modules} modules costs about {cost_s:.1f} s "
+                f"({works['block_compile_s']:.1f} s a block)",
                 trial_s=time.perf_counter() - start,
             )
         figures = probe.answer("compile_trial", params, lambda: compile_trial(model, cfg, step, batches))

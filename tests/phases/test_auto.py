@@ -114,6 +114,21 @@ def tiny_step():
     return model, OmegaConf.create(COMPILE), step
 
 
+SMALL = {"block": None, "dtype": torch.float32}  # auto_compile's probe question for a model without a shape
+
+
+def block_answer(compile_s, eager_s=1.0, compiled_s=0.5):
+    return {
+        "works": True,
+        "error": None,
+        "block": [4, 16, 32, 2, 4],
+        "dtype": "float32",
+        "block_compile_s": compile_s,
+        "eager_block_s": eager_s,
+        "compiled_block_s": compiled_s,
+    }
+
+
 def inject(probe, question, params, figures):
     probe.answer(question, params, lambda: {**figures, "under_load": None})
 
@@ -139,7 +154,7 @@ def test_compile_auto_stays_eager_where_compile_does_not_work(tmp_path):
 
     model, cfg, step = tiny_step()
     probe = Probe(CPU, tmp_path / "probe.json")
-    inject(probe, "compile", {}, {"works": False, "error": "InvalidCxxCompiler: no working C++ compiler"})
+    inject(probe, "compile", SMALL, {"works": False, "error": "InvalidCxxCompiler: no working C++ compiler"})
     record = auto_compile(model, cfg, step, 2, 1000, probe, "c")
     assert record["status"] == "skipped" and "does not work here" in record["reason"]
     assert model._compiled_call_impl is None
@@ -150,10 +165,21 @@ def test_compile_auto_skips_a_trial_that_cannot_pay(tmp_path):
 
     model, cfg, step = tiny_step()
     probe = Probe(CPU, tmp_path / "probe.json")
-    inject(probe, "compile", {}, {"works": True, "error": None, "block_compile_s": 1e6})
+    inject(probe, "compile", SMALL, block_answer(compile_s=1e6))  # compiling costs more than any gain
     record = auto_compile(model, cfg, step, 2, 100, probe, "c")
     assert record["auto"]["chose"] == "disabled" and "can gain at most" in record["reason"]
     assert probe.cached("compile_trial", {"context": "c"}) is None  # no trial ran
+
+
+def test_compile_auto_skips_the_trial_where_a_compiled_block_is_slower_here(tmp_path):
+    from aamperf.phases.compile import auto_compile
+
+    model, cfg, step = tiny_step()
+    probe = Probe(CPU, tmp_path / "probe.json")
+    inject(probe, "compile", SMALL, block_answer(compile_s=0.0, compiled_s=1.3))  # free, but slower
+    record = auto_compile(model, cfg, step, 2, 10**6, probe, "c")
+    assert record["auto"]["chose"] == "disabled" and "ran 1.30x its eager time" in record["reason"]
+    assert "can gain at most 0.0 s" in record["reason"] and model._compiled_call_impl is None
 
 
 def test_compile_auto_trial_times_both_and_caches_its_figures(tmp_path):
@@ -162,7 +188,7 @@ def test_compile_auto_trial_times_both_and_caches_its_figures(tmp_path):
 
     model, cfg, step = tiny_step()
     probe = Probe(CPU, tmp_path / "probe.json")
-    inject(probe, "compile", {}, {"works": True, "error": None, "block_compile_s": 0.0})  # always try
+    inject(probe, "compile", SMALL, block_answer(compile_s=0.0))  # always try
     record = auto_compile(model, cfg, step, 2, 100, probe, "c")
     torch._dynamo.reset()
     auto = record["auto"]
@@ -208,20 +234,24 @@ def test_dataloader_auto_moves_batch_making_to_a_worker_only_where_it_is_a_share
 
 
 def test_a_run_with_every_auto_records_each_decision_beside_its_phase(make_cfg, tmp_path):
-    """precision, attention and the loader measured here; compile decided from the probe's compile
-    time (injected: compiling for real takes a minute on 2 cores)."""
+    """attention and the loader measured here; compile decided from the probe's block (injected:
+    compiling for real takes a minute on 2 cores); precision=auto has its own test above."""
+    from aamperf.probe import compile_block
     from aamperf.run import train
 
     cache = tmp_path / "probe.json"
-    inject(Probe(CPU, cache), "compile", {}, {"works": True, "error": None, "block_compile_s": 1e6})
     cfg = make_cfg(
-        "precision=auto", "attention=auto", "compile=auto", "dataloader=auto", f"probe.cache={cache}"
+        "precision=fp32", "attention=auto", "compile=auto", "dataloader=auto", f"probe.cache={cache}"
     )
+    question = {
+        "block": compile_block(cfg.model, cfg.trainer.batch_size, cfg.data.max_asvs),
+        "dtype": torch.float32,
+    }
+    inject(Probe(CPU, cache), "compile", question, block_answer(compile_s=1e6))
     summary = train(cfg, tmp_path / "run")
     phases = summary["phases"]
-    for group in ("precision", "attention", "compile", "dataloader"):
+    for group in ("attention", "compile", "dataloader"):
         assert phases[group]["auto"]["reason"], group
-    assert summary["config"]["precision"]["dtype"] == phases["precision"]["auto"]["chose"]
     assert (phases["attention"]["status"] == "applied") == (phases["attention"]["auto"]["chose"] == "sdpa")
     assert phases["compile"]["auto"]["chose"] == "disabled" and summary["recompiles"] == 0
     workers = phases["dataloader"]["auto"]["chose"]
