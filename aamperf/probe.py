@@ -236,7 +236,8 @@ class Probe:
         cached = _read_cache(self.cache_file).get(key)
         if cached and not self.refresh:
             return {**cached, "source": "cache"}
-        record = {**measure(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        with torch.random.fork_rng(devices=[]):  # a measurement leaves the run's random stream as it was
+            record = {**measure(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         if record.get("under_load") is None:
             _write_cache(self.cache_file, key, record)
             return {**record, "source": "measured"}

@@ -79,3 +79,15 @@ def test_the_cache_is_per_thread_count(tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert (other["value"], other["source"]) == (2, "measured")  # a matmul rate depends on the threads
+
+
+def test_a_measurement_leaves_the_random_stream_as_it_was(tmp_path):
+    """A run that measures (first on a machine) draws the same weights and dropout as one that reads the
+    cache: the probe's own random tensors come from a forked stream."""
+    torch.manual_seed(0)
+    Probe(CPU, tmp_path / "probe.json").answer(
+        "q", {}, lambda: {"x": torch.randn(3).tolist(), "under_load": None}
+    )
+    after_measuring = torch.rand(2)
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(2), after_measuring)
