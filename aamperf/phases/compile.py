@@ -175,20 +175,25 @@ def auto_compile(
         return eager(f"torch.compile does not work here ({works['error']})")
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[]):  # the trial's dropout draws leave the run's stream as it was
-        step(0)  # warm-up: the first step pays for allocations and kernel choices
-        eager_s = _pass_s(step, 1)  # one warm step: forward + backward of the first batch
         ratio = works["compiled_block_s"] / works["eager_block_s"]
-        bound_s = eager_s * max(0.0, 1.0 - ratio) * steps
+        eager_s = float("nan")  # no step timed where a compiled block gains nothing: 0 x any step
+        if ratio < 1.0:
+            step(0)  # warm-up: the first step pays for allocations and kernel choices
+            eager_s = _pass_s(step, 1)  # one warm step: forward + backward of the first batch
+        bound_s = eager_s * (1.0 - ratio) * steps if ratio < 1.0 else 0.0
         modules = len(_targets(model, cfg))
         cost_s = works["block_compile_s"] * modules
         if bound_s <= cost_s:
-            return eager(
+            probed = (
                 f"a compiled block ran {ratio:.2f}x its eager time here (device probe: {works['block']} in "
-                f"{works['dtype']}): {steps} steps of {eager_s:.3g} s can gain at most {bound_s:.1f} s; "
-                f"compiling {modules} modules costs about {cost_s:.1f} s "
-                f"({works['block_compile_s']:.1f} s a block)",
-                trial_s=time.perf_counter() - start,
             )
+            gain = (
+                f"{steps} steps of {eager_s:.3g} s can gain at most {bound_s:.1f} s; compiling {modules} "
+                f"modules costs about {cost_s:.1f} s ({works['block_compile_s']:.1f} s a block)"
+                if ratio < 1.0
+                else "compiling cannot pay"
+            )
+            return eager(f"{probed}{works['dtype']}): {gain}", trial_s=time.perf_counter() - start)
         figures = probe.answer("compile_trial", params, lambda: compile_trial(model, cfg, step, batches))
     trial_s = time.perf_counter() - start
     if "error" in figures:
