@@ -203,7 +203,7 @@ def measure_compile(
         "spread": spread,
         # only other processes' load makes it untrustworthy: a noisy answer that is re-measured by every
         # run would cost each run a compile, which is what the cache is for
-        "under_load": LoadWatch.verdict(load, 0.0) if device.type == "cpu" else None,
+        "under_load": LoadWatch.verdict(load, 0.0, use_loadavg=False) if device.type == "cpu" else None,
     }
 
 

@@ -204,14 +204,15 @@ class LoadWatch:
         }
 
     @staticmethod
-    def verdict(load: dict[str, Any], spread: float) -> str | None:
-        """None for a quiet measurement, else why it was taken under load."""
+    def verdict(load: dict[str, Any], spread: float, use_loadavg: bool = True) -> str | None:
+        """None for a quiet measurement, else why it was taken under load. `use_loadavg=False`: judge by
+        what was measured while it ran only (a 1-minute average still holds the run before this one)."""
         reasons = []
         if load["other_cores_busy"] > MAX_OTHER_CORES:
             reasons.append(f"other processes used {load['other_cores_busy']:.2f} cores while it ran")
         if load["steal_cores"] > MAX_OTHER_CORES:
             reasons.append(f"the hypervisor stole {load['steal_cores']:.2f} cores")
-        if load["loadavg_before"][0] > 1 + load["cpus"] / 2:
+        if use_loadavg and load["loadavg_before"][0] > 1 + load["cpus"] / 2:
             reasons.append(f"load average {load['loadavg_before'][0]:.2f} before it, on {load['cpus']} CPUs")
         if spread > MAX_SPREAD:
             reasons.append(f"its trials spread {spread:.0%} around the median")
