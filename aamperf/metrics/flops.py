@@ -180,19 +180,6 @@ def _time_matmul(shape: tuple[int, int, int], dtype: torch.dtype, trials: int, t
     return rates
 
 
-def _tree_cpu_s() -> dict[int, float]:
-    """CPU seconds of this process and its children (inductor's compile workers are ours, not load)."""
-    me = psutil.Process()
-    times = {}
-    for proc in [me, *me.children(recursive=True)]:
-        try:
-            t = proc.cpu_times()
-            times[proc.pid] = t.user + t.system
-        except psutil.Error:  # a child that ended meanwhile
-            pass
-    return times
-
-
 class LoadWatch:
     """How busy the rest of the machine was while a measurement ran: other processes' cores, the
     hypervisor's steal, the load average before. `verdict(spread)` names every reason not to trust it."""
@@ -200,12 +187,13 @@ class LoadWatch:
     def __init__(self) -> None:
         self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.load_before = os.getloadavg()
-        self._cpu0, self._own0, self._wall0 = psutil.cpu_times(), _tree_cpu_s(), time.perf_counter()
+        self._me = psutil.Process()
+        self._cpu0, self._own0, self._wall0 = psutil.cpu_times(), self._me.cpu_times(), time.perf_counter()
 
     def stop(self) -> dict[str, Any]:
         wall = time.perf_counter() - self._wall0
-        cpu1, own1 = psutil.cpu_times(), _tree_cpu_s()
-        own = sum(t - self._own0.get(pid, 0.0) for pid, t in own1.items())
+        cpu1, own1 = psutil.cpu_times(), self._me.cpu_times()
+        own = (own1.user + own1.system) - (self._own0.user + self._own0.system)
         return {
             "cpus": self.cpus,
             "loadavg_before": list(self.load_before),
