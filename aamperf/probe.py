@@ -48,7 +48,7 @@ def low_precision_dtypes(device: torch.device) -> list[str]:
     return ["bf16"]
 
 
-def _timed(fn: Callable[[], Any], device: torch.device, trials: int = TRIALS) -> list[float]:
+def timed(fn: Callable[[], Any], device: torch.device, trials: int = TRIALS) -> list[float]:
     """Seconds of `trials` calls of `fn` after one warm-up call (synchronized on a GPU)."""
     fn()
     times = []
@@ -91,7 +91,7 @@ def measure_matmul(device: torch.device, shapes: list[tuple[int, int, int]]) -> 
         for m, k, n in shapes:
             a = torch.randn(m, k, device=device, dtype=_DTYPES[dtype])
             b = torch.randn(k, n, device=device, dtype=_DTYPES[dtype])
-            times = _timed(lambda a=a, b=b: a @ b, device)
+            times = timed(lambda a=a, b=b: a @ b, device)
             rates.append(statistics.median(2 * m * k * n / t for t in times))
         record["flops"][dtype] = statistics.median(rates)
     record["under_load"] = None
@@ -132,8 +132,8 @@ def measure_attention(
         return run
 
     watch = LoadWatch()
-    math_s = _timed(step(MathAttention(0.0)), device)
-    sdpa_s = _timed(step(SDPAttention(0.0, [])), device)
+    math_s = timed(step(MathAttention(0.0)), device)
+    sdpa_s = timed(step(SDPAttention(0.0, [])), device)
     load = watch.stop()
     spread = max(iqr_spread(math_s), iqr_spread(sdpa_s))
     return {
@@ -178,13 +178,13 @@ def measure_compile(
         return run
 
     watch = LoadWatch()
-    eager_s = _timed(step(module), device)
+    eager_s = timed(step(module), device)
     try:
         compiled = torch.compile(module)
         start = time.perf_counter()
         step(compiled)()
         compile_s = time.perf_counter() - start
-        compiled_s = _timed(step(compiled), device)
+        compiled_s = timed(step(compiled), device)
     except Exception as exc:  # a missing C compiler, an unsupported device: compile does not work here
         error = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         return {"works": False, "error": error, "under_load": None}

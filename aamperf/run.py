@@ -39,6 +39,7 @@ from aamperf.phases import TRIAL_BATCHES, apply_phases, check_phases, setup_phas
 from aamperf.phases.auto import resolve_auto
 from aamperf.phases.compile import compiled_graphs
 from aamperf.phases.dataloader import decide_workers
+from aamperf.probe import timed
 from aamperf.trainer import fit, to_device
 
 
@@ -129,18 +130,11 @@ def timed_batches(loader, n: int) -> tuple[list[dict[str, Any]], float]:
     return batches, (time.perf_counter() - start) / len(batches)
 
 
-def warm_step_s(step, plan) -> float:
+def warm_step_s(step, plan, device: torch.device) -> float:
     """Seconds of one forward + backward of the phased model, after one untimed (dropout draws
     forked: the run's random stream stays as it was)."""
     with torch.random.fork_rng(devices=[]):
-        step(plan.model, plan.autocast, plan.scaler)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # host sync: the step is timed when its kernels are done
-        start = time.perf_counter()
-        step(plan.model, plan.autocast, plan.scaler)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return timed(lambda: step(plan.model, plan.autocast, plan.scaler), device, trials=1)[0]
 
 
 def resolved_config(cfg: DictConfig) -> dict[str, Any]:
@@ -248,7 +242,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             if counted is not None:  # a model torch counts: counted again at the batch it will train on
                 counted = counted_flops(model, loss_fn, to_device(host_batches[0], device, False))
         if cfg.dataloader.num_workers == "auto":  # batches timed in-process above; now a step
-            step_s = warm_step_s(warmup_step(loss_fn, [to_device(host_batches[0], device, False)]), plan)
+            one = warmup_step(loss_fn, [to_device(host_batches[0], device, False)])
+            step_s = warm_step_s(one, plan, device)
             notes = plan.records["dataloader"]["notes"]
             loader, plan.records["dataloader"] = decide_workers(
                 setup.loader, cfg.dataloader, batch_s, step_s, notes
