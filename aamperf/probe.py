@@ -8,8 +8,10 @@ Three questions, each answered by a measurement, never by a CPU model name:
 - `compile`: does torch.compile work here, and how long does compiling one transformer block take?
 
 Answers are cached per device (machine, CPU flags or GPU name, torch, threads) and question shape in
-`probe.cache`; one measured on a busy machine is used but never cached, and `probe.refresh=true`
-measures again.
+`probe.cache`; one measured while other processes used the CPU is used but never cached, and
+`probe.refresh=true` measures again. The trials' spread is recorded beside each answer but does not
+keep it out of the cache: some measurements vary by themselves (written-out attention allocates tens of
+MB a call), and one a run re-measures each time would cost each run its seconds.
 """
 
 import statistics
@@ -23,6 +25,7 @@ import torch
 from aamperf.metrics.flops import (
     _DTYPES,
     MAX_ROWS,
+    MIN_WATCH_S,
     LoadWatch,
     _read_cache,
     _write_cache,
@@ -48,11 +51,15 @@ def low_precision_dtypes(device: torch.device) -> list[str]:
     return ["bf16"]
 
 
-def timed(fn: Callable[[], Any], device: torch.device, trials: int = TRIALS) -> list[float]:
-    """Seconds of `trials` calls of `fn` after one warm-up call (synchronized on a GPU)."""
-    fn()
-    times = []
-    for _ in range(trials):
+def timed(
+    fn: Callable[[], Any], device: torch.device, trials: int = TRIALS, min_s: float = 0.0, warmup: bool = True
+) -> list[float]:
+    """Seconds of each call of `fn` (synchronized on a GPU), after one warm-up call unless `warmup=False`:
+    `trials` calls, and more until they add up to `min_s` (a load watch needs a long enough window)."""
+    if warmup:
+        fn()
+    times: list[float] = []
+    while len(times) < trials or sum(times) < min_s:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -77,12 +84,14 @@ def measure_matmul(device: torch.device, shapes: list[tuple[int, int, int]]) -> 
     if device.type == "cpu":
         loads = []
         for dtype in dtypes:
-            cal = calibrate_cpu(dtype, shapes, trials=TRIALS)
-            model_shapes = cal["shapes"][: len(shapes)] or cal["shapes"]  # the square one only if none given
+            # the model's shapes only (a square one if none given): an emulated bf16 runs a square at
+            # ~1 GFLOP/s, seconds a call, and the question is what the model's matmuls gain
+            cal = calibrate_cpu(dtype, shapes, trials=TRIALS, square=False)
+            model_shapes = cal["shapes"]
             record["flops"][dtype] = statistics.median(s["median_flops"] for s in model_shapes)
             record["spread"][dtype] = max(iqr_spread(s["trials"]) for s in model_shapes)
             record["loadavg_before"] = record.get("loadavg_before", cal["loadavg_before"])
-            load = LoadWatch.verdict(cal, record["spread"][dtype])
+            load = LoadWatch.verdict(cal, 0.0)
             loads += [f"{dtype}: {load}"] if load else []
         record["under_load"] = "; ".join(loads) or None
         return record
@@ -132,8 +141,8 @@ def measure_attention(
         return run
 
     watch = LoadWatch()
-    math_s = timed(step(MathAttention(0.0)), device)
-    sdpa_s = timed(step(SDPAttention(0.0, [])), device)
+    math_s = timed(step(MathAttention(0.0)), device, min_s=MIN_WATCH_S / 2)
+    sdpa_s = timed(step(SDPAttention(0.0, [])), device, min_s=MIN_WATCH_S / 2)
     load = watch.stop()
     spread = max(iqr_spread(math_s), iqr_spread(sdpa_s))
     return {
@@ -144,7 +153,7 @@ def measure_attention(
         "sdpa_s": statistics.median(sdpa_s),
         "spread": spread,
         **load,
-        "under_load": LoadWatch.verdict(load, spread) if device.type == "cpu" else None,
+        "under_load": LoadWatch.verdict(load, 0.0) if device.type == "cpu" else None,
     }
 
 
@@ -177,14 +186,16 @@ def measure_compile(
 
         return run
 
-    watch = LoadWatch()
-    eager_s = timed(step(module), device)
+    watch = LoadWatch()  # over the timed steps only: compiling runs the C++ compiler in other processes
+    eager_s = timed(step(module), device, min_s=MIN_WATCH_S / 2)
+    watch.pause()
     try:
         compiled = torch.compile(module)
         start = time.perf_counter()
         step(compiled)()
         compile_s = time.perf_counter() - start
-        compiled_s = timed(step(compiled), device)
+        watch.resume()
+        compiled_s = timed(step(compiled), device, min_s=MIN_WATCH_S / 2)
     except Exception as exc:  # a missing C compiler, an unsupported device: compile does not work here
         error = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         return {"works": False, "error": error, "under_load": None}
@@ -201,6 +212,7 @@ def measure_compile(
         "eager_block_s": statistics.median(eager_s),
         "compiled_block_s": statistics.median(compiled_s),
         "spread": spread,
+        **load,
         # only other processes' load makes it untrustworthy: a noisy answer that is re-measured by every
         # run would cost each run a compile, which is what the cache is for
         "under_load": LoadWatch.verdict(load, 0.0, use_loadavg=False) if device.type == "cpu" else None,

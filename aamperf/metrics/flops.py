@@ -67,6 +67,7 @@ MAX_ROWS = 16384  # a model-shaped matmul with more rows runs the same kernel at
 # MAX_SPREAD around their median.
 MAX_OTHER_CORES = 0.25
 MAX_SPREAD = 0.25
+MIN_WATCH_S = 0.5  # CPU time is counted in 10 ms ticks: over 0.5 s, 2 CPUs' rounding is < 0.1 core
 
 
 def count_flops(step: Callable[[], None]) -> float:
@@ -158,7 +159,9 @@ def machine_key(precision: str, threads: int) -> str:
 
 
 def _busy(times: Any) -> float:
-    return sum(times) - times.idle - getattr(times, "iowait", 0.0) - getattr(times, "steal", 0.0)
+    """Busy CPU seconds of all CPUs (guest time is already counted in user time)."""
+    idle = times.idle + getattr(times, "iowait", 0.0) + getattr(times, "steal", 0.0)
+    return sum(times) - idle - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
 
 
 def _time_matmul(shape: tuple[int, int, int], dtype: torch.dtype, trials: int, trial_s: float) -> list[float]:
@@ -167,10 +170,12 @@ def _time_matmul(shape: tuple[int, int, int], dtype: torch.dtype, trials: int, t
     # its own generator: the run's seeded random stream (weights, dropout) must not depend on the calibration
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(m, k, generator=gen).to(dtype), torch.randn(k, n, generator=gen).to(dtype)
-    torch.mm(a, b)  # warm-up: the first call picks kernels and touches the pages
+    torch.mm(a, b)  # the first call picks kernels and touches the pages
     start = time.perf_counter()
     torch.mm(a, b)
     repeats = max(1, round(trial_s / max(time.perf_counter() - start, 1e-6)))
+    for _ in range(repeats):  # one untimed trial: the cores' clocks ramp up over the first tens of ms
+        torch.mm(a, b)
     rates = []
     for _ in range(trials):
         start = time.perf_counter()
@@ -182,25 +187,42 @@ def _time_matmul(shape: tuple[int, int, int], dtype: torch.dtype, trials: int, t
 
 class LoadWatch:
     """How busy the rest of the machine was while a measurement ran: other processes' cores, the
-    hypervisor's steal, the load average before. `verdict(spread)` names every reason not to trust it."""
+    hypervisor's steal, the load average before. `pause()` / `resume()` leave out what is not the
+    measurement (a compile's C++ compiler processes are this run's work, not load). The kernel counts
+    CPU time in ticks (10 ms), so a watch needs windows of `MIN_WATCH_S` or more to mean anything.
+    `verdict(load, spread)` names every reason not to trust a measurement."""
 
     def __init__(self) -> None:
         self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.load_before = os.getloadavg()
         self._me = psutil.Process()
-        self._cpu0, self._own0, self._wall0 = psutil.cpu_times(), self._me.cpu_times(), time.perf_counter()
+        self._wall = self._other = self._steal = 0.0
+        self._start: tuple[Any, float, float] | None = None
+        self.resume()
+
+    def resume(self) -> None:
+        own = self._me.cpu_times()
+        self._start = (psutil.cpu_times(), own.user + own.system, time.perf_counter())
+
+    def pause(self) -> None:
+        if self._start is None:
+            return
+        (cpu0, own0, wall0), self._start = self._start, None
+        cpu1, own1 = psutil.cpu_times(), self._me.cpu_times()
+        self._wall += time.perf_counter() - wall0
+        self._other += _busy(cpu1) - _busy(cpu0) - (own1.user + own1.system - own0)
+        self._steal += getattr(cpu1, "steal", 0.0) - getattr(cpu0, "steal", 0.0)
 
     def stop(self) -> dict[str, Any]:
-        wall = time.perf_counter() - self._wall0
-        cpu1, own1 = psutil.cpu_times(), self._me.cpu_times()
-        own = (own1.user + own1.system) - (self._own0.user + self._own0.system)
+        self.pause()
+        wall = max(self._wall, 1e-9)
         return {
             "cpus": self.cpus,
             "loadavg_before": list(self.load_before),
             "loadavg_after": list(os.getloadavg()),
-            "other_cores_busy": max(0.0, (_busy(cpu1) - _busy(self._cpu0) - own) / wall),
-            "steal_cores": (getattr(cpu1, "steal", 0.0) - getattr(self._cpu0, "steal", 0.0)) / wall,
-            "wall_s": wall,
+            "other_cores_busy": max(0.0, self._other / wall),
+            "steal_cores": self._steal / wall,
+            "wall_s": self._wall,
         }
 
     @staticmethod
@@ -220,14 +242,20 @@ class LoadWatch:
 
 
 def calibrate_cpu(
-    precision: str, shapes: Sequence[tuple[int, int, int]] = (), trials: int = 5, trial_s: float = 0.03
+    precision: str,
+    shapes: Sequence[tuple[int, int, int]] = (),
+    trials: int = 5,
+    trial_s: float = 0.03,
+    square: bool = True,
 ) -> dict[str, Any]:
-    """Median FLOP/s over `trials` of each matmul shape (the model's, and a square one), at the current torch
-    thread count; the peak is the best shape's median. The record says whether the machine was busy."""
+    """Median FLOP/s over `trials` of each matmul shape (the model's, and a square one unless
+    `square=False` and shapes are given), at the current torch thread count; the peak is the best
+    shape's median. The record says whether the machine was busy."""
     dtype, threads = _DTYPES[precision], torch.get_num_threads()
     watch = LoadWatch()
     per_shape = []
-    for shape in [*[(min(m, MAX_ROWS), k, n) for m, k, n in shapes], square_shape(threads)]:
+    model_shapes = [(min(m, MAX_ROWS), k, n) for m, k, n in shapes]
+    for shape in [*model_shapes, square_shape(threads)] if square or not shapes else model_shapes:
         rates = _time_matmul(shape, dtype, trials, trial_s)
         median = statistics.median(rates)
         per_shape.append(

@@ -11,7 +11,6 @@ block is its own graph, forward and backward).
 
 import hashlib
 import json
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,10 +22,10 @@ from torch import nn
 from aamperf.metrics.flops import LoadWatch
 from aamperf.model.layers import Block
 from aamperf.phases.record import applied, fallback, skipped
-from aamperf.probe import Probe
+from aamperf.probe import Probe, timed
 
 MODES = ("disabled", "default", "reduce-overhead", "max-autotune", "auto")
-TRIAL_PASSES = 2  # passes over the trial batches: the first compiles (and recompiles for new shapes)
+TRIAL_PASSES = 1  # timed passes over the trial batches, eager and compiled, after one that warms up
 
 
 def compiled_graphs() -> int:
@@ -79,41 +78,34 @@ def apply_compile(model: nn.Module, cfg: DictConfig, warmup: Callable[[], None])
     )
 
 
-def _sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # host sync: a GPU step is timed when its kernels are done
-
-
-def _pass_s(step: Callable[[int], None], batches: int) -> float:
-    """Mean seconds of a step over the trial batches."""
-    _sync()
-    start = time.perf_counter()
-    for i in range(batches):
-        step(i)
-    _sync()
-    return (time.perf_counter() - start) / batches
-
-
 def compile_trial(model: nn.Module, cfg: DictConfig, step: Callable[[int], None], batches: int) -> dict:
-    """Time `step` over the trial batches eager, then compile and time it again; the model is left
-    compiled. {eager_step_s, compiled_step_s, compile_s, graphs, under_load}."""
-    watch = LoadWatch()
-    eager = [_pass_s(step, batches) for _ in range(TRIAL_PASSES)][1:]  # the first pass warms the caches
+    """Time a pass of `step` over the trial batches eager, then compile and time it again; the model is
+    left compiled. {eager_step_s, compiled_step_s, compile_s, graphs, under_load}."""
+    device = next(model.parameters()).device
+
+    def one_pass() -> None:
+        for i in range(batches):
+            step(i)
+
+    watch = LoadWatch()  # over the timed passes only: compiling runs the C++ compiler in other processes
+    eager_s = timed(one_pass, device, trials=TRIAL_PASSES)[0] / batches  # after a pass that warms the caches
+    watch.pause()
     start, graphs = time.perf_counter(), compiled_graphs()
     record = apply_compile(model, cfg, lambda: step(0))
     if record["status"] != "applied":
         return {"error": record["reason"], "under_load": None}
-    passes = [_pass_s(step, batches) for _ in range(TRIAL_PASSES)]
-    compiled_s = statistics.median(passes[1:])
+    one_pass()  # compiles the graphs of the other trial batches' shapes
+    watch.resume()
+    compiled_s = timed(one_pass, device, trials=TRIAL_PASSES, warmup=False)[0] / batches
     load = watch.stop()
     return {
-        "eager_step_s": statistics.median(eager),
+        "eager_step_s": eager_s,
         "compiled_step_s": compiled_s,
-        # the trial's compiled passes beyond the steady step time were compiling too
-        "compile_s": time.perf_counter() - start - batches * compiled_s * len(passes),
+        "compile_s": time.perf_counter() - start - batches * compiled_s * (1 + TRIAL_PASSES),
         "graphs": compiled_graphs() - graphs,
         "batches": batches,
-        "under_load": LoadWatch.verdict(load, 0.0) if next(model.parameters()).device.type == "cpu" else None,
+        "under_load": LoadWatch.verdict(load, 0.0) if device.type == "cpu" else None,
+        **load,
     }
 
 
@@ -178,8 +170,7 @@ def auto_compile(
         ratio = works["compiled_block_s"] / works["eager_block_s"]
         eager_s = float("nan")  # no step timed where a compiled block gains nothing: 0 x any step
         if ratio < 1.0:
-            step(0)  # warm-up: the first step pays for allocations and kernel choices
-            eager_s = _pass_s(step, 1)  # one warm step: forward + backward of the first batch
+            eager_s = timed(lambda: step(0), probe.device, trials=1)[0]  # one warm step of the first batch
         bound_s = eager_s * (1.0 - ratio) * steps if ratio < 1.0 else 0.0
         modules = len(_targets(model, cfg))
         cost_s = works["block_compile_s"] * modules

@@ -10,7 +10,7 @@ import torch
 
 from aamperf.metrics import count_flops, null_reason, peak_flops
 from aamperf.metrics import flops as flops_module
-from aamperf.metrics.flops import calibrate_cpu, machine_key
+from aamperf.metrics.flops import LoadWatch, calibrate_cpu, machine_key
 
 CPU = torch.device("cpu")
 
@@ -141,3 +141,29 @@ def test_the_calibration_leaves_the_seeded_random_stream_alone():
     torch.manual_seed(0)
     calibrate_cpu("fp32", shapes=[(64, 8, 8)], trials=1, trial_s=0.001)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_paused_load_watch_leaves_out_what_ran_meanwhile():
+    """A spinner busy only while the watch is paused (a compile's C++ compiler) is not load; one busy
+    while it watches is."""
+    spawn = multiprocessing.get_context("spawn")
+    watch = LoadWatch()
+    _spin(0.6)
+    watch.pause()
+    busy = spawn.Process(target=_spin, args=(1.5,))
+    busy.start()
+    busy.join()
+    quiet = watch.stop()
+    assert quiet["wall_s"] < 1.2 and quiet["other_cores_busy"] < 0.25  # 0.6 s of own work, 10 ms ticks
+
+    busy = spawn.Process(target=_spin, args=(3,))
+    busy.start()
+    try:
+        time.sleep(1.0)  # the spinner is up
+        watch = LoadWatch()
+        _spin(1.0)
+        loaded = watch.stop()
+    finally:
+        busy.kill()
+        busy.join()
+    assert loaded["other_cores_busy"] > 0.5 and "other processes used" in LoadWatch.verdict(loaded, 0.0)
