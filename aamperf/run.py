@@ -38,7 +38,7 @@ from aamperf.metrics import (
 from aamperf.phases import TRIAL_BATCHES, apply_phases, check_phases, setup_phases
 from aamperf.phases.auto import resolve_auto
 from aamperf.phases.compile import compiled_graphs
-from aamperf.phases.dataloader import decide_workers
+from aamperf.phases.dataloader import decide_workers, step_floor_s
 from aamperf.probe import timed
 from aamperf.trainer import fit, to_device
 
@@ -241,20 +241,24 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             host_batches, batch_s = timed_batches(data.train_loader, cfg.metrics.flop_batches)
             if counted is not None:  # a model torch counts: counted again at the batch it will train on
                 counted = counted_flops(model, loss_fn, to_device(host_batches[0], device, False))
-        if cfg.dataloader.num_workers == "auto":  # batches timed in-process above; now a step
-            one = warmup_step(loss_fn, [to_device(host_batches[0], device, False)])
-            step_s = warm_step_s(one, plan, device)
-            notes = plan.records["dataloader"]["notes"]
-            loader, plan.records["dataloader"] = decide_workers(
-                setup.loader, cfg.dataloader, batch_s, step_s, notes
-            )
-            if loader is not None:
-                setup.loader = loader
-                rebatch(data, data.train_loader.batch_size, cfg.seed, loader)
         # a plug-in model is counted once by torch: its model FLOPs are what it executes
         model_flops, hardware_flops = (
             (counted, counted) if counted is not None else analytic_flops(model, host_batches)
         )
+        if cfg.dataloader.num_workers == "auto":  # batches timed in-process above; now a step
+            floor_s = step_floor_s(hardware_flops, peak, batch_s)
+            # compile=auto timed this eager step on this batch where it did not compile: not twice
+            step_s = None if auto_batch else plan.records["compile"].get("auto", {}).get("eager_step_s")
+            if step_s is None and floor_s is None:
+                one = warmup_step(loss_fn, [to_device(host_batches[0], device, False)])
+                step_s = warm_step_s(one, plan, device)
+            notes = plan.records["dataloader"]["notes"]
+            loader, plan.records["dataloader"] = decide_workers(
+                setup.loader, cfg.dataloader, batch_s, step_s or floor_s, notes, floor=step_s is None
+            )
+            if loader is not None:
+                setup.loader = loader
+                rebatch(data, data.train_loader.batch_size, cfg.seed, loader)
         model_flops *= cfg.trainer.grad_accum_steps
         hardware_flops *= cfg.trainer.grad_accum_steps
         summary.update(

@@ -4,6 +4,7 @@
 # alternating within each seed (a change of machine load falls on all of them), then the report.
 #   experiments/run_paired.sh EXPERIMENT [OUT_DIR] [LEVELS] [SEEDS] [-- extra overrides]
 #   experiments/run_paired.sh convergence outputs/convergence "baseline advanced ultra" "0 1 2"
+# EXPERIMENT `default` runs the default configuration (aam_small, 100 steps), no experiment file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 experiment=$1
@@ -11,11 +12,13 @@ out=${2:-outputs/$experiment/$(date +%Y-%m-%d_%H-%M-%S)}
 levels=${3:-baseline ultra}
 seeds=${4:-0 1 2}
 shift $(( $# < 4 ? $# : 4 ))
+study=("experiment=$experiment")
+[[ $experiment == default ]] && study=()
 [[ ${1:-} == -- ]] && shift
 lscpu | grep -E "^Model name" || true
 for seed in $seeds; do
   for optim in $levels; do
-    python -m aamperf.train "experiment=$experiment" "optim=$optim" "seed=$seed" trainer.progress=false \
+    python -m aamperf.train "${study[@]}" "optim=$optim" "seed=$seed" trainer.progress=false \
       "hydra.run.dir=$out/${optim}_seed$seed" "$@"
   done
 done

@@ -184,7 +184,9 @@ def auto_compile(
                 if ratio < 1.0
                 else "compiling cannot pay"
             )
-            return eager(f"{probed}{works['dtype']}): {gain}", trial_s=time.perf_counter() - start)
+            timed_step = {"eager_step_s": eager_s} if ratio < 1.0 else {}  # the loader's decision reuses it
+            trial_s = time.perf_counter() - start
+            return eager(f"{probed}{works['dtype']}): {gain}", trial_s=trial_s, **timed_step)
         figures = probe.answer("compile_trial", params, lambda: compile_trial(model, cfg, step, batches))
     trial_s = time.perf_counter() - start
     if "error" in figures:

@@ -3,7 +3,8 @@
 dataloader=auto (`num_workers: auto`) starts with batches made in the training process, times making
 them and a training step of the run's own model, and moves batch-making to a worker only where it is
 at least MIN_BATCH_SHARE of a step: below that, a worker saves less than it costs (its process' memory,
-and on a CPU run, time taken from the cores the step's threads use).
+and on a CPU run, time taken from the cores the step's threads use). No step is timed where the step's
+FLOPs at the device's peak already put batch-making far below that share (`step_floor_s`).
 """
 
 import torch
@@ -43,21 +44,43 @@ def resolve_dataloader(cfg: DictConfig, device: torch.device) -> tuple[DictConfi
     return cfg, applied(**OmegaConf.to_container(cfg), notes=notes)
 
 
+def step_floor_s(flops: float, peak: float | None, batch_s: float) -> float | None:
+    """A floor on the step's seconds, its FLOPs at the device's peak FLOP/s (no step runs faster),
+    where it alone settles the decision: making a batch is under a quarter of MIN_BATCH_SHARE of it
+    (room for a peak measured 4x low). None where a step must be timed."""
+    if not peak or flops <= 0:
+        return None
+    floor = flops / peak
+    return floor if batch_s / floor < MIN_BATCH_SHARE / 4 else None
+
+
 def decide_workers(
-    cfg: DictConfig, requested: DictConfig, batch_s: float, step_s: float, notes: list[str] = ()
+    cfg: DictConfig,
+    requested: DictConfig,
+    batch_s: float,
+    step_s: float,
+    notes: list[str] = (),
+    floor: bool = False,
 ) -> tuple[DictConfig | None, dict]:
     """dataloader=auto: (the loader config with one worker, or None to keep batches in-process;
     the decision with its measured reason). `cfg` is the resolved (in-process) loader config,
     `requested` the dataloader node as asked for (its persistent_workers and prefetch_factor),
-    `notes` those of `resolve_dataloader`."""
+    `notes` those of `resolve_dataloader`; `floor`: `step_s` is `step_floor_s`, not a timed step."""
     share = batch_s / step_s
     workers = 1 if share >= MIN_BATCH_SHARE else 0
+    step = (
+        f"at most {share:.2%} of a step here, which takes at least {step_s * 1e3:.0f} ms (its FLOPs at "
+        "the calibrated peak)"
+        if floor
+        else f"{share:.1%} of a {step_s * 1e3:.0f} ms step here"
+    )
     reason = (
-        f"making a batch takes {batch_s * 1e3:.1f} ms, {share:.1%} of a {step_s * 1e3:.0f} ms step here "
+        f"making a batch takes {batch_s * 1e3:.1f} ms, {step} "
         f"({'>=' if workers else '<'} {MIN_BATCH_SHARE:.0%}): "
         + ("one loader worker" if workers else "batches made in the training process")
     )
-    auto = {"chose": workers, "reason": reason, "batch_s": batch_s, "step_s": step_s}
+    step_key = "step_floor_s" if floor else "step_s"
+    auto = {"chose": workers, "reason": reason, "batch_s": batch_s, step_key: step_s}
     if not workers:
         record = skipped(f"dataloader=auto: {reason}", **OmegaConf.to_container(cfg), notes=list(notes))
         return None, {**record, "auto": auto}

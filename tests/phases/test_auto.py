@@ -233,6 +233,26 @@ def test_dataloader_auto_moves_batch_making_to_a_worker_only_where_it_is_a_share
         assert loader is None
 
 
+def test_dataloader_auto_times_no_step_where_its_flops_at_the_peak_settle_it():
+    from omegaconf import OmegaConf
+
+    from aamperf.phases.dataloader import MIN_BATCH_SHARE, decide_workers, step_floor_s
+
+    # 1 TFLOP at 100 GFLOP/s: no step is faster than 10 s; 1 ms of batch-making is 0.01% of it
+    floor = step_floor_s(1e12, 1e11, 0.001)
+    assert floor == pytest.approx(10.0)
+    loader, record = decide_workers(OmegaConf.create({"num_workers": 0}), None, 0.001, floor, floor=True)
+    assert (
+        loader is None
+        and record["auto"]["step_floor_s"] == floor
+        and "at least 10000 ms" in record["auto"]["reason"]
+    )
+    # where the floor leaves room for the share to reach MIN_BATCH_SHARE (a peak measured low), or there is
+    # no peak: a step is timed
+    assert step_floor_s(1e12, 1e11, 10.0 * MIN_BATCH_SHARE / 4) is None
+    assert step_floor_s(1e12, None, 0.001) is None
+
+
 def test_a_run_with_every_auto_records_each_decision_beside_its_phase(make_cfg, tmp_path):
     """attention and the loader measured here; compile decided from the probe's block (injected:
     compiling for real takes a minute on 2 cores); precision=auto has its own test above."""
@@ -258,3 +278,5 @@ def test_a_run_with_every_auto_records_each_decision_beside_its_phase(make_cfg, 
     assert phases["dataloader"]["auto"]["step_s"] > 0 and (phases["dataloader"]["status"] == "applied") == (
         workers == 1
     )
+    # the step compile=auto timed (a compiled block gains 2x: worth a look) is the one the loader reads
+    assert phases["dataloader"]["auto"]["step_s"] == phases["compile"]["auto"]["eager_step_s"]
