@@ -11,6 +11,7 @@ block is its own graph, forward and backward).
 
 import hashlib
 import json
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from aamperf.metrics.flops import LoadWatch
+from aamperf.metrics.flops import MIN_WATCH_S, LoadWatch
 from aamperf.model.layers import Block
 from aamperf.phases.record import applied, fallback, skipped
 from aamperf.probe import Probe, timed
@@ -109,6 +110,16 @@ def compile_trial(model: nn.Module, cfg: DictConfig, step: Callable[[int], None]
     }
 
 
+def eager_step(step: Callable[[int], None], device: torch.device) -> dict:
+    """Seconds of a warm forward + backward of trial batch 0, eager (the median of the steps that fill
+    a load watch's window; one where a step is longer), with the load beside it."""
+    watch = LoadWatch()
+    eager_s = statistics.median(timed(lambda: step(0), device, trials=1, min_s=MIN_WATCH_S))
+    load = watch.stop()
+    verdict = LoadWatch.verdict(load, 0.0, use_loadavg=False) if device.type == "cpu" else None
+    return {"eager_step_s": eager_s, **load, "under_load": verdict}
+
+
 def trial_context(cfg: DictConfig, micro_batch: int) -> str:
     """What a compile trial's figures depend on besides the device: the model, the phases that change
     its graph, the batch shape."""
@@ -169,8 +180,9 @@ def auto_compile(
     with torch.random.fork_rng(devices=[]):  # the trial's dropout draws leave the run's stream as it was
         ratio = works["compiled_block_s"] / works["eager_block_s"]
         eager_s = float("nan")  # no step timed where a compiled block gains nothing: 0 x any step
-        if ratio < 1.0:
-            eager_s = timed(lambda: step(0), probe.device, trials=1)[0]  # one warm step of the first batch
+        if ratio < 1.0:  # one warm step of the first batch, timed once per device, model and batch
+            timed_step = probe.answer("eager_step", params, lambda: eager_step(step, probe.device))
+            eager_s = timed_step["eager_step_s"]
         bound_s = eager_s * (1.0 - ratio) * steps if ratio < 1.0 else 0.0
         modules = len(_targets(model, cfg))
         cost_s = works["block_compile_s"] * modules
@@ -184,9 +196,9 @@ def auto_compile(
                 if ratio < 1.0
                 else "compiling cannot pay"
             )
-            timed_step = {"eager_step_s": eager_s} if ratio < 1.0 else {}  # the loader's decision reuses it
+            step_figure = {"eager_step_s": eager_s} if ratio < 1.0 else {}  # the loader's decision reuses it
             trial_s = time.perf_counter() - start
-            return eager(f"{probed}{works['dtype']}): {gain}", trial_s=trial_s, **timed_step)
+            return eager(f"{probed}{works['dtype']}): {gain}", trial_s=trial_s, **step_figure)
         figures = probe.answer("compile_trial", params, lambda: compile_trial(model, cfg, step, batches))
     trial_s = time.perf_counter() - start
     if "error" in figures:

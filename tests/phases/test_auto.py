@@ -160,15 +160,26 @@ def test_compile_auto_stays_eager_where_compile_does_not_work(tmp_path):
     assert model._compiled_call_impl is None
 
 
-def test_compile_auto_skips_a_trial_that_cannot_pay(tmp_path):
-    from aamperf.phases.compile import auto_compile
+def test_compile_auto_skips_a_trial_that_cannot_pay(tmp_path, monkeypatch):
+    from aamperf.phases.compile import LoadWatch, auto_compile
 
+    # a quiet machine, so that the timed step is kept (the load check has tests of its own)
+    monkeypatch.setattr(LoadWatch, "verdict", staticmethod(lambda *args, **kwargs: None))
     model, cfg, step = tiny_step()
     probe = Probe(CPU, tmp_path / "probe.json")
     inject(probe, "compile", SMALL, block_answer(compile_s=1e6))  # compiling costs more than any gain
     record = auto_compile(model, cfg, step, 2, 100, probe, "c")
     assert record["auto"]["chose"] == "disabled" and "can gain at most" in record["reason"]
     assert probe.cached("compile_trial", {"context": "c"}) is None  # no trial ran
+    # the one eager step it timed is kept for this device, model and batch: the next run times none
+    timed_s = record["auto"]["eager_step_s"]
+    assert timed_s > 0 and probe.cached("eager_step", {"context": "c"})["eager_step_s"] == timed_s
+
+    def no_step(i: int) -> None:
+        raise AssertionError("a step was timed although its time is cached")
+
+    again = auto_compile(model, cfg, no_step, 2, 100, probe, "c")
+    assert again["auto"]["eager_step_s"] == timed_s and again["reason"] == record["reason"]
 
 
 def test_compile_auto_skips_the_trial_where_a_compiled_block_is_slower_here(tmp_path):
