@@ -154,7 +154,8 @@ def test_a_paused_load_watch_leaves_out_what_ran_meanwhile():
     busy.start()
     busy.join()
     quiet = watch.stop()
-    assert quiet["wall_s"] < 1.2 and quiet["other_cores_busy"] < 0.25  # 0.6 s of own work, 10 ms ticks
+    # 0.6 s watched; had the paused 1.5 s counted, ~0.7 cores (a margin for the machine's own noise)
+    assert quiet["wall_s"] < 1.2 and quiet["other_cores_busy"] < 0.4
 
     busy = spawn.Process(target=_spin, args=(3,))
     busy.start()
