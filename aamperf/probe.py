@@ -91,7 +91,7 @@ def measure_matmul(device: torch.device, shapes: list[tuple[int, int, int]]) -> 
             record["flops"][dtype] = statistics.median(s["median_flops"] for s in model_shapes)
             record["spread"][dtype] = max(iqr_spread(s["trials"]) for s in model_shapes)
             record["loadavg_before"] = record.get("loadavg_before", cal["loadavg_before"])
-            load = LoadWatch.verdict(cal, 0.0)
+            load = LoadWatch.verdict(cal)
             loads += [f"{dtype}: {load}"] if load else []
         record["under_load"] = "; ".join(loads) or None
         return record
@@ -153,7 +153,7 @@ def measure_attention(
         "sdpa_s": statistics.median(sdpa_s),
         "spread": spread,
         **load,
-        "under_load": LoadWatch.verdict(load, 0.0) if device.type == "cpu" else None,
+        "under_load": LoadWatch.verdict(load) if device.type == "cpu" else None,
     }
 
 
@@ -215,7 +215,7 @@ def measure_compile(
         **load,
         # only other processes' load makes it untrustworthy: a noisy answer that is re-measured by every
         # run would cost each run a compile, which is what the cache is for
-        "under_load": LoadWatch.verdict(load, 0.0, use_loadavg=False) if device.type == "cpu" else None,
+        "under_load": LoadWatch.verdict(load, use_loadavg=False) if device.type == "cpu" else None,
     }
 
 

@@ -246,15 +246,19 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             (counted, counted) if counted is not None else analytic_flops(model, host_batches)
         )
         if cfg.dataloader.num_workers == "auto":  # batches timed in-process above; now a step
-            floor_s = step_floor_s(hardware_flops, peak, batch_s)
-            # compile=auto timed this eager step on this batch where it did not compile: not twice
+            # the step's seconds: those compile=auto timed on this batch where it did not compile, else
+            # a floor from its FLOPs where that settles it, else one timed now
             step_s = None if auto_batch else plan.records["compile"].get("auto", {}).get("eager_step_s")
-            if step_s is None and floor_s is None:
+            floor = False
+            if step_s is None:
+                step_s = step_floor_s(hardware_flops, peak, batch_s)
+                floor = step_s is not None
+            if step_s is None:
                 one = warmup_step(loss_fn, [to_device(host_batches[0], device, False)])
                 step_s = warm_step_s(one, plan, device)
             notes = plan.records["dataloader"]["notes"]
             loader, plan.records["dataloader"] = decide_workers(
-                setup.loader, cfg.dataloader, batch_s, step_s or floor_s, notes, floor=step_s is None
+                setup.loader, cfg.dataloader, batch_s, step_s, notes, floor=floor
             )
             if loader is not None:
                 setup.loader = loader

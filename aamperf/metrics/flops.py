@@ -190,7 +190,8 @@ class LoadWatch:
     hypervisor's steal, the load average before. `pause()` / `resume()` leave out what is not the
     measurement (a compile's C++ compiler processes are this run's work, not load). The kernel counts
     CPU time in ticks (10 ms), so a watch needs windows of `MIN_WATCH_S` or more to mean anything.
-    `verdict(load, spread)` names every reason not to trust a measurement."""
+    `verdict(load, spread)` names every reason not to trust a measurement (`spread`: its trials'
+    relative spread, where that is a reason too)."""
 
     def __init__(self) -> None:
         self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -226,7 +227,7 @@ class LoadWatch:
         }
 
     @staticmethod
-    def verdict(load: dict[str, Any], spread: float, use_loadavg: bool = True) -> str | None:
+    def verdict(load: dict[str, Any], spread: float = 0.0, use_loadavg: bool = True) -> str | None:
         """None for a quiet measurement, else why it was taken under load. `use_loadavg=False`: judge by
         what was measured while it ran only (a 1-minute average still holds the run before this one)."""
         reasons = []

@@ -89,7 +89,7 @@ def compile_trial(model: nn.Module, cfg: DictConfig, step: Callable[[int], None]
             step(i)
 
     watch = LoadWatch()  # over the timed passes only: compiling runs the C++ compiler in other processes
-    eager_s = timed(one_pass, device, trials=TRIAL_PASSES)[0] / batches  # after a pass that warms the caches
+    eager_s = statistics.median(timed(one_pass, device, trials=TRIAL_PASSES)) / batches  # after a warm-up
     watch.pause()
     start, graphs = time.perf_counter(), compiled_graphs()
     record = apply_compile(model, cfg, lambda: step(0))
@@ -97,7 +97,7 @@ def compile_trial(model: nn.Module, cfg: DictConfig, step: Callable[[int], None]
         return {"error": record["reason"], "under_load": None}
     one_pass()  # compiles the graphs of the other trial batches' shapes
     watch.resume()
-    compiled_s = timed(one_pass, device, trials=TRIAL_PASSES, warmup=False)[0] / batches
+    compiled_s = statistics.median(timed(one_pass, device, trials=TRIAL_PASSES, warmup=False)) / batches
     load = watch.stop()
     return {
         "eager_step_s": eager_s,
@@ -105,7 +105,7 @@ def compile_trial(model: nn.Module, cfg: DictConfig, step: Callable[[int], None]
         "compile_s": time.perf_counter() - start - batches * compiled_s * (1 + TRIAL_PASSES),
         "graphs": compiled_graphs() - graphs,
         "batches": batches,
-        "under_load": LoadWatch.verdict(load, 0.0) if device.type == "cpu" else None,
+        "under_load": LoadWatch.verdict(load) if device.type == "cpu" else None,
         **load,
     }
 
@@ -116,7 +116,7 @@ def eager_step(step: Callable[[int], None], device: torch.device) -> dict:
     watch = LoadWatch()
     eager_s = statistics.median(timed(lambda: step(0), device, trials=1, min_s=MIN_WATCH_S))
     load = watch.stop()
-    verdict = LoadWatch.verdict(load, 0.0, use_loadavg=False) if device.type == "cpu" else None
+    verdict = LoadWatch.verdict(load, use_loadavg=False) if device.type == "cpu" else None
     return {"eager_step_s": eager_s, **load, "under_load": verdict}
 
 

@@ -167,4 +167,4 @@ def test_a_paused_load_watch_leaves_out_what_ran_meanwhile():
     finally:
         busy.kill()
         busy.join()
-    assert loaded["other_cores_busy"] > 0.5 and "other processes used" in LoadWatch.verdict(loaded, 0.0)
+    assert loaded["other_cores_busy"] > 0.5 and "other processes used" in LoadWatch.verdict(loaded)
