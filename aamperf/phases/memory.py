@@ -16,7 +16,7 @@ from aamperf.model.layers import Block
 from aamperf.phases.record import applied, skipped
 
 log = logging.getLogger(__name__)
-CHECKPOINTING = ("none", "full", "selective")
+CHECKPOINTING = ("none", "full", "selective", "auto")  # auto: aamperf/phases/auto.py
 
 
 def check_memory(cfg: DictConfig) -> list[str]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aamperf.distributed import World
-from aamperf.phases.auto import choose_attention, choose_precision, resolve_auto
+from aamperf.phases.auto import choose_attention, choose_checkpointing, choose_precision, resolve_auto
 from aamperf.probe import Probe, device_key, model_shapes
 
 CPU = torch.device("cpu")
@@ -76,6 +76,29 @@ def test_resolve_auto_measures_on_this_device_when_nothing_is_cached(make_cfg, t
     assert cfg.precision.dtype in ("fp32", "bf16") and cfg.attention.impl in ("math", "sdpa")
     flops = decisions["precision"]["matmul_flops"]
     assert (cfg.precision.dtype == "bf16") == (flops["bf16"] / flops["fp32"] >= 1.15)
+
+
+@pytest.mark.parametrize(("dtype", "chosen"), [("fp32", "selective"), ("bf16", "none"), ("fp16", "none")])
+def test_memory_auto_recomputes_every_second_layer_only_where_activations_are_fp32(dtype, chosen):
+    decision = choose_checkpointing(dtype, 2)
+    assert decision["chose"] == chosen and f"activations kept in {dtype}" in decision["reason"]
+
+
+def test_memory_auto_follows_the_precision_that_precision_auto_chose(make_cfg, tmp_path):
+    cfg = make_cfg("precision=auto", "memory=auto", f"probe.cache={tmp_path}/probe.json")
+    matmuls, _ = model_shapes(cfg.model, cfg.trainer.batch_size, cfg.data.max_asvs)
+    for bf16, checkpointing in ((400e9, "none"), (50e9, "selective")):  # bf16 pays here / does not
+        cache = {
+            f"{device_key(CPU)}|matmul|shapes={matmuls}": {
+                "flops": {"fp32": 100e9, "bf16": bf16},
+                "shapes": matmuls,
+            }
+        }
+        (tmp_path / "probe.json").write_text(json.dumps(cache))
+        cfg.precision.dtype, cfg.memory.checkpointing = "auto", "auto"
+        decisions = resolve_auto(cfg, CPU, cfg.trainer.batch_size, World())
+        assert cfg.memory.checkpointing == checkpointing == decisions["checkpointing"]["chose"]
+        assert decisions["checkpointing"]["dtype"] == cfg.precision.dtype
 
 
 def test_no_auto_no_probe(make_cfg, tmp_path):
