@@ -270,12 +270,13 @@ def fit(
                 raise RunAborted(
                     f"{stop}; checkpoint of step {step}: {path} (trainer.resume=auto goes on)", result
                 )
-        saved = save_checkpoint(step) if tc.checkpoint_every and step % tc.checkpoint_every == 0 else None
+        due = tc.checkpoint_every and step % tc.checkpoint_every == 0
+        just_saved = save_checkpoint(step) if due else None
         if interrupts.requested(device):  # a stop signal: this step is whole; keep it, then stop
             bar.close()
             result.steps, result.nonfinite_steps = step, int(guard.total.item())
             keep = run_dir is not None and (interrupts.signum != signal.SIGINT or tc.checkpoint_every)
-            path = (saved or save_checkpoint(step)) if keep else None
+            path = (just_saved or save_checkpoint(step)) if keep else None
             where = (
                 f"checkpoint of step {step}: {path} (trainer.resume=auto goes on)"
                 if path
