@@ -213,8 +213,9 @@ def _cleaned_up(tmp: Path, root: Path, step: int) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
+        full = disk_full(exc, root)  # before the partial file goes: it is what filled the disk
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
-        if disk_full(exc, root):
+        if full:
             kept = [p.name for p in checkpoints(root.parent)]
             raise no_space(
                 root,
@@ -293,8 +294,11 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
             sharded = {"model": model_state, "optimizer": optim_state}
             try:
                 dcp.load(sharded, storage_reader=_safe_reader(path), planner=_safe_planner())
-            except CheckpointException as exc:  # DCP's wrapper of each rank's failure: the first one
-                raise next(iter(exc.failures.values()))[0] from None
+            except (CheckpointException, AssertionError) as exc:
+                # DCP wraps each rank's failure (the first one is shown); metadata it could not read
+                # is an AssertionError
+                first = next(iter(exc.failures.values()))[0] if isinstance(exc, CheckpointException) else exc
+                raise (ValueError(str(first)) if isinstance(first, AssertionError) else first) from None
             set_state_dict(
                 model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"]
             )

@@ -37,10 +37,11 @@ FULL_BYTES = 1 << 20  # less free space than this after a failed write: the disk
 
 def disk_full(exc: BaseException, path: Path) -> bool:
     """Did a write under `path` fail for want of space? ENOSPC / EDQUOT, or a writer that reports it in
-    its own words (torch.save: "PytorchStreamWriter failed writing file") on a file system now full."""
+    its own words (torch.save: "unexpected pos ...", "iostream error") on a file system now full. Ask
+    before the partial file is removed."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
-    if not isinstance(exc, RuntimeError | OSError) or "writ" not in str(exc).lower():
+    if not isinstance(exc, RuntimeError | OSError):
         return False
     existing = Path(path)
     while not existing.exists() and existing != existing.parent:

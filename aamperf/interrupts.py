@@ -11,15 +11,16 @@ requeued job goes on from it with trainer.resume=auto.
 import logging
 import os
 import signal
+import sys
 import threading
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from aamperf.distributed import world_size
-from aamperf.errors import RunAborted
+from aamperf.errors import RunAborted, one_line
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,11 @@ class RunInterrupted(RunAborted):
         super().__init__(message, result)
         self.signum = signum
         self.exit_code = 128 + signum
+
+
+def exit_interrupted(exc: RunInterrupted) -> NoReturn:
+    print(f"interrupted: {one_line(exc)}", file=sys.stderr)
+    sys.exit(exc.exit_code)
 
 
 def preemption_signal() -> signal.Signals | None:

@@ -1,5 +1,6 @@
 """Entry point: `python -m aamperf.train [overrides]` (Hydra composes conf/ into one run)."""
 
+import logging
 import sys
 import traceback
 from pathlib import Path
@@ -20,9 +21,8 @@ from aamperf.errors import (
     exit_bad_input,
     hydra_error_message,
     hydra_errors_raised,
-    one_line,
 )
-from aamperf.interrupts import Interrupts, RunInterrupted
+from aamperf.interrupts import Interrupts, RunInterrupted, exit_interrupted
 from aamperf.run import print_result, train
 from aamperf.search import objective
 
@@ -63,14 +63,14 @@ def cli() -> None:
     code 2; a run a guard stopped as one `aborted:` line and exit code 3; a run a signal stopped as one
     `interrupted:` line and exit code 128 + the signal (143 for SIGTERM, 130 for SIGINT); a bug keeps its
     traceback and exit code 1. HYDRA_FULL_ERROR=1 keeps Hydra's own reports."""
+    logging.raiseExceptions = False  # a log file on a full disk: no "--- Logging error ---" tracebacks
     with hydra_errors_raised() as hydra_reports:
         try:
             main()
         except UserError as exc:
             exit_bad_input(exc)
         except RunInterrupted as exc:
-            print(f"interrupted: {one_line(exc)}", file=sys.stderr)
-            sys.exit(exc.exit_code)
+            exit_interrupted(exc)
         except RunAborted as exc:
             exit_aborted(exc)
         except CompactHydraException as exc:  # Hydra's class of errors it shows without a traceback

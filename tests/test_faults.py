@@ -76,10 +76,12 @@ def test_a_second_signal_ends_the_process_at_once(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     proc = start(command(cache_dir, run_dir, *LONG))
     wait_for_steps(run_dir, 2, proc)
-    proc.send_signal(signal.SIGTERM)
+    # two different signals at once (two of one kind pending together would be delivered as one)
+    proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=120)
-    assert proc.returncode == -signal.SIGTERM  # killed by the second: no step finished, nothing written
+    # killed by the second, whichever was handled first: no step finished, nothing written
+    assert proc.returncode in (-signal.SIGTERM, -signal.SIGINT)
     assert not checkpoint.checkpoints(run_dir)
 
 
@@ -229,7 +231,7 @@ def test_two_runs_started_together_get_a_directory_each(tmp_path, cache_dir):
     share outputs/runs/<date>/<time> and interleave their metrics."""
     cmd = [sys.executable, "-m", "aamperf.train", *command(cache_dir, tmp_path, "seed=0")[3:-1]]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, capture_output=False) for _ in range(2)]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL) for _ in range(2)]
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
     runs = sorted((tmp_path / "outputs" / "runs").glob("*/*"))
     assert len(runs) == 2
@@ -285,7 +287,7 @@ def test_a_damaged_cache_is_rebuilt_with_a_warning(make_cfg, tmp_path, cache_dir
 
     cache = tmp_path / "cache"
     shutil.copytree(cache_dir, cache)
-    train(make_cfg(f"data.cache_dir={cache}"), tmp_path / "first")  # every cache written
+    first = train(make_cfg(f"data.cache_dir={cache}"), tmp_path / "first")  # every cache written
     files = [
         next((cache / "simulated").glob("*/table.biom")),
         next((cache / "unifrac").glob("*.npz")),
@@ -297,7 +299,10 @@ def test_a_damaged_cache_is_rebuilt_with_a_warning(make_cfg, tmp_path, cache_dir
             {"truncated": whole[: len(whole) // 2], "empty": b"", "garbage": os.urandom(64)}[damage]
         )
     summary = train(make_cfg(f"data.cache_dir={cache}"), tmp_path / "second")
-    assert summary["status"] == "completed" and summary["n_train"] + summary["n_val"] == 40
+    assert summary["status"] == "completed" and (summary["n_train"], summary["n_val"]) == (
+        first["n_train"],
+        first["n_val"],
+    )
     warned = caplog.text
     assert "simulated data set" in warned and "damaged" in warned and "UniFrac cache" in warned
 
