@@ -17,6 +17,7 @@ from aamperf.checks import check_config
 from aamperf.compare import find_runs, make_report
 from aamperf.data.tables import resolve_files
 from aamperf.errors import RunAborted, UserError, exit_aborted, exit_bad_input, no_such_option
+from aamperf.interrupts import RunInterrupted, exit_interrupted
 from aamperf.phases import check_phases
 from aamperf.report import to_markdown
 from aamperf.run import resolve_device
@@ -82,6 +83,8 @@ class CheckBeforeRun(Callback):
             for path, content in self.earlier_files.items():
                 path.write_bytes(content)
             exit_bad_input(error)
+        if isinstance(error, RunInterrupted):  # a stop signal: 128 + its number
+            exit_interrupted(error)
         if isinstance(error, RunAborted):
             exit_aborted(error)
         # any other failure is a bug: Hydra shows its traceback

@@ -6,12 +6,19 @@ scheduler, GradScaler, every rank's RNG states, the data position, the loop's co
 sharded checkpoint directory `step_<N>/` through torch.distributed.checkpoint, which can be read by
 another number of ranks. A half-written checkpoint never replaces a good one: files are renamed
 into place after an fsync, directories after DCP has finished.
+
+No code from a file runs on resume: `.pt` files are read with `torch.load(weights_only=True)`; a sharded
+directory's `.metadata` (a pickle) through an unpickler that builds only DCP's own metadata classes, and
+its non-tensor items with `weights_only=True` too (`SafeReader`, `SafePlanner`).
 """
 
+import io
 import os
 import pickle
 import random
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +28,73 @@ import torch.distributed as dist
 from torch import nn
 
 from aamperf.distributed import world_size
-from aamperf.errors import UserError
+from aamperf.errors import UserError, disk_full, no_space
 
 CHECKPOINT_DIR = "checkpoints"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata records (plain dataclasses and enums), torch sizes, dtypes and layouts, paths;
+    refuses every other global (a payload's `os.system`, `builtins.exec`, ...) before it could be called."""
+
+    ALLOWED = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "Path"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == "torch.distributed.checkpoint.metadata":
+            from torch.distributed.checkpoint import metadata
+
+            found = getattr(metadata, name, None)
+            if isinstance(found, type) and found.__module__ == module:  # its own records, not its imports
+                return found
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def _safe_reader(path: Path):
+    """DCP's file-system reader with a metadata unpickler that runs no code from the file."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            metadata_path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(metadata_path, "rb") as stream:
+                metadata = _MetadataUnpickler(stream).load()
+            metadata.storage_meta = metadata.storage_meta or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(path)
+
+
+def _safe_planner():
+    """DCP's default load planner, reading non-tensor items (optimizer hyper-parameters, steps) with
+    `weights_only=True` instead of a plain unpickle."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            item = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], item)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = item
+
+    return SafePlanner()
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -107,10 +178,11 @@ def save(run_dir: Path, step: int, model: nn.Module, state: dict[str, Any], keep
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
-        if dist.get_rank() == 0:
-            torch.save({**_plain(state), "rngs": rngs, "step": step}, tmp / "trainer.pt")
-            os.replace(tmp, final)
+        with _cleaned_up(tmp, root, step):
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
+            if dist.get_rank() == 0:
+                torch.save({**_plain(state), "rngs": rngs, "step": step}, tmp / "trainer.pt")
+                os.replace(tmp, final)
         dist.barrier()
     else:
         final = root / f"step_{step:08d}.pt"
@@ -124,14 +196,85 @@ def save(run_dir: Path, step: int, model: nn.Module, state: dict[str, Any], keep
                 "step": step,
             }
             tmp = final.with_name(final.name + ".tmp")
-            torch.save(payload, tmp)
-            _fsync_replace(tmp, final)
+            with _cleaned_up(tmp, root, step):
+                torch.save(payload, tmp)
+                _fsync_replace(tmp, final)
         if world_size() > 1:
             dist.barrier()
     if world_size() == 1 or dist.get_rank() == 0:
         for old in checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old) if old.is_dir() else old.unlink()
     return final
+
+
+@contextmanager
+def _cleaned_up(tmp: Path, root: Path, step: int) -> Iterator[None]:
+    """A save that fails leaves no partial file; on a full disk it says so in one line."""
+    try:
+        yield
+    except BaseException as exc:
+        full = disk_full(exc, root)  # before the partial file goes: it is what filled the disk
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        if full:
+            kept = [p.name for p in checkpoints(root.parent)]
+            raise no_space(
+                root,
+                f"the checkpoint of step {step}",
+                f"free space there or set hydra.run.dir elsewhere (the last good checkpoint, "
+                f"{kept[-1] if kept else 'none yet'}, is kept; trainer.resume=auto goes on from it)",
+            ) from exc
+        raise
+
+
+# What a resume may not change: the model, its data and objective, the draw, and the batch (the data
+# position in the checkpoint counts its batches). Everything else applies as given (the optimizer's
+# hyper-parameters too: `use_run_hyperparameters`), and summary.json `resume_changes` lists it.
+RESUME_FIXED = ("model", "data", "loss", "seed", "trainer.batch_size", "trainer.grad_accum_steps")
+RESUME_IGNORED = ("trainer.resume", "data.cache_dir", "probe", "trainer.progress")
+
+
+def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, list]:
+    """{dotted key: [value at the checkpoint, value now]} for every key whose value differs."""
+    old, new = _flat(saved), _flat(now)
+    keys = sorted(set(old) | set(new))
+    return {
+        k: [old.get(k), new.get(k)]
+        for k in keys
+        if old.get(k) != new.get(k) and not _under(k, RESUME_IGNORED)
+    }
+
+
+def check_resume(path: Path, changes: dict[str, list]) -> None:
+    fixed = {k: v for k, v in changes.items() if _under(k, RESUME_FIXED)}
+    if fixed:
+        shown = ", ".join(f"{k}={new} (checkpoint: {old})" for k, (old, new) in list(fixed.items())[:3])
+        raise UserError(
+            f"cannot resume from {path} with {shown}: a resume keeps the model, data, loss, seed and batch; "
+            "set them back, or start a new run directory"
+        )
+
+
+def use_run_hyperparameters(optimizer: torch.optim.Optimizer, fresh: list[dict], scheduler) -> None:
+    """After loading a checkpoint's optimizer state: this run's lr, weight decay, betas and kernels, not
+    the saved ones (loading param_groups would silently keep those); the schedule goes on from its step."""
+    for group, mine in zip(optimizer.param_groups, fresh, strict=True):
+        group.update({k: v for k, v in mine.items() if k not in ("params", "initial_lr")})
+        group["initial_lr"] = mine["lr"]
+    scheduler.base_lrs = [mine["lr"] for mine in fresh]
+    for group, base, factor in zip(
+        optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
+        group["lr"] = base * factor(scheduler.last_epoch)
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix.removesuffix("."): node}
+
+
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
 def _plain(state: dict[str, Any]) -> dict[str, Any]:
@@ -144,11 +287,18 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     try:
         if path.is_dir():  # sharded (FSDP2)
             import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.api import CheckpointException
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
             model_state, optim_state = get_state_dict(model, optimizer)
             sharded = {"model": model_state, "optimizer": optim_state}
-            dcp.load(sharded, checkpoint_id=path)
+            try:
+                dcp.load(sharded, storage_reader=_safe_reader(path), planner=_safe_planner())
+            except (CheckpointException, AssertionError) as exc:
+                # DCP wraps each rank's failure (the first one is shown); metadata it could not read
+                # is an AssertionError
+                first = next(iter(exc.failures.values()))[0] if isinstance(exc, CheckpointException) else exc
+                raise (ValueError(str(first)) if isinstance(first, AssertionError) else first) from None
             set_state_dict(
                 model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"]
             )
@@ -157,7 +307,14 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
             payload = torch.load(path, weights_only=True, map_location="cpu")
             unwrap(model).load_state_dict(payload.pop("model"))
             optimizer.load_state_dict(payload.pop("optimizer"))
-    except (RuntimeError, ValueError, KeyError, OSError, EOFError, pickle.UnpicklingError) as exc:
+    except (
+        RuntimeError,
+        ValueError,
+        KeyError,
+        OSError,
+        EOFError,
+        pickle.UnpicklingError,
+    ) as exc:
         reason = " ".join(str(exc).split())[:300]
         raise UserError(
             f"cannot resume from {path}: {reason}; it is not a checkpoint of this model and run "

@@ -268,6 +268,15 @@ def launch_time(fmt: str) -> str:
     return datetime.datetime.fromtimestamp(started).strftime(fmt)
 
 
+def launch_id() -> str:
+    """Which launch this is, beside its time in its directory's name, so that two runs started in the
+    same second get two directories: the SLURM job, torchrun's process (shared by its ranks), or this
+    process."""
+    if "SLURM_JOB_ID" in os.environ and "SLURM_LOCALID" in os.environ:
+        return f"job{os.environ['SLURM_JOB_ID']}"
+    return f"pid{os.getppid() if 'LOCAL_RANK' in os.environ else os.getpid()}"
+
+
 def rank_suffix() -> str:
     """ "" for the first (or only) process, "_rank<N>" for the others: one log file per rank."""
     rank = int(os.environ.get("RANK", 0))
@@ -279,4 +288,5 @@ def register_configs() -> None:
     OmegaConf.register_new_resolver("aamperf.job_dirname", job_dirname, replace=True)
     # cached: the directory is named once per process, like Hydra's ${now:}
     OmegaConf.register_new_resolver("aamperf.launch_time", launch_time, replace=True, use_cache=True)
+    OmegaConf.register_new_resolver("aamperf.launch_id", launch_id, replace=True, use_cache=True)
     OmegaConf.register_new_resolver("aamperf.rank_suffix", rank_suffix, replace=True)

@@ -86,8 +86,9 @@ def init_world(cfg: DictConfig, device: torch.device) -> World:
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=cfg.distributed.timeout_s)
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        # the timeout reaches every collective too: a stopped or dead peer ends the run, not hangs it
         dist.init_process_group(
-            backend, store=attempt_store(rank, world, timeout), rank=rank, world_size=world
+            backend, store=attempt_store(rank, world, timeout), rank=rank, world_size=world, timeout=timeout
         )
     return World(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]))
 
@@ -106,6 +107,23 @@ def attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.St
         multi_tenant=not agent_store,
     )
     return dist.PrefixStore(f"aamperf/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+PEER_LOST = ("timed out", "timeout", "connection closed by peer", "connection reset", "broken pipe")
+
+
+def peer_lost(exc: BaseException, timeout_s: float) -> str | None:
+    """The one line for a collective that failed because another rank stopped or died, else None."""
+    if not (dist.is_available() and dist.is_initialized()) or not isinstance(exc, RuntimeError):
+        return None
+    text = " ".join(str(exc).split())
+    if not (isinstance(exc, dist.DistError) or any(s in text.lower() for s in PEER_LOST)):
+        return None
+    return (
+        f"rank {dist.get_rank()}: a collective failed ({text[:160]}): another rank stopped, died or did "
+        f"not answer within distributed.timeout_s={timeout_s:g}; trainer.resume=auto goes on from the last "
+        "checkpoint"
+    )
 
 
 def close_world(completed: bool = True) -> None:

@@ -3,10 +3,13 @@ runs that stop themselves (exit code 3)."""
 
 import dataclasses
 import difflib
+import errno
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, NoReturn
 
 from hydra.errors import CompactHydraException, MissingConfigException, OverrideParseException
@@ -27,6 +30,30 @@ class RunAborted(Exception):
     def __init__(self, message: str, result: Any = None):
         super().__init__(message)
         self.result = result  # the trainer's FitResult up to the stop
+
+
+FULL_BYTES = 1 << 20  # less free space than this after a failed write: the disk was full
+
+
+def disk_full(exc: BaseException, path: Path) -> bool:
+    """Did a write under `path` fail for want of space? ENOSPC / EDQUOT, or a writer that reports it in
+    its own words (torch.save: "unexpected pos ...", "iostream error") on a file system now full. Ask
+    before the partial file is removed."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if not isinstance(exc, RuntimeError | OSError):
+        return False
+    existing = Path(path)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        return shutil.disk_usage(existing).free < FULL_BYTES
+    except OSError:
+        return False
+
+
+def no_space(path: Path, what: str, fix: str) -> "UserError":
+    return UserError(f"no space left on the file system of {path} to write {what}; {fix}")
 
 
 def one_line(message: object) -> str:

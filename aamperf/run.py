@@ -2,6 +2,7 @@
 
 import datetime
 import itertools
+import logging
 import os
 import platform
 import random
@@ -18,8 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from aamperf.batch_size import find_batch_size, smallest_batch
 from aamperf.checks import check_config
 from aamperf.data import build_data, rebatch
-from aamperf.distributed import adopt_slurm_env, close_world, init_world
+from aamperf.distributed import adopt_slurm_env, close_world, init_world, peer_lost
 from aamperf.errors import RunAborted, UserError
+from aamperf.interrupts import Interrupts, RunInterrupted
 from aamperf.loggers import open_sinks
 from aamperf.metrics import (
     NullRecord,
@@ -41,6 +43,8 @@ from aamperf.phases.compile import compiled_graphs
 from aamperf.phases.dataloader import decide_workers, step_floor_s
 from aamperf.probe import timed
 from aamperf.trainer import fit, to_device
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -153,8 +157,9 @@ def per_rank(summary: dict[str, Any], keys: tuple[str, ...]) -> list[dict[str, A
     return everyone
 
 
-def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Run one training job into `run_dir`; the summary is written there on success and on failure."""
+def train(cfg: DictConfig, run_dir: Path, interrupts: Interrupts | None = None) -> dict[str, Any]:
+    """Run one training job into `run_dir`; the summary is written there on success and on failure.
+    `interrupts`: the stop signals caught while it runs (aamperf/interrupts.py)."""
     origin, origin_kind = job_origin()  # every elapsed time of the job counts from here
     if origin_kind == "job_start":  # an earlier job ran in this process: its peak is not this job's
         start_job_peak_rss()
@@ -279,7 +284,17 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         graphs = compiled_graphs()
         with SystemMonitor(device, cfg.metrics.monitor_interval_s) as monitor:
             result = fit(
-                plan, loss_fn, data, cfg, device, record, monitor, meter, setup.loader.non_blocking, run_dir
+                plan,
+                loss_fn,
+                data,
+                cfg,
+                device,
+                record,
+                monitor,
+                meter,
+                setup.loader.non_blocking,
+                run_dir,
+                interrupts,
             )
         timing = meter.summary()
         step_time = timing["step_time_s"]  # the mean over the timed steps, as samples_per_s
@@ -300,6 +315,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             nonfinite_steps=result.nonfinite_steps,
             nonfinite_check=result.nonfinite_check,
             resumed_from_step=result.resumed_from,
+            resume_changes=result.resume_changes,
             profile=result.profile,
         )
         # Achieved FLOP/s over the timed steps against the peak of the matmuls' dtype; above 1: null + why.
@@ -311,20 +327,24 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 peak_record,
             )
         )
-    except RunAborted as exc:
-        summary.update(
-            meter.summary(),
-            status="aborted",
-            error=str(exc),
-            memory_cleanups=plan.memory_guard.cleanups,
-            steps=exc.result.steps,
-            nonfinite_steps=exc.result.nonfinite_steps,
-            nonfinite_check=exc.result.nonfinite_check,
-            train_loss=exc.result.train_loss,
-            resumed_from_step=exc.result.resumed_from,
-        )
+    except RunAborted as exc:  # a guard, or a stop signal (interrupted)
+        status = "interrupted" if isinstance(exc, RunInterrupted) else "aborted"
+        summary.update(meter.summary(), status=status, error=str(exc))
+        if exc.result is not None:  # stopped in the training loop
+            summary.update(
+                memory_cleanups=plan.memory_guard.cleanups,
+                steps=exc.result.steps,
+                nonfinite_steps=exc.result.nonfinite_steps,
+                nonfinite_check=exc.result.nonfinite_check,
+                train_loss=exc.result.train_loss,
+                resumed_from_step=exc.result.resumed_from,
+            )
         raise
     except BaseException as exc:
+        lost = peer_lost(exc, cfg.distributed.timeout_s)
+        if lost:  # a stopped or dead rank: this one ends too, in one line (torchrun stops the others)
+            summary.update(meter.summary(), status="aborted", error=lost)
+            raise RunAborted(lost) from exc
         summary.update(status="failed", error=str(exc) if isinstance(exc, UserError) else repr(exc))
         summary.update(meter.summary())
         if isinstance(exc, UserError):  # a refused start: an earlier run's summary.json in run_dir stays
@@ -334,8 +354,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         summary["duration_s"] = meter.elapsed_s()
         summary["config"] = resolved_config(cfg)
         summary["pid"] = os.getpid()
-        record.write_summary(summary)
-        record.close(failed=summary["status"] != "completed")
+        try:
+            record.write_summary(summary)
+        except UserError:  # a full disk: say it, unless another error is on its way out already
+            if summary["status"] == "completed":
+                raise
+            log.warning("summary.json not written: no space left in %s", run_dir)
+        finally:
+            record.close(failed=summary["status"] != "completed")
         close_world(completed=summary["status"] == "completed")
     return summary
 

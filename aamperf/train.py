@@ -1,5 +1,6 @@
 """Entry point: `python -m aamperf.train [overrides]` (Hydra composes conf/ into one run)."""
 
+import logging
 import sys
 import traceback
 from pathlib import Path
@@ -21,6 +22,7 @@ from aamperf.errors import (
     hydra_error_message,
     hydra_errors_raised,
 )
+from aamperf.interrupts import Interrupts, RunInterrupted, exit_interrupted
 from aamperf.run import print_result, train
 from aamperf.search import objective
 
@@ -34,7 +36,13 @@ def main(cfg: DictConfig) -> float | None:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
     try:
-        summary = train(cfg, run_dir)
+        with Interrupts() as interrupts:
+            try:
+                summary = train(cfg, run_dir, interrupts)
+            finally:
+                interrupts.hand_on()  # the summary is written: submitit's requeue, on its preemption signal
+    except RunInterrupted:
+        raise  # a signal stops the whole sweep, not one job
     except (UserError, RunAborted) as exc:  # bad input, or a guard stopped the run (state kept)
         if not in_sweep:
             raise  # a failed job for Hydra's callbacks (aamperf/callbacks.py): one line, exit 2 or 3
@@ -52,13 +60,17 @@ def main(cfg: DictConfig) -> float | None:
 
 def cli() -> None:
     """main() with every user mistake, Hydra's config errors included, as one `error:` line and exit
-    code 2; a run a guard stopped as one `aborted:` line and exit code 3; a bug keeps its traceback
-    and exit code 1. HYDRA_FULL_ERROR=1 keeps Hydra's own reports."""
+    code 2; a run a guard stopped as one `aborted:` line and exit code 3; a run a signal stopped as one
+    `interrupted:` line and exit code 128 + the signal (143 for SIGTERM, 130 for SIGINT); a bug keeps its
+    traceback and exit code 1. HYDRA_FULL_ERROR=1 keeps Hydra's own reports."""
+    logging.raiseExceptions = False  # a log file on a full disk: no "--- Logging error ---" tracebacks
     with hydra_errors_raised() as hydra_reports:
         try:
             main()
         except UserError as exc:
             exit_bad_input(exc)
+        except RunInterrupted as exc:
+            exit_interrupted(exc)
         except RunAborted as exc:
             exit_aborted(exc)
         except CompactHydraException as exc:  # Hydra's class of errors it shows without a traceback

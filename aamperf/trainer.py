@@ -1,6 +1,7 @@
 """The training loop: fetch -> forward/backward -> step, with timers and monitors around it."""
 
 import math
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -8,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from aamperf import checkpoint
 from aamperf.distributed import all_sum, full_value, world_size
 from aamperf.errors import RunAborted
+from aamperf.interrupts import Interrupts, RunInterrupted
 from aamperf.metrics import RunRecord, StepMeter, SystemMonitor
 from aamperf.metrics.profile import StepProfiler
 from aamperf.nonfinite import NonfiniteGuard
@@ -113,6 +115,7 @@ class FitResult:
     nonfinite_check: str = ""  # how bad steps are skipped (aamperf/nonfinite.py)
     steps: int = 0
     resumed_from: int | None = None  # the checkpoint's step, when the run went on from one
+    resume_changes: dict[str, list] | None = None  # {key: [at the checkpoint, now]} that a resume applied
     profile: dict[str, Any] | None = None  # metrics.profile_steps: what torch.profiler saw
 
 
@@ -127,8 +130,10 @@ def fit(
     meter: StepMeter,
     non_blocking: bool = False,
     run_dir: Path | None = None,
+    interrupts: Interrupts | None = None,
 ) -> FitResult:
-    """Train for `trainer.max_steps` optimizer steps; log every `metrics.log_every` steps."""
+    """Train for `trainer.max_steps` optimizer steps; log every `metrics.log_every` steps. A stop signal
+    (`interrupts`) ends the run after the step it arrived in, with a checkpoint of it."""
     tc = cfg.trainer
     model, optimizer, scaler, autocast = plan.model, plan.optimizer, plan.scaler, plan.autocast
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -142,10 +147,15 @@ def fit(
     interval: dict[str, float] = {"time_s": 0.0, "wait_s": 0.0, "samples": 0, "tokens": 0, "steps": 0}
     first_step = 1
     saved = checkpoint.checkpoints(run_dir) if tc.resume == "auto" else []
+    config = OmegaConf.to_container(cfg, resolve=True)
     if saved:  # go on from the newest checkpoint, as if the run had never stopped
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         state = checkpoint.load(saved[-1], model, optimizer)
+        result.resume_changes = checkpoint.config_changes(state.get("config", config), config)
+        checkpoint.check_resume(saved[-1], result.resume_changes)
         first_step = state["step"] + 1
         scheduler.load_state_dict(state["scheduler"])
+        checkpoint.use_run_hyperparameters(optimizer, fresh, scheduler)
         scaler.load_state_dict(state["scaler"])
         batches.load_state_dict(state["stream"])
         meter.load_state_dict(state["meter"])
@@ -163,13 +173,15 @@ def fit(
     profiler = StepProfiler(cfg.metrics.profile_steps, cfg.metrics.skip_steps, run_dir, plan.rank)
 
     def save_checkpoint(step: int) -> Path:
-        loop = {"loss_sum": loss_sum, "nonfinite": guard.state_dict(), "interval": interval}
+        loop = {"loss_sum": loss_sum, "nonfinite": guard.state_dict(), "interval": interval, "config": config}
         loop["result"] = {"train_loss": result.train_loss, "val": result.val}
         objects = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "stream": batches}
         return checkpoint.save(
             run_dir, step, model, {**objects, **loop, "meter": meter.state_dict()}, tc.keep_last
         )
 
+    interrupts = interrupts or Interrupts()
+    interrupts.in_loop = True
     for step in range(first_step, tc.max_steps + 1):
         profiler.begin(step)
         start = time.perf_counter()
@@ -258,8 +270,21 @@ def fit(
                 raise RunAborted(
                     f"{stop}; checkpoint of step {step}: {path} (trainer.resume=auto goes on)", result
                 )
-        if tc.checkpoint_every and step % tc.checkpoint_every == 0:
-            save_checkpoint(step)
+        due = tc.checkpoint_every and step % tc.checkpoint_every == 0
+        just_saved = save_checkpoint(step) if due else None
+        if interrupts.requested(device):  # a stop signal: this step is whole; keep it, then stop
+            bar.close()
+            result.steps, result.nonfinite_steps = step, int(guard.total.item())
+            keep = run_dir is not None and (interrupts.signum != signal.SIGINT or tc.checkpoint_every)
+            path = (just_saved or save_checkpoint(step)) if keep else None
+            where = (
+                f"checkpoint of step {step}: {path} (trainer.resume=auto goes on)"
+                if path
+                else "no checkpoint (trainer.checkpoint_every=0; SIGTERM always writes one)"
+            )
+            stopped = f"{signal.Signals(interrupts.signum).name} received; stopped after step {step}, {where}"
+            raise RunInterrupted(stopped, result, interrupts.signum)
+    interrupts.in_loop = False
     bar.close()
     result.profile = profiler.result
     result.nonfinite_steps = int(guard.total.item())

@@ -14,15 +14,18 @@ import biom
 import h5py
 import numpy as np
 
+from aamperf.errors import disk_full, no_space
+
 if TYPE_CHECKING:  # scikit-bio costs ~2 s to import; only a first run simulates
     from skbio import TreeNode
 
 log = logging.getLogger(__name__)
 
-SIM_VERSION = 1  # bump when the simulator changes, so old cached data sets are not reused
+SIM_VERSION = 2  # bump when the simulator or its files change, so old cached data sets are not reused
 SEQUENCE_BP = 150
 MEAN_BRANCH_LENGTH = 0.03  # substitutions per site: sisters differ at ~5% of sites, random pairs ~40%
 FILES = {"table": "table.biom", "tree": "tree.nwk", "metadata": "metadata.tsv"}
+MANIFEST = "manifest.json"  # each file's sha256, written last
 
 
 @dataclass(frozen=True)
@@ -42,31 +45,61 @@ class SimParams:
 
 
 def ensure_simulated(params: SimParams, cache_dir: Path) -> dict[str, Path]:
-    """Paths of the simulated files in `<cache_dir>/simulated/<digest>/`, written on first use.
+    """Paths of the simulated files in `<cache_dir>/simulated/<digest>/`, written on first use and
+    verified on every use against the content hashes written beside them (`manifest.json`): a damaged
+    copy (truncated, emptied, edited) is rebuilt with a warning, never read.
 
     Safe when several processes (e.g. torchrun ranks) start on an empty cache: each writes a temp
     directory and renames it; the first rename wins and the others use its copy.
     """
     final = cache_dir / "simulated" / params.digest()
     paths = {key: final / name for key, name in FILES.items()}
-    if all(path.is_file() for path in paths.values()):
+    damage = damaged(final)
+    if damage is None:
         return paths
+    if final.exists():
+        log.warning("simulated data set in %s is damaged (%s): rebuilding it", final, damage)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
     try:
         write_simulated(params, tmp)
-        if all(path.is_file() for path in paths.values()):  # another process renamed its copy meanwhile
+        if damaged(final) is None:  # another process renamed its copy meanwhile
             return paths
-        if final.is_dir():  # incomplete: files deleted by hand (a rename never leaves half a directory)
+        if final.exists():  # damaged, or files deleted by hand (a rename never leaves half a directory)
             shutil.rmtree(final)
         os.rename(tmp, final)  # atomic: readers see no directory or a whole one
         log.info("simulated data set written to %s", final)
-    except OSError:
-        if not all(path.is_file() for path in paths.values()):  # no other process won the race
-            raise
+    except OSError as exc:
+        if damaged(final) is None:  # another process won the race
+            return paths
+        if disk_full(exc, final.parent):
+            raise no_space(
+                final.parent, "the simulated data set", "free space or set data.cache_dir elsewhere"
+            ) from exc
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return paths
+
+
+def damaged(directory: Path) -> str | None:
+    """What is wrong with a simulated data set's directory (None: every file whole)."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return "no manifest" if directory.exists() else "absent"
+    for name in FILES.values():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} missing"
+        if manifest.get(name) != _sha256(path):
+            return f"{name} does not match its hash"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def random_tree(n_tips: int, rng: np.random.Generator) -> "TreeNode":
@@ -158,3 +191,5 @@ def write_simulated(params: SimParams, directory: Path) -> None:
     tree.write(str(directory / FILES["tree"]), format="newick")
     lines = ["sample_id\tenvironment\ttarget"] + [f"{sid}\t{env}\t{y!r}" for sid, env, y in rows]
     (directory / FILES["metadata"]).write_text("\n".join(lines) + "\n")
+    hashes = {name: _sha256(directory / name) for name in FILES.values()}
+    (directory / MANIFEST).write_text(json.dumps(hashes, indent=2) + "\n")

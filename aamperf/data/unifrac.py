@@ -4,6 +4,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,7 +12,7 @@ import biom
 import numpy as np
 
 from aamperf.data.tables import read_tree
-from aamperf.errors import UserError
+from aamperf.errors import UserError, disk_full, one_line
 
 if TYPE_CHECKING:  # scikit-bio costs ~2 s to import; a cache hit never needs it
     from skbio import TreeNode
@@ -65,20 +66,32 @@ def cached_unifrac(table: biom.Table, tree_path: Path, cache_dir: Path) -> tuple
     path = cache_dir / "unifrac" / f"{cache_key(table, tree_path.read_bytes())}.npz"
     sample_ids = np.asarray(table.ids(), dtype=str)
     if path.is_file():
-        with np.load(path) as cached:
-            if np.array_equal(cached["ids"], sample_ids):  # guards against a hash collision or a bad file
-                return cached["matrix"], True
-        log.warning("UniFrac cache %s does not match the table; recomputing", path)
+        try:
+            with np.load(path) as cached:  # a zip: each member's CRC is checked as it is read
+                if np.array_equal(cached["ids"], sample_ids):  # guards against a hash collision
+                    return cached["matrix"], True
+            problem = "does not match the table"
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:  # truncated, garbage
+            problem = f"is damaged ({type(exc).__name__}: {one_line(exc)[:120]})"
+        log.warning("UniFrac cache %s %s; recomputing it", path, problem)
     matrix = compute_unifrac(table, read_tree(tree_path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, matrix=matrix, ids=sample_ids)
-        os.replace(tmp, path)  # atomic: a reader sees the old file, no file, or the whole new one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, matrix=matrix, ids=sample_ids)
+            os.replace(tmp, path)  # atomic: a reader sees the old file, no file, or the whole new one
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as exc:  # the run has its matrix: a cache it cannot keep costs the next run only
+        if not disk_full(exc, path.parent):
+            raise
+        log.warning(
+            "UniFrac not cached: no space left in %s (free space, or set data.cache_dir)", path.parent
+        )
+        return matrix, False
     log.info("UniFrac for %d samples cached in %s", len(sample_ids), path)
     return matrix, False
 

@@ -1,6 +1,7 @@
 """FLOPs of a step and the device's peak FLOP/s, the two halves of MFU / HFU."""
 
 import json
+import logging
 import os
 import platform
 import socket
@@ -14,7 +15,10 @@ import psutil
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from aamperf.errors import disk_full
 from aamperf.metrics.record import write_json_atomic
+
+log = logging.getLogger(__name__)
 
 # Dense peak FLOP/s of known GPUs by (name fragment, matmul dtype), from the vendors' data sheets.
 # A device not listed gets MFU = null: never a guess.
@@ -296,8 +300,13 @@ def _read_cache(path: Path) -> dict[str, Any]:
 def _write_cache(path: Path, key: str, entry: dict[str, Any]) -> None:
     """Add `entry` under `key`. Several processes (torchrun ranks, sweeps) may write at once: each writes
     its own temporary file and renames it (at worst one's entry is lost, never the file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, {**_read_cache(path), key: entry})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {**_read_cache(path), key: entry})
+    except OSError as exc:  # a cache: measured again next time
+        if not disk_full(exc, path.parent):
+            raise
+        log.warning("%s not updated: no space left on its file system", path)
 
 
 def peak_flops(

@@ -3,10 +3,18 @@
 import json
 import math
 import os
+import socket
 import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
+
+import psutil
+
+from aamperf.errors import UserError, disk_full, no_space
+
+SPACE_FIX = "free space there or set hydra.run.dir elsewhere"
+LOCK = ".running"  # host and pid of the run that holds the directory; removed when it ends
 
 
 def _clean(value: Any) -> Any:
@@ -36,6 +44,48 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         raise
 
 
+def _row(line: str) -> dict | None:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) and "step" in row else None
+
+
+def claim(run_dir: Path) -> Path:
+    """Take the run directory for this process, or refuse: two live runs must not write one directory.
+    A lock whose process has ended (killed, or on another machine: unknown) is taken over."""
+    lock, me = run_dir / LOCK, f"{socket.gethostname()} {os.getpid()}"
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        host, _, pid = lock.read_text().partition(" ")
+        if (
+            host == socket.gethostname()
+            and pid.isdigit()
+            and int(pid) != os.getpid()
+            and _alive(int(pid), lock)
+        ):
+            raise UserError(
+                f"run directory {run_dir} is in use by process {pid}; give this run its own hydra.run.dir "
+                f"(or remove {lock} if that process is not a run)"
+            ) from None
+        lock.write_text(me)
+        return lock
+    with os.fdopen(fd, "w") as f:
+        f.write(me)
+    return lock
+
+
+def _alive(pid: int, lock: Path) -> bool:
+    """Is `pid` the process that wrote `lock` (started before it), still running?"""
+    try:
+        process = psutil.Process(pid)
+        return process.status() != psutil.STATUS_ZOMBIE and process.create_time() <= lock.stat().st_mtime + 1
+    except psutil.Error:
+        return False
+
+
 class RunRecord:
     """Files of one run directory that the checks and `aamperf.compare` read, and the extra sinks
     (W&B, TensorBoard: `aamperf/loggers.py`) that get the same rows."""
@@ -43,6 +93,7 @@ class RunRecord:
     def __init__(self, run_dir: Path, sinks: list | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = claim(self.run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.summary_path = self.run_dir / "summary.json"
         self.sinks = list(sinks or [])
@@ -52,12 +103,22 @@ class RunRecord:
         if self._metrics is None:
             self._metrics = open(self.metrics_path, "a")
         row = _clean(row)
-        self._metrics.write(json.dumps(row) + "\n")
-        self._metrics.flush()  # a crash loses at most the line being written
+        try:
+            self._metrics.write(json.dumps(row) + "\n")
+            self._metrics.flush()  # a crash loses at most the line being written
+        except OSError as exc:
+            if disk_full(exc, self.metrics_path):
+                raise no_space(self.run_dir, "metrics.jsonl", SPACE_FIX) from exc
+            raise
         self._to_sinks("log", row)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        write_json_atomic(self.summary_path, summary)
+        try:
+            write_json_atomic(self.summary_path, summary)  # on failure no partial file is left
+        except OSError as exc:
+            if disk_full(exc, self.summary_path):
+                raise no_space(self.run_dir, "summary.json", SPACE_FIX) from exc
+            raise
         self._to_sinks("summary", _clean(summary))
 
     def keep_earlier_summary(self) -> None:
@@ -70,7 +131,12 @@ class RunRecord:
         if not self.metrics_path.exists():
             return
         lines = self.metrics_path.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+        rows = [_row(line) for line in lines]
+        if None in rows:  # a line cut short by a crash or a full disk: its step is logged again
+            warnings.warn(f"{self.metrics_path}: dropped {rows.count(None)} damaged line(s)", stacklevel=2)
+        kept = [
+            line for line, row in zip(lines, rows, strict=True) if row is not None and row["step"] <= step
+        ]
         tmp = self.metrics_path.with_name(".metrics.jsonl.tmp")
         tmp.write_text("".join(kept))
         os.replace(tmp, self.metrics_path)
@@ -81,6 +147,9 @@ class RunRecord:
             self._metrics = None
         self._to_sinks("close", failed)
         self.sinks = []
+        if self._lock is not None:
+            self._lock.unlink(missing_ok=True)
+            self._lock = None
 
     def _to_sinks(self, method: str, arg: Any) -> None:
         """A sink that fails is dropped with a warning: the files above are the record, not the sinks."""

@@ -1,0 +1,95 @@
+"""SIGTERM, SIGINT and SLURM's preemption signal: the step in progress finishes, a checkpoint is written,
+the run ends with status `interrupted` and exit code 128 + the signal's number (143, 130); a second
+signal ends the process at once.
+
+SLURM, Kubernetes and torchrun send SIGTERM before they kill; Ctrl-C sends SIGINT. Under
+hydra/launcher=slurm, submitit asks for its preemption signal (SIGUSR2) before a time limit or a
+preemption and requeues the job from its handler: that handler runs after the checkpoint, so the
+requeued job goes on from it with trainer.resume=auto.
+"""
+
+import logging
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from aamperf.distributed import world_size
+from aamperf.errors import RunAborted, one_line
+
+log = logging.getLogger(__name__)
+
+
+class RunInterrupted(RunAborted):
+    """A signal stopped the run after a whole step: status `interrupted`, exit code 128 + signal."""
+
+    def __init__(self, message: str, result: Any, signum: int):
+        super().__init__(message, result)
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+def exit_interrupted(exc: RunInterrupted) -> NoReturn:
+    print(f"interrupted: {one_line(exc)}", file=sys.stderr)
+    sys.exit(exc.exit_code)
+
+
+def preemption_signal() -> signal.Signals | None:
+    """submitit's preemption signal where this process is a submitit job, else None."""
+    if "SUBMITIT_EXECUTOR" not in os.environ:  # set in every submitit job (slurm, local)
+        return None
+    return signal.Signals[f"SIG{os.environ.get('SUBMITIT_PREEMPT_SIGNAL', 'USR2').removeprefix('SIG')}"]
+
+
+class Interrupts:
+    """Catches the stop signals while a run is on. Outside the training loop (set-up, validation is
+    inside) a signal stops the run at once; inside it, `requested()` says so at the end of a step."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.in_loop = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "Interrupts":
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            for signum in (signal.SIGTERM, signal.SIGINT, preemption_signal()):
+                if signum is not None:
+                    self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:  # a second signal: no more waiting
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+        name = signal.Signals(signum).name
+        if not self.in_loop:
+            raise RunInterrupted(f"{name} received before training began; nothing to keep", None, signum)
+        log.warning(f"{name} received: stopping after this step with a checkpoint (again: at once)")
+
+    def requested(self, device: torch.device) -> bool:
+        """Did a signal arrive? Distributed, every rank learns whether any rank received one (one
+        all-reduce of a number per step), so all of them stop after the same step."""
+        if world_size() == 1:
+            return self.signum is not None
+        got = torch.tensor([self.signum or 0], device=device)
+        dist.all_reduce(got, op=dist.ReduceOp.MAX)
+        self.signum = int(got.item()) or None  # host sync: once per step, distributed runs only
+        return self.signum is not None
+
+    def hand_on(self) -> None:
+        """After the checkpoint, on the preemption signal: submitit's own handler (it requeues the job)."""
+        previous = self._previous.get(self.signum) if self.signum == preemption_signal() else None
+        if callable(previous):
+            previous(self.signum, None)

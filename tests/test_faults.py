@@ -1,0 +1,388 @@
+"""Faults that clusters and shared machines bring, with real processes: stop signals (SIGTERM, SIGINT, a
+second one, SLURM's preemption signal) and checkpoint files crafted to run code."""
+
+import io
+import json
+import os
+import pickle
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint import command, losses
+
+from aamperf import checkpoint
+from aamperf.errors import UserError
+
+LONG = ["trainer.max_steps=40", "trainer.val_every=8", "trainer.resume=auto"]
+
+
+def start(cmd, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen) -> None:
+    """Until the run has logged `n` steps: it is in its training loop."""
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline, "the run logged no steps"
+        time.sleep(0.01)
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_sigterm_finishes_the_step_keeps_a_checkpoint_and_the_run_goes_on_from_it(tmp_path, cache_dir):
+    whole = tmp_path / "whole"
+    subprocess.run(command(cache_dir, whole, *LONG), check=True, capture_output=True, timeout=300)
+    stopped = tmp_path / "stopped"
+    proc = start(command(cache_dir, stopped, *LONG))  # trainer.checkpoint_every=0: SIGTERM writes one anyway
+    wait_for_steps(stopped, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted: SIGTERM received")
+    done = summary(stopped)
+    assert done["status"] == "interrupted" and 3 <= done["steps"] < 40
+    assert checkpoint.checkpoints(stopped)[-1].name == f"step_{done['steps']:08d}.pt"
+
+    resumed = subprocess.run(command(cache_dir, stopped, *LONG), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert summary(stopped)["resumed_from_step"] == done["steps"]
+    assert losses(stopped) == losses(whole)  # every step once, bitwise (CPU fp32)
+
+
+def test_sigint_stops_after_the_step_in_one_line_without_a_checkpoint_when_none_is_asked(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    proc = start(command(cache_dir, run_dir, *LONG))
+    wait_for_steps(run_dir, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "no checkpoint (trainer.checkpoint_every=0" in err.strip().splitlines()[-1]
+    assert summary(run_dir)["status"] == "interrupted" and not checkpoint.checkpoints(run_dir)
+
+
+def test_a_second_signal_ends_the_process_at_once(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    proc = start(command(cache_dir, run_dir, *LONG))
+    wait_for_steps(run_dir, 2, proc)
+    # two different signals at once (two of one kind pending together would be delivered as one)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    # killed by the second, whichever was handled first: no step finished, nothing written
+    assert proc.returncode in (-signal.SIGTERM, -signal.SIGINT)
+    assert not checkpoint.checkpoints(run_dir)
+
+
+def test_the_preemption_signal_checkpoints_before_submitits_requeue_runs(tmp_path, cache_dir):
+    """A submitit job (SUBMITIT_EXECUTOR set) gets SIGUSR2 before a preemption; submitit's handler, installed
+    first, requeues the job and exits. Here a stand-in for that handler records that it ran."""
+    run_dir, requeued = tmp_path / "run", tmp_path / "requeued"
+    job = textwrap.dedent(f"""
+        import signal, sys
+        def requeue(signum, frame):  # what submitit's checkpoint_and_try_requeue does, in short
+            open({str(requeued)!r}, "w").write("requeued")
+            sys.exit(-1)
+        signal.signal(signal.SIGUSR2, requeue)
+        sys.argv = ["aamperf.train", *{command(cache_dir, run_dir, *LONG)[3:]!r}]
+        from aamperf.train import cli
+        cli()
+    """)
+    proc = start([sys.executable, "-c", job], env={**os.environ, "SUBMITIT_EXECUTOR": "slurm"})
+    wait_for_steps(run_dir, 2, proc)
+    proc.send_signal(signal.SIGUSR2)
+    _, err = proc.communicate(timeout=120)
+    assert requeued.exists(), err[-3000:]
+    done = summary(run_dir)
+    assert done["status"] == "interrupted" and "SIGUSR2 received" in done["error"]
+    assert checkpoint.checkpoints(run_dir)[-1].name == f"step_{done['steps']:08d}.pt"
+
+
+# ---- checkpoints that carry code: none of it may run ------------------------------------------------
+
+
+class Payload:
+    """Unpickling this creates `marker`: what a crafted checkpoint would do with a shell command."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("fmt", ["pt", "sharded"])
+def test_a_checkpoint_with_a_pickle_payload_is_refused_and_runs_nothing(tmp_path, cache_dir, fmt):
+    """A run with trainer.resume=auto finds a crafted newest checkpoint: a file, or a sharded directory
+    whose `.metadata` (a pickle, read by torch.distributed.checkpoint) is the payload."""
+    run_dir, marker = tmp_path / "run", tmp_path / "payload_ran"
+    step = run_dir / "checkpoints" / "step_00000099"
+    if fmt == "pt":
+        step.parent.mkdir(parents=True)
+        torch.save({"model": Payload(marker)}, step.with_suffix(".pt"))
+    else:
+        step.mkdir(parents=True)
+        (step / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    run = subprocess.run(
+        command(cache_dir, run_dir, "trainer.resume=auto"), capture_output=True, text=True, timeout=300
+    )
+    assert not marker.exists(), "code from the checkpoint ran"
+    assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith(
+        "error: cannot resume from"
+    ), run.stderr[-3000:]
+
+
+def test_a_sharded_checkpoint_whose_trainer_state_carries_a_payload_is_refused(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    path, marker = tmp_path / "step_00000004", tmp_path / "payload_ran"
+    _sharded_checkpoint(path, model, optimizer)
+    torch.save({"rngs": Payload(marker), "step": 4}, path / "trainer.pt")
+    with pytest.raises(UserError, match="cannot resume from"):
+        checkpoint.load(path, model, optimizer)
+    assert not marker.exists(), "code from the checkpoint ran"
+
+
+def test_a_sharded_checkpoint_item_with_a_payload_is_refused_and_runs_nothing(tmp_path):
+    """DCP stores non-tensor values (the optimizer's hyper-parameters) as pickled bytes items; torch's own
+    planner unpickles them in full. The payload is real: torch's reader runs it."""
+    model, optimizer = _model_and_optimizer()
+    path, marker = tmp_path / "step_00000004", tmp_path / "payload_ran"
+    _sharded_checkpoint(path, model, optimizer)
+    _put_payload_in_a_bytes_item(path, marker)
+
+    with pytest.raises(UserError, match="cannot resume from"):
+        checkpoint.load(path, model, optimizer)
+    assert not marker.exists(), "code from the checkpoint ran"
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)  # torch's own reader
+    assert marker.exists(), "the test's payload does not run: it proves nothing"
+
+
+def test_a_real_sharded_checkpoint_loads_through_the_restricted_reader(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    path = tmp_path / "step_00000004"
+    _sharded_checkpoint(path, model, optimizer)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    lr = optimizer.param_groups[0]["lr"]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    optimizer.param_groups[0]["lr"] = 99.0
+    state = checkpoint.load(path, model, optimizer)
+    assert state["step"] == 4 and optimizer.param_groups[0]["lr"] == lr
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+def _model_and_optimizer():
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _sharded_checkpoint(path: Path, model, optimizer) -> None:
+    """A sharded checkpoint as checkpoint.save writes one under FSDP2 (here in one process)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
+    torch.save({"rngs": [checkpoint.rng_state()], "step": 4}, path / "trainer.pt")
+
+
+def _put_payload_in_a_bytes_item(path: Path, marker: Path) -> None:
+    """Append a torch-serialized payload to the shard file and point a non-tensor item's entry at it."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    name = next(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+    index, info = next((i, s) for i, s in metadata.storage_data.items() if i.fqn == name)
+    buffer = io.BytesIO()
+    torch.save(Payload(marker), buffer)
+    shard = path / info.relative_path
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(buffer.getvalue())
+    info.offset, info.length = offset, len(buffer.getvalue())
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+# ---- run directories, full disks, damaged caches and records ------------------------------------------
+
+
+def test_two_runs_started_together_get_a_directory_each(tmp_path, cache_dir):
+    """The default run directory: two launches in the same second (both started at once here) used to
+    share outputs/runs/<date>/<time> and interleave their metrics."""
+    cmd = [sys.executable, "-m", "aamperf.train", *command(cache_dir, tmp_path, "seed=0")[3:-1]]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL) for _ in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    runs = sorted((tmp_path / "outputs" / "runs").glob("*/*"))
+    assert len(runs) == 2
+    for run in runs:
+        assert [step for step, _, _ in losses(run)] == [1, 2, 3]
+
+
+def test_a_run_directory_in_use_is_refused_and_a_stale_one_taken_over(make_cfg, tmp_path):
+    from aamperf.metrics.record import LOCK
+    from aamperf.run import train
+
+    (tmp_path / LOCK).write_text(f"{__import__('socket').gethostname()} {os.getppid()}")  # a live process
+    with pytest.raises(UserError, match=f"is in use by process {os.getppid()}"):
+        train(make_cfg(), tmp_path)
+    assert not (tmp_path / "metrics.jsonl").exists()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    (tmp_path / LOCK).write_text(f"{__import__('socket').gethostname()} {dead.stdout.strip()}")
+    assert train(make_cfg(), tmp_path)["status"] == "completed"
+    assert not (tmp_path / LOCK).exists()  # released at the end
+
+
+def test_a_partial_last_line_in_the_metrics_does_not_stop_a_resume(make_cfg, tmp_path):
+    from aamperf.run import train
+
+    train(make_cfg("trainer.max_steps=4", "trainer.checkpoint_every=2"), tmp_path)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')  # power lost mid-line
+    summary = train(make_cfg("trainer.max_steps=6", "trainer.resume=auto"), tmp_path)
+    assert summary["status"] == "completed" and summary["resumed_from_step"] == 4
+    assert [step for step, _, _ in losses(tmp_path)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resume_refuses_a_new_batch_and_applies_a_new_lr(make_cfg, tmp_path):
+    from aamperf.run import train
+
+    train(make_cfg("trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.lr=1e-4"), tmp_path)
+    with pytest.raises(UserError, match=r"trainer.batch_size=8 \(checkpoint: 4\)"):
+        train(make_cfg("trainer.max_steps=6", "trainer.resume=auto", "trainer.batch_size=8"), tmp_path)
+    summary = train(make_cfg("trainer.max_steps=6", "trainer.resume=auto", "trainer.lr=1e-2"), tmp_path)
+    assert summary["resume_changes"]["trainer.lr"] == [1e-4, 1e-2]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[4]["step"] == 5 and rows[4]["lr"] > 1e-3  # the new lr's schedule, not the old one's
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])
+def test_a_damaged_cache_is_rebuilt_with_a_warning(make_cfg, tmp_path, cache_dir, damage, caplog):
+    """Each cache a run reads: the simulated data set, its UniFrac matrix, the peak FLOP/s record."""
+    import shutil
+
+    from aamperf.run import train
+
+    cache = tmp_path / "cache"
+    shutil.copytree(cache_dir, cache)
+    first = train(make_cfg(f"data.cache_dir={cache}"), tmp_path / "first")  # every cache written
+    files = [
+        next((cache / "simulated").glob("*/table.biom")),
+        next((cache / "unifrac").glob("*.npz")),
+        cache / "peak_flops.json",
+    ]
+    for path in files:
+        whole = path.read_bytes()
+        path.write_bytes(
+            {"truncated": whole[: len(whole) // 2], "empty": b"", "garbage": os.urandom(64)}[damage]
+        )
+    summary = train(make_cfg(f"data.cache_dir={cache}"), tmp_path / "second")
+    assert summary["status"] == "completed" and (summary["n_train"], summary["n_val"]) == (
+        first["n_train"],
+        first["n_val"],
+    )
+    warned = caplog.text
+    assert "simulated data set" in warned and "damaged" in warned and "UniFrac cache" in warned
+
+
+def on_tmpfs(size: int, mount: Path, cmd: list[str], copy: Path) -> list[str]:
+    """`cmd` in a private mount namespace where `mount` is a tmpfs of `size` bytes (as root, or in a user
+    namespace); what it left there is copied to `copy` (the tmpfs goes with the namespace)."""
+    script = f"mount -t tmpfs -o size={size} tmpfs {mount} || exit 99; {shlex.join(cmd)}; rc=$?; "
+    script += f"mkdir -p {copy} && cp -a {mount}/. {copy}/; exit $rc"
+    return ["unshare", "-rm" if os.geteuid() else "-m", "sh", "-c", script]
+
+
+def tmpfs_works(tmp_path) -> bool:
+    probe = tmp_path / "probe_mount"
+    probe.mkdir()
+    try:
+        run = subprocess.run(on_tmpfs(1 << 20, probe, ["true"], tmp_path / "probe_copy"), capture_output=True)
+    except FileNotFoundError:  # no unshare
+        return False
+    return run.returncode == 0
+
+
+def test_a_full_disk_during_a_checkpoint_says_so_in_one_line_and_keeps_the_last_good_one(tmp_path, cache_dir):
+    if not tmpfs_works(tmp_path):
+        pytest.skip("no tmpfs can be mounted here (unshare or mount refused): a full disk needs one")
+    sized = tmp_path / "sized"  # how large one checkpoint of this run is
+    overrides = ["trainer.checkpoint_every=1", "trainer.keep_last=1"]
+    subprocess.run(
+        command(cache_dir, sized, *overrides, "trainer.max_steps=1"), check=True, capture_output=True
+    )
+    one = next((sized / "checkpoints").iterdir()).stat().st_size
+    run_dir, kept = tmp_path / "full", tmp_path / "kept"
+    run_dir.mkdir()
+    cmd = command(cache_dir, run_dir, *overrides, "trainer.max_steps=3")
+    # room for the run's own files and one checkpoint, not for the next one beside it
+    run = subprocess.run(on_tmpfs(one * 3 // 2 + 300_000, run_dir, cmd, kept), capture_output=True, text=True)
+    assert run.returncode == 2, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: no space left on the file system of {run_dir}"), run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and "step_00000001.pt, is kept" in last
+    assert json.loads((kept / "summary.json").read_text())["status"] == "failed"
+    assert [p.name for p in (kept / "checkpoints").iterdir()] == ["step_00000001.pt"]  # no partial file
+    assert not [p for p in kept.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_a_stopped_rank_ends_the_job_within_the_timeout_and_it_resumes(tmp_path, cache_dir):
+    """2 ranks, one stopped with SIGSTOP (a hung node): the other ends within distributed.timeout_s, in one
+    line; a new launch goes on from the last checkpoint."""
+    import psutil
+
+    settings = [*LONG, "trainer.checkpoint_every=2", "trainer.batch_size=8", "distributed=ddp"]
+    settings += ["distributed.timeout_s=10", "data.val_fraction=0.31"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    run_dir = tmp_path / "run"
+    proc = start(command(cache_dir, run_dir, *settings, ranks=2), env=env)
+    wait_for_steps(run_dir, 3, proc)
+    ranks = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "aamperf.train" in " ".join(p.cmdline())
+    ]
+    stopped = next(p for p in ranks if p.environ().get("RANK") == "1")
+    stopped.suspend()  # SIGSTOP
+    began = time.time()
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        for p in ranks:
+            if p.is_running():
+                p.kill()
+    assert time.time() - began < 10 + 60, "the job outlived the timeout by more than a minute"
+    assert proc.returncode != 0
+    assert "another rank stopped, died or did not answer within distributed.timeout_s=10" in err
+    done = summary(run_dir)
+    assert done["status"] == "aborted"
+    resumed = subprocess.run(
+        command(cache_dir, run_dir, *settings, "trainer.max_steps=12", ranks=2),
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert summary(run_dir)["resumed_from_step"] >= 2
