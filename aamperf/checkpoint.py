@@ -197,7 +197,8 @@ def save(run_dir: Path, step: int, model: nn.Module, state: dict[str, Any], keep
             }
             tmp = final.with_name(final.name + ".tmp")
             with _cleaned_up(tmp, root, step):
-                torch.save(payload, tmp)
+                with open(tmp, "wb") as f:  # closed here even when torch.save fails: its space is freed
+                    torch.save(payload, f)
                 _fsync_replace(tmp, final)
         if world_size() > 1:
             dist.barrier()
@@ -212,7 +213,7 @@ def _cleaned_up(tmp: Path, root: Path, step: int) -> Iterator[None]:
     """A save that fails leaves no partial file; on a full disk it says so in one line."""
     try:
         yield
-    except BaseException as exc:
+    except Exception as exc:  # a kill (or SystemExit) runs no clean-up: the next save ignores its .tmp
         full = disk_full(exc, root)  # before the partial file goes: it is what filled the disk
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
         if full:

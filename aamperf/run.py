@@ -356,10 +356,10 @@ def train(cfg: DictConfig, run_dir: Path, interrupts: Interrupts | None = None) 
         summary["pid"] = os.getpid()
         try:
             record.write_summary(summary)
-        except UserError:  # a full disk: say it, unless another error is on its way out already
+        except UserError as exc:  # a full disk: say it, unless another error is on its way out already
             if summary["status"] == "completed":
                 raise
-            log.warning("summary.json not written: no space left in %s", run_dir)
+            log.warning("summary.json not written: no space left in %s (%r)", run_dir, exc.__cause__)
         finally:
             record.close(failed=summary["status"] != "completed")
         close_world(completed=summary["status"] == "completed")

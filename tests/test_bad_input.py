@@ -240,7 +240,7 @@ def test_a_bad_job_of_a_sweep_is_recorded_and_the_sweep_goes_on(cache_dir, tmp_p
 
 
 def test_a_bug_keeps_its_traceback(cache_dir, tmp_path, monkeypatch, capfd):
-    def broken(cfg, run_dir):
+    def broken(cfg, run_dir, interrupts=None):
         raise RuntimeError("a bug")
 
     monkeypatch.setattr("aamperf.train.train", broken)

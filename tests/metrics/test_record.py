@@ -21,6 +21,7 @@ def test_summary_is_replaced_whole_and_leaves_no_temp_file(tmp_path):
     record.write_summary({"status": "running"})
     record.write_summary({"status": "completed", "mfu": 0.25})
     assert json.loads((tmp_path / "summary.json").read_text()) == {"status": "completed", "mfu": 0.25}
+    record.close()  # and the run's lock on the directory goes with it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
 
 
