@@ -10,7 +10,7 @@ and the evidence (the probe's figures, whether they were cached or measured in t
   kept in fp32, none where autocast keeps them in a 2-byte dtype. Measured on the headline's shapes
   (experiments/memory/): in fp32, keeping every activation put advanced at 1.24-1.27x the baseline's peak RSS
   (which recomputes every layer) and every 2nd layer recomputed at 0.87x for ~4% step time; in bf16, keeping
-  them all was 0.83x, and recomputing cost 12-38% step time.
+  them all was 0.83x and 0.97x (two studies), and recomputing cost 12-38% step time.
 compile=auto and dataloader=auto need the run's own model and batches: `phases/compile.py` and
 `phases/dataloader.py` decide them by timing real steps.
 """
