@@ -244,6 +244,16 @@ class Probe:
             return None
         return _read_cache(self.cache_file).get(self._key(question, params))
 
+    def least(self, question: str, figure: str) -> float | None:
+        """The smallest `figure` among the cached answers to `question` on this device, whatever their
+        parameters (e.g. the quickest block compile measured here), or None."""
+        if self.refresh:
+            return None
+        prefix = f"{self.key}|{question}|"
+        cache = _read_cache(self.cache_file)
+        figures = [r[figure] for k, r in cache.items() if k.startswith(prefix) and r.get(figure) is not None]
+        return min(figures, default=None)
+
     def answer(self, question: str, params: dict[str, Any], measure: Callable[[], dict]) -> dict:
         """The cached answer to `question` with these `params` on this device, or a new measurement (cached
         when the machine was quiet; otherwise a quiet earlier one is preferred)."""

@@ -173,18 +173,27 @@ def auto_compile(
             return eager(why, source="cache", **cached)
         auto = {"chose": "default", "reason": why, "source": "cache", **cached}
         return {**apply_compile(model, cfg, lambda: step(0)), "auto": auto}
-    works = probe.compile(block, dtype)
-    if not works["works"]:
-        return eager(f"torch.compile does not work here ({works['error']})")
-    start = time.perf_counter()
+    start = time.perf_counter()  # the probes' time counts: a first run here pays them
+
+    def timed_eager_step() -> float:  # one warm step of the first batch, once per device, model and batch
+        return probe.answer("eager_step", params, lambda: eager_step(step, probe.device))["eager_step_s"]
+
+    modules = len(_targets(model, cfg))
     with torch.random.fork_rng(devices=[]):  # the trial's dropout draws leave the run's stream as it was
+        floor_s = probe.least("compile", "block_compile_s")  # any block compiled here before: no new probe
+        if floor_s is not None and (eager_s := timed_eager_step()) * steps <= floor_s * modules:
+            reason = (
+                f"{steps} steps of {eager_s:.3g} s take {eager_s * steps:.1f} s in all, no more than "
+                f"compiling {modules} modules costs here (about {floor_s * modules:.1f} s: {floor_s:.1f} s a "
+                "block, the quickest block compile measured on this device): compiling cannot pay"
+            )
+            return eager(reason, trial_s=time.perf_counter() - start, eager_step_s=eager_s)
+        works = probe.compile(block, dtype)
+        if not works["works"]:
+            return eager(f"torch.compile does not work here ({works['error']})")
         ratio = works["compiled_block_s"] / works["eager_block_s"]
-        eager_s = float("nan")  # no step timed where a compiled block gains nothing: 0 x any step
-        if ratio < 1.0:  # one warm step of the first batch, timed once per device, model and batch
-            timed_step = probe.answer("eager_step", params, lambda: eager_step(step, probe.device))
-            eager_s = timed_step["eager_step_s"]
+        eager_s = timed_eager_step() if ratio < 1.0 else float("nan")  # no step timed: 0 x any step
         bound_s = eager_s * (1.0 - ratio) * steps if ratio < 1.0 else 0.0
-        modules = len(_targets(model, cfg))
         cost_s = works["block_compile_s"] * modules
         if bound_s <= cost_s:
             probed = (

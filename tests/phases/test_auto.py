@@ -190,9 +190,16 @@ def test_compile_auto_skips_a_trial_that_cannot_pay(tmp_path, monkeypatch):
     monkeypatch.setattr(LoadWatch, "verdict", staticmethod(lambda *args, **kwargs: None))
     model, cfg, step = tiny_step()
     probe = Probe(CPU, tmp_path / "probe.json")
-    inject(probe, "compile", SMALL, block_answer(compile_s=1e6))  # compiling costs more than any gain
+    other_block = {"block": (8, 32, 64, 2, 4), "dtype": torch.bfloat16}  # another model's, compiled here
+    inject(probe, "compile", other_block, block_answer(compile_s=1e6))  # compiling costs more than any gain
+
+    def no_probe(*args):
+        raise AssertionError("a block was compiled although any gain is below the compile cost known here")
+
+    monkeypatch.setattr(probe, "compile", no_probe)
     record = auto_compile(model, cfg, step, 2, 100, probe, "c")
-    assert record["auto"]["chose"] == "disabled" and "can gain at most" in record["reason"]
+    assert record["auto"]["chose"] == "disabled" and "compiling cannot pay" in record["reason"]
+    assert "the quickest block compile measured on this device" in record["reason"]
     assert probe.cached("compile_trial", {"context": "c"}) is None  # no trial ran
     # the one eager step it timed is kept for this device, model and batch: the next run times none
     timed_s = record["auto"]["eager_step_s"]
@@ -203,6 +210,22 @@ def test_compile_auto_skips_a_trial_that_cannot_pay(tmp_path, monkeypatch):
 
     again = auto_compile(model, cfg, no_step, 2, 100, probe, "c")
     assert again["auto"]["eager_step_s"] == timed_s and again["reason"] == record["reason"]
+
+
+def test_compile_auto_skips_a_trial_whose_gain_at_the_probed_speed_is_below_its_cost(tmp_path):
+    """100 steps of 1 s could pay a 60 s compile, but at the probe's 0.5x a step they gain 50 s: no trial."""
+    from aamperf.phases.compile import auto_compile
+
+    model, cfg, step = tiny_step()
+    probe = Probe(CPU, tmp_path / "probe.json")
+    inject(probe, "compile", SMALL, block_answer(compile_s=60.0, eager_s=1.0, compiled_s=0.5))
+    inject(probe, "eager_step", {"context": "c"}, {"eager_step_s": 1.0})
+    record = auto_compile(model, cfg, step, 2, 100, probe, "c")
+    assert record["auto"]["chose"] == "disabled"
+    assert (
+        "100 steps of 1 s can gain at most 50.0 s; compiling 1 modules costs about 60.0 s" in record["reason"]
+    )
+    assert probe.cached("compile_trial", {"context": "c"}) is None
 
 
 def test_compile_auto_skips_the_trial_where_a_compiled_block_is_slower_here(tmp_path):
