@@ -4,9 +4,11 @@ runs that stop themselves (exit code 3)."""
 import dataclasses
 import difflib
 import errno
+import json
 import os
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +19,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 
 EXIT_BAD_INPUT = 2  # 0: done; 1: a bug, or a failed job of a sweep; 2: bad input; 3: aborted by a guard
 EXIT_ABORTED = 3
+LAUNCHER_SHOWS_LINES = "AAMPERF_LAUNCHER"  # set by `python -m aamperf.launch`: it shows the ranks' lines once
 
 
 class UserError(Exception):
@@ -64,9 +67,26 @@ def error_line(message: object) -> str:
     return "error: " + one_line(message)
 
 
+def exit_with(line: str, code: int) -> NoReturn:
+    """End the process with its one line on stderr. Under torchrun the line also goes to the rank's
+    error file, where torchrun's report reads it, and `python -m aamperf.launch` shows an `error:` or
+    `aborted:` line once for all ranks (the ranks then leave stderr to it)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    written = False
+    if error_file:
+        try:  # the format torchrun's ProcessFailure reads: the message, and when (seconds)
+            Path(error_file).write_text(json.dumps({"message": line, "timestamp": str(int(time.time()))}))
+            written = True
+        except OSError:
+            pass  # a full disk: stderr still has the line
+    shown_by_launcher = code in (EXIT_BAD_INPUT, EXIT_ABORTED) and os.environ.get(LAUNCHER_SHOWS_LINES)
+    if not (written and shown_by_launcher):  # an `interrupted:` line: each rank says where it stopped
+        print(line, file=sys.stderr)
+    sys.exit(code)
+
+
 def exit_bad_input(message: object) -> NoReturn:
-    print(error_line(message), file=sys.stderr)
-    sys.exit(EXIT_BAD_INPUT)
+    exit_with(error_line(message), EXIT_BAD_INPUT)
 
 
 def aborted_line(exc: RunAborted) -> str:
@@ -74,8 +94,7 @@ def aborted_line(exc: RunAborted) -> str:
 
 
 def exit_aborted(exc: RunAborted) -> NoReturn:
-    print(aborted_line(exc), file=sys.stderr)
-    sys.exit(EXIT_ABORTED)
+    exit_with(aborted_line(exc), EXIT_ABORTED)
 
 
 def no_such_option(group: str, option: str, options: list[str]) -> str:

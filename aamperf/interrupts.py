@@ -11,7 +11,6 @@ requeued job goes on from it with trainer.resume=auto.
 import logging
 import os
 import signal
-import sys
 import threading
 from types import FrameType
 from typing import Any, NoReturn
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from aamperf.distributed import world_size
-from aamperf.errors import RunAborted, one_line
+from aamperf.errors import RunAborted, exit_with, one_line
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +34,7 @@ class RunInterrupted(RunAborted):
 
 
 def exit_interrupted(exc: RunInterrupted) -> NoReturn:
-    print(f"interrupted: {one_line(exc)}", file=sys.stderr)
-    sys.exit(exc.exit_code)
+    exit_with(f"interrupted: {one_line(exc)}", exc.exit_code)
 
 
 def preemption_signal() -> signal.Signals | None:

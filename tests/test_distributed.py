@@ -102,6 +102,64 @@ def test_distributed_without_torchrun_is_a_one_line_error(tmp_path, cache_dir):
     assert "torchrun --nproc_per_node=2 -m aamperf.train distributed=ddp" in last
 
 
+def test_bad_input_under_aamperf_launch_is_one_line_and_exit_2_for_the_job(tmp_path, cache_dir):
+    """`python -m aamperf.launch` is torchrun with aamperf's exit codes: both ranks refuse the batch (3 does
+    not split over 2 ranks); the job shows that line once and exits 2, where torchrun exits 1 with its
+    failure report."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMP_NUM_THREADS")
+    }
+    bad = ["distributed=ddp", "trainer.batch_size=3", f"hydra.run.dir={tmp_path / 'run'}"]
+    cmd = ["-m", "aamperf.train", *TINY, f"data.cache_dir={cache_dir}", *bad]
+    launch = [sys.executable, "-m", "aamperf.launch", "--standalone", "--nproc_per_node=2"]
+    ours = subprocess.run(launch + cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert ours.returncode == 2, ours.stderr[-3000:]
+    lines = ours.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: trainer.batch_size=3"), ours.stderr[-3000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    theirs = subprocess.run(torchrun + cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert theirs.returncode == 1  # torchrun's own: its report names the rank's line (its error file)
+    assert lines[0] in theirs.stderr
+
+
+def test_sigterm_to_aamperf_launch_stops_every_rank_after_its_step_with_a_checkpoint(tmp_path, cache_dir):
+    import signal
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    run_dir = tmp_path / "run"
+    settings = ["distributed=ddp", "trainer.max_steps=500", f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aamperf.launch",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "aamperf.train",
+    ]
+    proc = subprocess.Popen(
+        [*cmd, *TINY, f"data.cache_dir={cache_dir}", *settings],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and err.count("interrupted: SIGTERM received") == 2  # one per rank
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert (run_dir / "checkpoints" / f"step_{summary['steps']:08d}.pt").exists()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,7 +9,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -85,28 +84,32 @@ def test_a_second_signal_ends_the_process_at_once(tmp_path, cache_dir):
     assert not checkpoint.checkpoints(run_dir)
 
 
-def test_the_preemption_signal_checkpoints_before_submitits_requeue_runs(tmp_path, cache_dir):
-    """A submitit job (SUBMITIT_EXECUTOR set) gets SIGUSR2 before a preemption; submitit's handler, installed
-    first, requeues the job and exits. Here a stand-in for that handler records that it ran."""
-    run_dir, requeued = tmp_path / "run", tmp_path / "requeued"
-    job = textwrap.dedent(f"""
-        import signal, sys
-        def requeue(signum, frame):  # what submitit's checkpoint_and_try_requeue does, in short
-            open({str(requeued)!r}, "w").write("requeued")
-            sys.exit(-1)
-        signal.signal(signal.SIGUSR2, requeue)
-        sys.argv = ["aamperf.train", *{command(cache_dir, run_dir, *LONG)[3:]!r}]
-        from aamperf.train import cli
-        cli()
-    """)
-    proc = start([sys.executable, "-c", job], env={**os.environ, "SUBMITIT_EXECUTOR": "slurm"})
-    wait_for_steps(run_dir, 2, proc)
-    proc.send_signal(signal.SIGUSR2)
-    _, err = proc.communicate(timeout=120)
-    assert requeued.exists(), err[-3000:]
+def test_a_preempted_submitit_job_checkpoints_is_requeued_and_goes_on_to_the_end(tmp_path, cache_dir):
+    """hydra/launcher=submitit_local: submitit's own job runner, as under SLURM. Its preemption signal
+    (SIGUSR2) to the job: aamperf finishes the step and checkpoints, submitit requeues the job, and the
+    requeued job goes on from the checkpoint (trainer.resume=auto) in the same directory to the end."""
+    import psutil
+
+    sweep = tmp_path / "sweep"
+    settings = [f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=job", "hydra.launcher.timeout_min=10"]
+    cmd = command(cache_dir, tmp_path / "unused", *LONG, *settings)[:-1]  # hydra.run.dir: not in a sweep
+    proc = start([*cmd[:3], "-m", "hydra/launcher=submitit_local", *cmd[3:]])
+    run_dir = sweep / "job"
+    wait_for_steps(run_dir, 3, proc)
+    [job] = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "submitit.core._submit" in " ".join(p.cmdline())
+    ]
+    job.send_signal(signal.SIGUSR2)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    logs = "".join(f.read_text() for f in (sweep / ".submitit").rglob("*_log.*"))
+    assert "SIGUSR2" in logs and "Requeued job" in logs, logs[-3000:]
     done = summary(run_dir)
-    assert done["status"] == "interrupted" and "SIGUSR2 received" in done["error"]
-    assert checkpoint.checkpoints(run_dir)[-1].name == f"step_{done['steps']:08d}.pt"
+    assert done["status"] == "completed" and done["steps"] == 40
+    assert 3 <= done["resumed_from_step"] < 40
+    assert [step for step, _, _ in losses(run_dir)] == list(range(1, 41))  # every step once
 
 
 # ---- checkpoints that carry code: none of it may run ------------------------------------------------
