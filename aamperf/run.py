@@ -225,6 +225,9 @@ def train(cfg: DictConfig, run_dir: Path, interrupts: Interrupts | None = None) 
         if world.world_size > 1:  # the same initial weights everywhere; from here each rank its own draws
             seed_everything(cfg.seed + world.rank)
         loss_fn = build(cfg, "loss")
+        if data.has_target and hasattr(loss_fn, "scale_target"):  # a target in its own units: standardized
+            loss_fn.scale_target(data.target_mean, data.target_std)
+            summary["target"] = {"column": cfg.data.target, "mean": data.target_mean, "std": data.target_std}
         host_batches, batch_s = timed_batches(data.train_loader, cfg.metrics.flop_batches)
         first = to_device(host_batches[0], device, False)
         # A model without an analytic count is counted by torch now, eager and before any phase
@@ -306,6 +309,10 @@ def train(cfg: DictConfig, run_dir: Path, interrupts: Interrupts | None = None) 
         if world.world_size > 1:  # each rank's own figures, and the job's total memory
             summary["per_rank"] = per_rank(summary, ("peak_rss_bytes", "step_time_s", "peak_device_bytes"))
             summary["peak_rss_bytes_all_ranks"] = sum(r["peak_rss_bytes"] for r in summary["per_rank"])
+        if "val_target" in result.val and data.val_target_var and hasattr(loss_fn, "target_std"):
+            # the target part is the MSE in standard units; x std^2: in the target's own units
+            mse = result.val["val_target"] * loss_fn.target_std**2
+            result.val["val_target_r2"] = 1.0 - mse / data.val_target_var
         summary.update(
             status="completed",
             steps=result.steps,
@@ -374,11 +381,24 @@ def print_result(summary: dict, run_dir: Path) -> None:
         return "n/a" if value is None else f"{value / scale:.4g}{unit}"
 
     print(f"run directory: {run_dir}")
+    speed = f"{fmt('samples_per_s', ' samples/s')} | step {fmt('step_time_s', ' s')} | MFU {fmt('mfu')}"
+    if summary.get("timed_steps") == 0:  # every step was a warm-up step: nothing steady to time
+        skip = (summary.get("config") or {}).get("metrics", {}).get("skip_steps")
+        speed = (
+            f"samples/s, step time and MFU n/a: the {summary.get('steps')} steps run were all warm-up "
+            f"(metrics.skip_steps={skip}); raise trainer.max_steps to time some"
+        )
     print(
-        f"  {fmt('samples_per_s', ' samples/s')} | step {fmt('step_time_s', ' s')} | "
-        f"MFU {fmt('mfu')} | peak RSS {fmt('peak_rss_bytes', ' GiB', 2**30)} | "
+        f"  {speed} | peak RSS {fmt('peak_rss_bytes', ' GiB', 2**30)} | "
         f"train loss {fmt('train_loss')} | val loss {fmt('val_loss')}"
     )
+    val = summary.get("val") or {}
+    if "val_target_mae" in val:
+        r2 = val.get("val_target_r2")
+        print(
+            f"  target {summary.get('target', {}).get('column', '')}: val MAE {val['val_target_mae']:.4g} "
+            f"(its own units)" + ("" if r2 is None else f", R^2 {r2:.3f}")
+        )
     found = summary.get("batch_finder")
     if found:
         print(

@@ -111,6 +111,39 @@ def test_gradient_accumulation_splits_the_batch_into_micro_batches(make_cfg, tmp
     assert summary["steps"] == 4
 
 
+def test_a_target_in_thousands_is_standardized_for_the_loss_and_reported_in_its_units(make_cfg, tmp_path):
+    """The same samples with the target as it is and as 1000 x target + 5000: the loss standardizes it
+    with the training samples' mean and std, so both runs train the same (a raw MSE in thousands would
+    swamp UniFrac's part a millionfold); the error is reported in the target's own units."""
+    import pandas as pd
+
+    plain = train(make_cfg("trainer.max_steps=4"), tmp_path / "plain")
+    cfg = make_cfg()
+    files = build_data(cfg.data, batch_size=4, seed=0, loader=cfg.dataloader).files  # the simulated files
+    metadata = pd.read_csv(files["metadata"], sep="\t", index_col=0)
+    metadata["target"] = metadata["target"] * 1000 + 5000
+    metadata.to_csv(tmp_path / "thousands.tsv", sep="\t")
+    table, tree = files["table"], files["tree"]
+    biom = [
+        "data=biom",
+        f"data.table={table}",
+        f"data.tree={tree}",
+        f"data.metadata={tmp_path / 'thousands.tsv'}",
+    ]
+    scaled = train(
+        make_cfg("trainer.max_steps=4", *biom, "data.target=target", "data.rarefy_depth=500"),
+        tmp_path / "scaled",
+    )
+    assert 4000 < scaled["target"]["mean"] and scaled["target"]["std"] == pytest.approx(
+        1000 * plain["target"]["std"], rel=1e-4
+    )
+    for key in ("val_loss", "val_unifrac", "val_nucleotide", "val_target"):
+        assert scaled["val"][key] == pytest.approx(plain["val"][key], rel=1e-3), key
+    assert scaled["val"]["val_target_mae"] == pytest.approx(1000 * plain["val"]["val_target_mae"], rel=1e-3)
+    assert scaled["val"]["val_target_r2"] == pytest.approx(plain["val"]["val_target_r2"], abs=1e-3)
+    assert scaled["val"]["val_target"] < 10  # standard units: the same order as UniFrac's and nucleotides'
+
+
 def test_failed_run_still_writes_summary_with_error(make_cfg, tmp_path):
     with pytest.raises(UserError, match="trainer.batch_size"):
         train(make_cfg("trainer.batch_size=1"), tmp_path)

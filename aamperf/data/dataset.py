@@ -196,8 +196,9 @@ class Data:
     n_asvs: int  # distinct ASVs kept (after rarefaction and the max_asvs cut)
     max_asvs: int  # most ASVs of a sample; the `S` of every batch unless padded to the longest sample
     has_target: bool
-    target_mean: float | None  # of the training samples' raw target, for later standardization
+    target_mean: float | None  # of the training samples' raw target: the loss standardizes with these
     target_std: float | None
+    val_target_var: float | None  # of the validation samples' raw target: R^2's denominator
     unifrac_cached: bool  # the UniFrac matrix came from `<cache_dir>/unifrac/`
     files: dict[str, str | None]  # table / tree / unifrac / metadata / sequences actually read
     sample_ids: list[str]  # index = the batch's `sample_idx`
@@ -298,6 +299,7 @@ def build_data(
         dataset, collate, train_idx, val_idx, batch_size=batch_size, seed=seed, loader=loader
     )
     train_target = None if target is None else target[train_idx]
+    val_target = None if target is None else target[val_idx]
     return Data(
         train_loader=train_loader,
         val_loader=val_loader,
@@ -308,6 +310,7 @@ def build_data(
         has_target=target is not None,
         target_mean=None if train_target is None else float(train_target.mean()),
         target_std=None if train_target is None else float(train_target.std()),
+        val_target_var=None if val_target is None else float(val_target.double().var(correction=0)),
         unifrac_cached=cached,
         files={k: None if v is None else str(v) for k, v in files.items()},
         sample_ids=sample_ids,

@@ -55,6 +55,15 @@ class AAMLoss(nn.Module):
         super().__init__()
         self.weights = {"unifrac": unifrac_weight, "nucleotide": nucleotide_weight, "target": target_weight}
         self.mask_fraction, self.seed = mask_fraction, seed
+        self.target_mean, self.target_std = 0.0, 1.0
+
+    def scale_target(self, mean: float, std: float) -> None:
+        """Standardize the target with the training samples' mean and standard deviation: the target
+        part is the MSE in standard units, so a target in years or in thousands weighs as UniFrac's and
+        the nucleotides' parts do; the model predicts standard units (prediction x std + mean is the
+        target); `target_mae` is the mean absolute error in the target's own units. A constant target
+        (std 0) is only centred."""
+        self.target_mean, self.target_std = float(mean), float(std) if std > 0 else 1.0
 
     def forward(self, model: nn.Module, batch: dict, step: int) -> tuple[Tensor, dict[str, Tensor]]:
         tokens = batch["tokens"]
@@ -75,14 +84,18 @@ class AAMLoss(nn.Module):
         if "nuc_logits" in out:
             total_ce, n_hidden = masked_nucleotide_sums(out["nuc_logits"], tokens, hidden)
             parts["nucleotide"] = world * total_ce / all_sum(n_hidden).clamp(min=1.0)
+        metrics: dict[str, Tensor] = {}  # reported beside the parts, not trained on
         if "target" in out and batch.get("target") is not None:
             # equal slices: world x (local sum / global count) is the local mean
-            parts["target"] = F.mse_loss(out["target"].float(), batch["target"].float())
+            predicted, target = out["target"].float(), batch["target"].float()
+            standard = (target - self.target_mean) / self.target_std
+            parts["target"] = F.mse_loss(predicted, standard)
+            metrics["target_mae"] = (predicted.detach() - standard).abs().mean() * self.target_std
         if not parts:
             raise ValueError("model output has no sample_embedding, nuc_logits or target: nothing to train")
         total = sum(self.weights[name] * value for name, value in parts.items())
         # parts are for logging: detached, so they never keep the graph alive
-        return total, {name: value.detach() for name, value in parts.items()}
+        return total, {name: value.detach() for name, value in {**parts, **metrics}.items()}
 
 
 def unifrac_loss(embedding: Tensor, unifrac: Tensor) -> Tensor:
