@@ -3,7 +3,6 @@ and the comparison report a multirun ends with."""
 
 import contextlib
 import io
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from aamperf.checks import check_config
+from aamperf.checks import check_config, unwritable
 from aamperf.compare import find_runs, make_report
 from aamperf.data.tables import resolve_files
 from aamperf.errors import RunAborted, UserError, exit_aborted, exit_bad_input, no_such_option
@@ -30,13 +29,9 @@ def check_start(config: DictConfig) -> None:
     check_phases(config, resolve_device(config.device))
     if config.data.source != "simulated":  # simulated data would be generated here: train() does that
         resolve_files(config.data)
-    run_dir = Path(config.hydra.run.dir).absolute()
-    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(
-            f"hydra.run.dir={config.hydra.run.dir}: cannot create the run directory ({existing} is not a "
-            "writable directory); choose another hydra.run.dir"
-        )
+    problem = unwritable(config.hydra.run.dir, "hydra.run.dir", "the run directory")
+    if problem:
+        raise UserError(problem)
     loader = GlobalHydra.instance().config_loader()
     for group, option in config.hydra.runtime.choices.items():
         # Hydra skips an option of an optional group (experiment=...) that does not exist, silently

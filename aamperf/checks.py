@@ -1,6 +1,9 @@
 """Config checks that need more than a type: all problems found at once, each naming its override."""
 
 import dataclasses
+import os
+import tempfile
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -46,6 +49,9 @@ def check_config(cfg: DictConfig) -> None:
         problems.append("trainer.checkpoint_every must be >= 0 (0: none) and trainer.keep_last >= 1")
     if t.resume not in ("disabled", "auto"):
         problems.append(f"trainer.resume={t.resume} is not one of disabled, auto")
+    for key, seed in (("seed", cfg.seed), ("data.seed", cfg.data.get("seed"))):
+        if seed is not None and not 0 <= seed < 2**32:  # numpy's and torch's seeds are 32-bit
+            problems.append(f"{key}={seed} must be an integer from 0 to 4294967295 (2**32 - 1)")
     if m.log_every < 1:
         problems.append(f"metrics.log_every={m.log_every} must be >= 1")
     if m.skip_steps < 0:
@@ -68,8 +74,30 @@ def check_config(cfg: DictConfig) -> None:
             "position for the extra ASVs; lower data.max_asvs or raise model.max_asvs"
         )
     problems += unread_keys(cfg, Config)
+    cache_problem = (
+        unwritable(cfg.data.cache_dir, "data.cache_dir", "the cache") if "cache_dir" in cfg.data else None
+    )
+    problems += [cache_problem] if cache_problem else []
     if problems:
         raise UserError("; ".join(problems))
+
+
+def unwritable(value: str, key: str, what: str) -> str | None:
+    """The problem with `key`=`value` as a directory to create and write `what` in, or None. Tried: a
+    directory is made in its nearest existing parent and removed (permission bits do not tell for root,
+    a read-only file system, /proc or /sys)."""
+    path = Path(str(value)).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(existing)
+        os.rmdir(tempfile.mkdtemp(prefix=".aamperf-check-", dir=existing))
+    except OSError:
+        return (
+            f"{key}={value}: cannot write {what} there ({existing} is not a writable directory); "
+            f"choose another {key}"
+        )
+    return None
 
 
 def unread_keys(node: DictConfig, schema: type, path: str = "") -> list[str]:

@@ -77,6 +77,13 @@ def cli() -> None:
             if hydra_reports:
                 raise
             exit_bad_input(hydra_error_message(exc))
+        except ValueError as exc:  # Hydra's own check of its flags, before any config exists
+            if not str(exc).startswith("Only one of --run, --multirun, --cfg"):
+                raise
+            exit_bad_input(
+                f"{exc}: one of them per command; to see a sweep job's config, drop -m: "
+                "python -m aamperf.train --cfg job <that job's overrides>"
+            )
 
 
 if __name__ == "__main__":

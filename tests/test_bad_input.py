@@ -35,6 +35,8 @@ CONFIG_CASES = {
         "trainer.batch_size=5 (the global batch) must divide evenly",
     ),
     "no steps": (["trainer.max_steps=0"], "trainer.max_steps=0 must be > 0"),
+    "negative seed": (["seed=-1"], "seed=-1 must be an integer from 0 to 4294967295"),
+    "seed above 32 bits": (["data.seed=99999999999"], "data.seed=99999999999 must be an integer from 0"),
     "negative lr": (["trainer.lr=-0.001"], "trainer.lr=-0.001 must be > 0"),
     "unknown device": (["device=tpu"], "device=tpu is not one of auto, cpu, cuda, cuda:N"),
     "more ASVs than model positions": (["data.max_asvs=32"], "raise model.max_asvs"),
@@ -68,6 +70,16 @@ CONFIG_CASES = {
         "data.table: no such file: {inputs}/nope.biom",
     ),
     "run directory under a file": (["hydra.run.dir={inputs}/afile/run"], "choose another hydra.run.dir"),
+    "run directory in /proc": (["hydra.run.dir=/proc/x"], "(/proc is not a writable directory)"),
+    "run directory in /sys": (["hydra.run.dir=/sys/x"], "(/sys is not a writable directory)"),
+    "cache directory under a file": (
+        ["data.cache_dir={inputs}/afile/cache"],
+        "data.cache_dir={inputs}/afile/cache: cannot write the cache there ({inputs}/afile is not a writable",
+    ),
+    "cache directory on a file system that refuses writes": (
+        ["data.cache_dir=/sys/aamperf-cache"],
+        "cannot write the cache there (/sys is not a writable directory); choose another data.cache_dir",
+    ),
 }
 # Found while the run starts (data, model, checkpoint): the start is refused, its summary goes to
 # summary.refused.json, and the earlier run's files stay as they were.
@@ -258,6 +270,16 @@ def test_hydra_full_error_keeps_hydras_report(monkeypatch, capfd, tmp_path):
 def test_cfg_job_still_prints_the_config(monkeypatch, capfd):
     code, out, _ = invoke(monkeypatch, capfd, "--cfg", "job", "trainer.max_steps=7")
     assert code == 0 and "  max_steps: 7\n" in out
+
+
+def test_a_sweep_and_its_config_at_once_is_one_line(monkeypatch, capfd):
+    code, out, err = invoke(monkeypatch, capfd, "-m", "--cfg", "job", "optim=baseline,ultra")
+    assert code == 2 and "Traceback" not in err and not out
+    assert err.strip().splitlines() == [
+        "error: Only one of --run, --multirun, --cfg, --info and --shell_completion can be specified: one of "
+        "them per command; to see a sweep job's config, drop -m: python -m aamperf.train --cfg job <that "
+        "job's overrides>"
+    ]
 
 
 def test_the_shell_sees_exit_code_2_for_a_config_mistake(tmp_path):

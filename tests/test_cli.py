@@ -48,3 +48,11 @@ def test_missing_user_table_names_the_option(tmp_path, cache_dir):
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error:") and "data.table" in last and "nope.biom" in last
+
+
+def test_a_run_of_warm_up_steps_only_says_why_it_has_no_speed(tmp_path, cache_dir):
+    proc = run_cli(tmp_path, cache_dir, "trainer.max_steps=1")  # TINY: metrics.skip_steps=1
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "n/a: the 1 steps run were all warm-up (metrics.skip_steps=1); raise trainer.max_steps" in proc.stdout
+    )

@@ -180,6 +180,12 @@ def test_cli_writes_every_report_file(sweep, capsys):
     assert "| 6.0 (3/3) 5.00x [5.00, 5.00] |" in table  # time to quality and its speed-up
 
 
+def test_the_report_goes_to_an_out_directory_that_does_not_exist_yet(sweep, tmp_path):
+    out = tmp_path / "reports" / "today"
+    main([str(sweep), "--out", str(out)])
+    assert (out / "comparison.md").is_file() and (out / "comparison.png").stat().st_size > 0
+
+
 def test_unknown_baseline_is_a_one_line_error(sweep, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([str(sweep), "--baseline", "optim=nothing"])

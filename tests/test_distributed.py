@@ -124,6 +124,20 @@ def test_bad_input_under_aamperf_launch_is_one_line_and_exit_2_for_the_job(tmp_p
     assert lines[0] in theirs.stderr
 
 
+def test_the_bf16_gradient_hook_on_cpu_is_refused_before_anything_runs(tmp_path, cache_dir):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    bad = ["distributed=ddp", "distributed.comm_hook=bf16", f"hydra.run.dir={tmp_path / 'run'}"]
+    launch = [sys.executable, "-m", "aamperf.launch", "--standalone", "--nproc_per_node=2"]
+    cmd = [*launch, "-m", "aamperf.train", *TINY, f"data.cache_dir={cache_dir}", *bad]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: distributed.comm_hook=bf16 needs CUDA (torch's bf16 hook runs on NCCL only); on cpu use "
+        "distributed.comm_hook=fp16 or none"
+    ]
+    assert not (tmp_path / "run").exists()  # refused before Hydra made the run directory
+
+
 def test_sigterm_to_aamperf_launch_stops_every_rank_after_its_step_with_a_checkpoint(tmp_path, cache_dir):
     import signal
     import time

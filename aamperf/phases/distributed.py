@@ -26,6 +26,16 @@ def grad_sync(model: nn.Module):
     return lambda enabled: contextlib.nullcontext()
 
 
+def check_comm_hook(cfg: DictConfig, device: torch.device) -> list[str]:
+    """The gradient compression the device can run: torch's bf16 hook needs NCCL (CUDA)."""
+    if cfg.strategy == "ddp" and cfg.comm_hook == "bf16" and device.type != "cuda":
+        return [
+            f"distributed.comm_hook=bf16 needs CUDA (torch's bf16 hook runs on NCCL only); on "
+            f"{device.type} use distributed.comm_hook=fp16 or none"
+        ]
+    return []
+
+
 def wrap_model(model: nn.Module, cfg: DictConfig, world: World, device: torch.device, param_dtype) -> tuple:
     """DDP or FSDP2 around the (checkpointed, compiled) model: the last model transform, before the
     optimizer is built. Returns (model, record)."""
