@@ -227,7 +227,12 @@ def train(cfg: DictConfig, run_dir: Path, interrupts: Interrupts | None = None) 
         loss_fn = build(cfg, "loss")
         if data.has_target and hasattr(loss_fn, "scale_target"):  # a target in its own units: standardized
             loss_fn.scale_target(data.target_mean, data.target_std)
-            summary["target"] = {"column": cfg.data.target, "mean": data.target_mean, "std": data.target_std}
+            summary["target"] = {
+                "column": cfg.data.target,
+                "mean": data.target_mean,
+                "std": data.target_std,
+                "samples_without_target": data.samples_without_target,  # left out of the run
+            }
         host_batches, batch_s = timed_batches(data.train_loader, cfg.metrics.flop_batches)
         first = to_device(host_batches[0], device, False)
         # A model without an analytic count is counted by torch now, eager and before any phase

@@ -199,6 +199,7 @@ class Data:
     target_mean: float | None  # of the training samples' raw target: the loss standardizes with these
     target_std: float | None
     val_target_var: float | None  # of the validation samples' raw target: R^2's denominator
+    samples_without_target: int  # of data.table, left out: no value of data.target in data.metadata
     unifrac_cached: bool  # the UniFrac matrix came from `<cache_dir>/unifrac/`
     files: dict[str, str | None]  # table / tree / unifrac / metadata / sequences actually read
     sample_ids: list[str]  # index = the batch's `sample_idx`
@@ -254,15 +255,20 @@ def build_data(
         )
     files = resolve_files(cfg)
     table = read_table(files["table"])
-    targets = None
+    targets, without_target = None, 0
     if cfg.target is not None:
         targets = read_target(files["metadata"], cfg.target)
         keep = [sid for sid in table.ids() if sid in targets]
         if not keep:
             raise UserError(f"data.metadata: no sample of data.table has a value of {cfg.target!r}")
-        if len(keep) < len(table.ids()):
+        without_target = len(table.ids()) - len(keep)
+        if without_target:
             log.warning(
-                "%d samples without %r in data.metadata dropped", len(table.ids()) - len(keep), cfg.target
+                "%d of %d samples have no %r in data.metadata (%s): left out of training and validation",
+                without_target,
+                len(table.ids()),
+                cfg.target,
+                files["metadata"],
             )
             table = table.filter(keep, inplace=False)
     sequences = observation_sequences(list(table.ids(axis="observation")), files["sequences"])
@@ -311,6 +317,7 @@ def build_data(
         target_mean=None if train_target is None else float(train_target.mean()),
         target_std=None if train_target is None else float(train_target.std()),
         val_target_var=None if val_target is None else float(val_target.double().var(correction=0)),
+        samples_without_target=without_target,
         unifrac_cached=cached,
         files={k: None if v is None else str(v) for k, v in files.items()},
         sample_ids=sample_ids,

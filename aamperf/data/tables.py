@@ -73,12 +73,14 @@ def read_sequences(path: Path) -> dict[str, str]:
 
 def observation_sequences(obs_ids: list[str], sequences_path: Path | None) -> list[str]:
     """The sequence of each observation: the id itself, or its FASTA record from `data.sequences`."""
+    obs_ids = [str(obs) for obs in obs_ids]  # biom's ids are numpy strings: messages show them plainly
     if sequences_path is None:
         not_seq = [obs for obs in obs_ids if not looks_like_sequence(obs)]
         if not_seq:
             raise UserError(
                 f"data.sequences: {len(not_seq)} observation ids of data.table are not DNA "
-                f"sequences (e.g. {not_seq[0]!r}); set data.sequences=<FASTA id -> sequence>"
+                f"sequences (e.g. {not_seq[0]!r}: letters other than A/C/G/T and the IUPAC codes); set "
+                "data.sequences=<FASTA id -> sequence>"
             )
         return [obs.upper() for obs in obs_ids]
     sequences = read_sequences(sequences_path)
@@ -99,13 +101,36 @@ def read_target(path: Path, column: str) -> dict[str, float]:
         raise UserError(f"data.metadata: cannot read {path} as TSV ({type(e).__name__}: {e})") from e
     frame = frame[~frame.index.astype(str).str.startswith("#")]  # QIIME 2 '#q2:types' directive rows
     if column not in frame.columns:
-        raise UserError(f"data.target: no column {column!r} in {path} (columns: {', '.join(frame.columns)})")
+        header = ", ".join(map(str, frame.columns)) or "none"
+        with open(path, errors="replace") as f:
+            first = f.readline()
+        if "\t" not in first and "," in first:
+            raise UserError(
+                f"data.metadata: {path} is comma-separated; aamperf reads tab-separated files (TSV): save it "
+                "with tabs, the sample id in the first column"
+            )
+        raise UserError(f"data.target: no column {column!r} in {path} (columns: {header})")
+    ids = frame.index.astype(str)
+    repeated = sorted(set(ids[ids.duplicated()]))
+    if repeated:
+        raise UserError(
+            f"data.metadata: sample ids listed more than once in {path}: {', '.join(repeated[:5])}"
+            + (f" (and {len(repeated) - 5} more)" if len(repeated) > 5 else "")
+            + "; keep one row per sample"
+        )
     values = pd.to_numeric(frame[column], errors="coerce")
     bad = values.isna() & frame[column].notna()
     if bad.any():
         raise UserError(
             f"data.target: column {column!r} of {path} is not numeric "
-            f"(sample {bad.idxmax()!r}: {frame[column][bad].iloc[0]!r})"
+            f"(sample {str(bad.idxmax())!r}: {frame[column][bad].iloc[0]!r})"
+        )
+    infinite = values.abs() == np.inf
+    if infinite.any():
+        raise UserError(
+            f"data.target: column {column!r} of {path} holds infinite values (samples "
+            f"{', '.join(map(str, values.index[infinite][:5]))}); give finite numbers, or leave them empty "
+            "to drop those samples"
         )
     return {str(sid): float(v) for sid, v in values.dropna().items()}
 
@@ -152,9 +177,43 @@ def read_unifrac(path: Path) -> tuple[np.ndarray, list[str]]:
             f"data.unifrac: {path} holds a {matrix.shape} matrix for {len(ids)} ids; "
             "it must be square with one id per row"
         )
-    if len(set(ids)) != len(ids) or not np.isfinite(matrix).all():
-        raise UserError(f"data.unifrac: {path} has duplicate sample ids or non-finite distances")
+    if len(set(ids)) != len(ids):
+        raise UserError(f"data.unifrac: {path} lists a sample id more than once; give one row per sample")
+    problem = not_a_distance_matrix(matrix.astype(np.float64), ids)
+    if problem:
+        raise UserError(f"data.unifrac: {path} is not a UniFrac distance matrix: {problem}")
     return matrix.astype(np.float64), ids
+
+
+DISTANCE_TOLERANCE = 1e-6  # float32 round-off of a matrix written by another tool
+
+
+def not_a_distance_matrix(matrix: np.ndarray, ids: list[str]) -> str | None:
+    """What makes `matrix` no UniFrac distance matrix (square, finite, symmetric, zero diagonal, values
+    in [0, 1]), with where; None when it is one."""
+
+    def where(mask: np.ndarray) -> str:
+        i, j = np.argwhere(mask)[0]
+        return f"{ids[i]!r} x {ids[j]!r}: {matrix[i, j]:.6g}"
+
+    if not np.isfinite(matrix).all():
+        return f"a distance that is not a number ({where(~np.isfinite(matrix))})"
+    diagonal = np.abs(np.diag(matrix)) > DISTANCE_TOLERANCE
+    if diagonal.any():
+        i = int(np.argmax(diagonal))
+        looks = " (a similarity matrix? UniFrac is a distance: 0 from a sample to itself)"
+        return f"the distance of {ids[i]!r} to itself is {matrix[i, i]:.6g}, not 0" + (
+            looks if np.allclose(np.diag(matrix), 1.0) else ""
+        )
+    outside = (matrix < -DISTANCE_TOLERANCE) | (matrix > 1 + DISTANCE_TOLERANCE)
+    if outside.any():
+        return f"a distance outside [0, 1] ({where(outside)})"
+    asymmetric = np.abs(matrix - matrix.T) > DISTANCE_TOLERANCE
+    if asymmetric.any():
+        i, j = np.argwhere(asymmetric)[0]
+        other = f"{matrix[j, i]:.6g} the other way"
+        return f"not symmetric ({ids[i]!r} x {ids[j]!r}: {matrix[i, j]:.6g}, but {other})"
+    return None
 
 
 def rarefy(table: biom.Table, depth: int, seed: int) -> biom.Table:

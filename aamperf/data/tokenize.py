@@ -12,7 +12,6 @@ TOKENS_PER_ASV = ASV_BP + 1  # START + 150 bp
 # Ambiguous IUPAC letters (N, R, Y, ...) become PAD: the model has no token for them, and PAD keeps
 # them out of the masked-nucleotide loss and out of `n_tokens`. Any other character is an error.
 IUPAC_AMBIGUOUS = "NRYSWKMBDHV"
-_SEQUENCE_ID = re.compile(r"[ACGTN]+", re.IGNORECASE)
 _NUCLEOTIDE = re.compile(rf"[ACGT{IUPAC_AMBIGUOUS}]*", re.IGNORECASE)
 
 _LOOKUP = np.full(256, -1, dtype=np.int16)  # byte -> token; -1 marks an invalid character
@@ -23,8 +22,9 @@ for _letter in IUPAC_AMBIGUOUS:
 
 
 def looks_like_sequence(text: str) -> bool:
-    """True when an observation id is itself a DNA sequence (A/C/G/T, N allowed, any case)."""
-    return _SEQUENCE_ID.fullmatch(text) is not None
+    """True when an observation id is itself a DNA sequence: the rule of FASTA records (A/C/G/T and the
+    ambiguous IUPAC letters, any case), not empty."""
+    return bool(text) and is_nucleotide_sequence(text)
 
 
 def is_nucleotide_sequence(text: str) -> bool:

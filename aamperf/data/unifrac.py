@@ -5,6 +5,7 @@ import logging
 import os
 import tempfile
 import zipfile
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,8 +43,15 @@ def compute_unifrac(table: biom.Table, tree: "TreeNode") -> np.ndarray:
     """Unweighted UniFrac [n_samples, n_samples] in the table's sample order (scikit-bio)."""
     from skbio.diversity import beta_diversity
 
-    obs_ids = list(table.ids(axis="observation"))
-    tips = {tip.name for tip in tree.tips()}
+    obs_ids = [str(obs) for obs in table.ids(axis="observation")]  # plain strings in messages
+    names = Counter(tip.name for tip in tree.tips())
+    repeated = sorted(str(name) for name, n in names.items() if n > 1)
+    if repeated:
+        raise UserError(
+            f"data.tree: {len(repeated)} tip names appear more than once in the tree (e.g. "
+            f"{repeated[0][:40]!r}); give a tree with each ASV as one tip"
+        )
+    tips = set(names)
     missing = [obs for obs in obs_ids if obs not in tips]
     if missing:
         raise UserError(

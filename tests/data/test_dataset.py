@@ -244,3 +244,22 @@ def test_biom_source_with_fasta_and_precomputed_unifrac(cache_dir, tmp_path):
 def test_errors_name_the_fix(cache_dir, overrides, batch_size, message):
     with pytest.raises(UserError, match=message):
         build_data(data_cfg(cache_dir, **overrides), batch_size=batch_size, seed=0, loader=LOADER)
+
+
+def test_samples_without_a_target_are_counted_and_left_out(cache_dir, tmp_path, caplog):
+    import pandas as pd
+
+    files = build_data(data_cfg(cache_dir), batch_size=8, seed=0, loader=LOADER).files
+    metadata = pd.read_csv(files["metadata"], sep="\t", index_col=0)
+    metadata.iloc[:5, metadata.columns.get_loc("target")] = None  # 5 samples without a value
+    metadata.to_csv(tmp_path / "m.tsv", sep="\t")
+    biom = {
+        "source": "biom",
+        "table": files["table"],
+        "tree": files["tree"],
+        "metadata": str(tmp_path / "m.tsv"),
+    }
+    data = build_data(data_cfg(cache_dir, **biom), batch_size=8, seed=0, loader=LOADER)
+    assert data.samples_without_target == 5
+    assert data.n_train + data.n_val == len(metadata) - 5
+    assert f"5 of {len(metadata)} samples have no 'target' in data.metadata" in caplog.text

@@ -70,9 +70,10 @@ def test_tokens_follow_the_aam_vocabulary():
 
 
 def test_observation_ids_that_are_not_sequences_need_a_fasta(tmp_path):
-    assert observation_sequences(["acgt", "NACG"], None) == ["ACGT", "NACG"]
-    with pytest.raises(UserError, match=r"^data\.sequences: 1 observation ids .* \(e\.g\. 'feat1'\)"):
-        observation_sequences(["ACGT", "feat1"], None)
+    # one alphabet for ids and FASTA records: A/C/G/T and the ambiguous IUPAC letters
+    assert observation_sequences(["acgt", "NACG", "ACGTRY"], None) == ["ACGT", "NACG", "ACGTRY"]
+    with pytest.raises(UserError, match=r"^data\.sequences: 1 observation ids .* \(e\.g\. 'OTU_0':"):
+        observation_sequences(["ACGT", np.str_("OTU_0")], None)  # biom's ids: shown as plain strings
     fasta = tmp_path / "seqs.fasta"
     fasta.write_text(">feat1 some description\nACGTR\nacgt\n>feat2\nTTTT\n")
     assert observation_sequences(["feat2", "feat1"], fasta) == ["TTTT", "ACGTRACGT"]
@@ -125,6 +126,50 @@ def test_precomputed_unifrac_errors(tmp_path):
         read_unifrac(tmp_path / "dist.npy")
 
 
+def _with(change):
+    matrix = MATRIX.astype(float).copy()
+    change(matrix)
+    return matrix
+
+
+@pytest.mark.parametrize(
+    ("matrix", "says"),
+    [
+        (_with(lambda m: m.__setitem__((0, 1), 0.9)), "not symmetric ('s1' x 's2': 0.9, but"),
+        (-MATRIX, "a distance outside [0, 1] ('s1' x 's2': -"),
+        (1.0 - MATRIX, "the distance of 's1' to itself is 1, not 0 (a similarity matrix?"),
+        (
+            _with(lambda m: m.__setitem__((1, 2), np.nan)),
+            "a distance that is not a number ('s2' x 's3': nan)",
+        ),
+    ],
+    ids=["asymmetric", "negative", "similarity", "nan"],
+)
+def test_a_matrix_that_is_not_a_unifrac_distance_matrix_is_refused_saying_where(tmp_path, matrix, says):
+    np.save(tmp_path / "dist.npy", matrix)
+    (tmp_path / "dist.ids.txt").write_text("\n".join(IDS) + "\n")
+    with pytest.raises(UserError, match=r"^data\.unifrac: .* is not a UniFrac distance matrix: ") as refused:
+        read_unifrac(tmp_path / "dist.npy")
+    assert says in str(refused.value)
+
+
+def test_metadata_mistakes_are_refused_naming_the_fix(tmp_path):
+    comma = tmp_path / "m.csv"
+    comma.write_text("sample,age\ns1,3\ns2,4\n")
+    with pytest.raises(UserError, match=r"comma-separated; aamperf reads tab-separated files \(TSV\)"):
+        read_target(comma, "age")
+    twice = tmp_path / "twice.tsv"
+    twice.write_text("sample\tage\ns1\t3\ns2\t4\ns1\t5\n")
+    with pytest.raises(
+        UserError, match=r"sample ids listed more than once in .*: s1; keep one row per sample"
+    ):
+        read_target(twice, "age")
+    infinite = tmp_path / "inf.tsv"
+    infinite.write_text("sample\tage\ns1\t3\ns2\tinf\n")
+    with pytest.raises(UserError, match=r"holds infinite values \(samples s2\)"):
+        read_target(infinite, "age")
+
+
 def test_rarefaction_depth_is_respected_and_shallow_samples_dropped():
     table = small_table()  # sample depths: 10, 10, 13
     rarefied = rarefy(table, 11, seed=0)
@@ -135,3 +180,14 @@ def test_rarefaction_depth_is_respected_and_shallow_samples_dropped():
     assert rarefy(table, 6, seed=0) == rarefied  # seeded
     with pytest.raises(UserError, match=r"^data\.rarefy_depth=14: no sample .* \(deepest: 13\)"):
         rarefy(table, 14, seed=0)
+
+
+def test_a_tree_with_a_repeated_tip_is_refused_saying_so(tmp_path):
+    from skbio import TreeNode
+
+    from aamperf.data.unifrac import compute_unifrac
+
+    tree = TreeNode.read(["((o1:1,o2:1):1,(o1:1,o3:1):1);"])
+    table = biom.Table(np.array([[1, 0], [0, 1], [1, 1]]), ["o1", "o2", "o3"], ["s1", "s2"])
+    with pytest.raises(UserError, match=r"^data\.tree: 1 tip names appear more than once .* \(e\.g\. 'o1'\)"):
+        compute_unifrac(table, tree)
