@@ -255,17 +255,13 @@ def check_resume(path: Path, changes: dict[str, list]) -> None:
         )
 
 
-def use_run_hyperparameters(optimizer: torch.optim.Optimizer, fresh: list[dict], scheduler) -> None:
+def use_run_hyperparameters(optimizer: torch.optim.Optimizer, fresh: list[dict]) -> None:
     """After loading a checkpoint's optimizer state: this run's lr, weight decay, betas and kernels, not
-    the saved ones (loading param_groups would silently keep those); the schedule goes on from its step."""
+    the saved ones (loading param_groups would silently keep those). The schedule is rebuilt from them
+    and replayed to the checkpoint's step (`trainer.build_scheduler`)."""
     for group, mine in zip(optimizer.param_groups, fresh, strict=True):
         group.update({k: v for k, v in mine.items() if k not in ("params", "initial_lr")})
-        group["initial_lr"] = mine["lr"]
-    scheduler.base_lrs = [mine["lr"] for mine in fresh]
-    for group, base, factor in zip(
-        optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
-    ):
-        group["lr"] = base * factor(scheduler.last_epoch)
+        group.pop("initial_lr", None)  # the schedulers set it from this run's lr
 
 
 def _flat(node: Any, prefix: str = "") -> dict[str, Any]:

@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from aamperf.config import Config
 from aamperf.distributed import check_distributed
 from aamperf.errors import UserError
+from aamperf.trainer import LR_SCHEDULES
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -41,6 +42,10 @@ def check_config(cfg: DictConfig) -> None:
         problems.append(f"trainer.lr={t.lr} must be > 0")
     if t.weight_decay < 0:
         problems.append(f"trainer.weight_decay={t.weight_decay} must be >= 0")
+    if t.lr_schedule not in LR_SCHEDULES:
+        problems.append(f"trainer.lr_schedule={t.lr_schedule} is not one of {', '.join(LR_SCHEDULES)}")
+    if not 0 <= t.min_lr_ratio <= 1:
+        problems.append(f"trainer.min_lr_ratio={t.min_lr_ratio} must be between 0 and 1")
     if t.warmup_steps < 0:
         problems.append(f"trainer.warmup_steps={t.warmup_steps} must be >= 0")
     if t.val_every < 1 or t.val_batches < 1:

@@ -149,8 +149,10 @@ class TrainerConfig:
     grad_accum_steps: int = 1  # micro-batches per optimizer step; each has batch_size / grad_accum_steps
     lr: float = 1e-4
     weight_decay: float = 0.01
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at max_steps
+    # warmup_cosine | warmup_linear | constant | onecycle: torch's schedulers (aamperf/trainer.py)
+    lr_schedule: str = "warmup_cosine"
+    warmup_steps: int = 10  # linear warm-up (onecycle: its rise)
+    min_lr_ratio: float = 0.1  # warmup_cosine / warmup_linear decay to lr * min_lr_ratio at max_steps
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     max_nonfinite: int = 10  # non-finite steps in a row (each skipped) before the run stops as aborted
     val_every: int = 50  # steps between validations (and one at the end)

@@ -309,7 +309,13 @@ def train(cfg: DictConfig, run_dir: Path, interrupts: Interrupts | None = None) 
         # Compilation done in the compile phase's warm-up counts too, not only the warm-up steps' excess.
         if timing["compile_time_s"] is not None:
             timing["compile_time_s"] += plan.records["compile"].get("compile_time_s", 0.0)
-        summary.update(timing, **monitor.summary(), memory_cleanups=plan.memory_guard.cleanups)
+        summary.update(
+            timing,
+            **monitor.summary(),
+            memory_cleanups=plan.memory_guard.cleanups,
+            memory_limit_bytes=plan.memory_guard.limit_bytes,
+            memory_limit_source=plan.memory_guard.limit_source,
+        )
         summary["recompiles"] = compiled_graphs() - graphs  # graphs compiled for new shapes while training
         if world.world_size > 1:  # each rank's own figures, and the job's total memory
             summary["per_rank"] = per_rank(summary, ("peak_rss_bytes", "step_time_s", "peak_device_bytes"))

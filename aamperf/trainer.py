@@ -3,6 +3,7 @@
 import math
 import signal
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,17 +25,38 @@ from aamperf.phases import Plan
 LossFn = Callable[[torch.nn.Module, dict[str, Any], int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def warmup_cosine(cfg: DictConfig) -> Callable[[int], float]:
-    """LR multiplier: linear warm-up, then cosine decay to `min_lr_ratio` at `max_steps`."""
+LR_SCHEDULES = ("warmup_cosine", "warmup_linear", "constant", "onecycle")
 
-    def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-        cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine
 
-    return factor
+def build_scheduler(optimizer: torch.optim.Optimizer, tc: DictConfig, done_steps: int = 0):
+    """torch's schedulers for `trainer.lr_schedule`, stepped once per optimizer step over `max_steps`:
+    a linear warm-up over `warmup_steps`, then cosine or linear decay to lr x `min_lr_ratio`, or the lr
+    kept (constant); or OneCycleLR (its rise over `warmup_steps`, torch's 30% without one). A resumed
+    run replays its `done_steps`: the lr values it had, or, where the schedule's settings changed, this
+    run's schedule at that step (a scheduler's own state would keep the old settings)."""
+    lrs = torch.optim.lr_scheduler
+    warmup = min(tc.warmup_steps, tc.max_steps)
+    rest = max(1, tc.max_steps - warmup)
+    if tc.lr_schedule == "onecycle":
+        rise = warmup / tc.max_steps if warmup else 0.3
+        max_lr = [group["lr"] for group in optimizer.param_groups]
+        scheduler = lrs.OneCycleLR(optimizer, max_lr=max_lr, total_steps=tc.max_steps, pct_start=rise)
+    else:
+        if tc.lr_schedule == "warmup_cosine":
+            decay = lrs.CosineAnnealingLR(optimizer, T_max=rest, eta_min=tc.lr * tc.min_lr_ratio)
+        elif tc.lr_schedule == "warmup_linear":
+            decay = lrs.LinearLR(optimizer, start_factor=1.0, end_factor=tc.min_lr_ratio, total_iters=rest)
+        else:
+            decay = lrs.ConstantLR(optimizer, factor=1.0, total_iters=0)
+        scheduler = decay
+        if warmup:
+            warm = lrs.LinearLR(optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup)
+            scheduler = lrs.SequentialLR(optimizer, [warm, decay], milestones=[warmup])
+    with warnings.catch_warnings():  # "step() before optimizer.step()": a replay, no training
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(done_steps):
+            scheduler.step()
+    return scheduler
 
 
 class BatchStream:
@@ -137,7 +159,7 @@ def fit(
     tc = cfg.trainer
     model, optimizer, scaler, autocast = plan.model, plan.optimizer, plan.scaler, plan.autocast
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(tc))
+    scheduler = build_scheduler(optimizer, tc)
     max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf  # inf: the norm is measured, nothing clipped
     batches = BatchStream(data.train_loader)
     guard = NonfiniteGuard(optimizer, scaler, device, tc.max_nonfinite)
@@ -154,8 +176,8 @@ def fit(
         result.resume_changes = checkpoint.config_changes(state.get("config", config), config)
         checkpoint.check_resume(saved[-1], result.resume_changes)
         first_step = state["step"] + 1
-        scheduler.load_state_dict(state["scheduler"])
-        checkpoint.use_run_hyperparameters(optimizer, fresh, scheduler)
+        checkpoint.use_run_hyperparameters(optimizer, fresh)
+        scheduler = build_scheduler(optimizer, tc, done_steps=state["step"])
         scaler.load_state_dict(state["scaler"])
         batches.load_state_dict(state["stream"])
         meter.load_state_dict(state["meter"])

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import TINY
 
@@ -56,3 +57,26 @@ def test_a_run_of_warm_up_steps_only_says_why_it_has_no_speed(tmp_path, cache_di
     assert (
         "n/a: the 1 steps run were all warm-up (metrics.skip_steps=1); raise trainer.max_steps" in proc.stdout
     )
+
+
+def test_help_says_what_aamperf_is_its_groups_and_commands():
+    proc = subprocess.run([sys.executable, "-m", "aamperf.train", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("aamperf: PyTorch training made fast")
+    assert "optim: advanced, baseline, basic, ultra" in proc.stdout  # the groups, from conf/
+    assert "python -m aamperf.compare DIR" in proc.stdout and len(proc.stdout.splitlines()) < 60
+    listing = subprocess.run([sys.executable, "-m", "aamperf"], capture_output=True, text=True)
+    assert listing.returncode == 0 and "python -m aamperf.launch" in listing.stdout
+
+
+def test_the_console_scripts_are_installed():
+    import shutil
+
+    bin_dir = str(Path(sys.executable).parent)  # the environment's scripts, whether activated or not
+    for script in ("aamperf", "aamperf-train", "aamperf-compare", "aamperf-launch"):
+        assert shutil.which(script, path=bin_dir), (
+            f"{script}: pip install -e . installs it ([project.scripts])"
+        )
+    proc = subprocess.run(
+        [shutil.which("aamperf-train", path=bin_dir), "--help"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "Config groups" in proc.stdout
