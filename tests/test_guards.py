@@ -102,7 +102,7 @@ def test_grad_scaler_backs_off_on_a_nonfinite_step():
 def test_memory_over_max_fraction_checkpoints_and_stops(tmp_path, cache_dir):
     total = psutil.virtual_memory().total  # the limit: no cgroup limit here (else, adjust)
     used = 0.6 * 2**30 / total  # the run's own memory: ~0.5 GiB at its start
-    limit = used + 1.5 * 2**30 / total  # 1.5 GiB more; the loss keeps 256 MiB more each step
+    limit = round(used + 1.5 * 2**30 / total, 4)  # 1.5 GiB more; the loss keeps 256 MiB more each step
     run_dir = tmp_path / "run"
     proc = run_plugged(
         run_dir,
@@ -111,11 +111,11 @@ def test_memory_over_max_fraction_checkpoints_and_stops(tmp_path, cache_dir):
         "loss._target_=plugin_model.LeakyLoss",
         "+loss.mb_per_step=256",
         f"memory.warn_fraction={used + 0.5 * 2**30 / total:.4f}",
-        f"memory.max_fraction={limit:.4f}",
+        f"memory.max_fraction={limit}",
     )
     assert proc.returncode == 3, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("aborted: memory at ") and f"memory.max_fraction={limit:.4g}" in last
+    assert last.startswith("aborted: memory at ") and f"memory.max_fraction={limit:g}" in last
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "aborted" and 2 <= summary["steps"] < 60
     assert summary["memory_cleanups"] == 1  # warn_fraction was crossed first: gc and a warning
