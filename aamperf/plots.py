@@ -10,7 +10,7 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> None:
+def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> plt.Figure:
     """Six panels: the two verdict intervals (speed-up, val-loss change), peak memory, MFU / HFU,
     the train loss per step and the val loss over wall time from launch (time to quality)."""
     rows = result["rows"]
@@ -33,8 +33,10 @@ def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> None:
         ax.barh(ticks, shown, xerr=err, color=colors, capsize=4)
         ax.set_title(title)
         ax.invert_yaxis()
-        for y, v in enumerate(values):
-            ax.text(v or 0.0, y, " n/a" if v is None else f" {v:.3g}", va="center", fontsize=8)
+        for y, (v, s) in enumerate(zip(values, shown, strict=True)):
+            end = s + (err[1][y] if err else 0.0)  # past the whisker, not over it
+            ax.text(end, y - 0.3, " n/a" if v is None else f" {v:.3g}", va="center", fontsize=8)
+        ax.margins(x=0.15)  # room for the labels past the longest bar
 
     pct = f"{result.get('confidence', 0.95):.0%}"
     bars(
@@ -67,10 +69,11 @@ def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> None:
     by_label = {g.config: g for g in groups}
     train_ax, val_ax = axes[1, 0], axes[1, 1]
     for label, color in zip(labels, colors, strict=True):
-        for i, run in enumerate(by_label[label].runs):
+        for run in by_label[label].runs:
             logged = [r for r in run.metrics if r.get("loss") is not None]
             steps, losses = [r["step"] for r in logged], [r["loss"] for r in logged]
-            train_ax.plot(steps, losses, color=color, alpha=0.8, lw=1, label=label if i == 0 else None)
+            few = len(steps) < 20  # markers: a run that logged one point still shows it
+            train_ax.plot(steps, losses, "o-" if few else "-", color=color, alpha=0.8, lw=1, ms=3)
             points = [(t, v) for t, v in run.validations if t is not None]
             if points:
                 val_ax.plot(
@@ -80,18 +83,21 @@ def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> None:
                     alpha=0.8,
                     lw=1,
                     ms=3,
-                    label=label if i == 0 else None,
                 )
     for run in by_label[result["baseline"]].ok_runs:  # the quality every configuration is timed to
         if run.summary.get("val_loss") is not None:
             val_ax.axhline(run.summary["val_loss"], color="tab:gray", ls=":", lw=0.8)
     train_ax.set_title("train loss per logged step (each seed)")
     train_ax.set_xlabel("step")
-    train_ax.legend(fontsize=7)
     val_ax.set_title("val loss over time from launch (dotted: the baseline's final, per seed)")
     val_ax.set_xlabel("seconds from launch")
-    val_ax.legend(fontsize=7)
+    # one legend for the curves, below the panels: however many configurations, it covers none
+    handles = [plt.Line2D([], [], color=color, marker="o", ms=3, lw=1) for color in colors]
+    columns = min(len(labels), 3)
+    fig.legend(handles, ticks, loc="lower center", ncol=columns, fontsize=7, frameon=False)
+    legend_rows = sum(label.count("\n") + 1 for label in ticks[::columns])
     fig.suptitle(f"baseline: {result['baseline']}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, min(0.4, 0.02 + 0.14 * legend_rows / fig.get_figheight()), 1, 1))
     fig.savefig(out, dpi=110)
     plt.close(fig)
+    return fig  # closed: its artists can still be inspected

@@ -186,6 +186,24 @@ def test_the_report_goes_to_an_out_directory_that_does_not_exist_yet(sweep, tmp_
     assert (out / "comparison.md").is_file() and (out / "comparison.png").stat().st_size > 0
 
 
+def test_the_figure_shows_one_point_runs_and_keeps_its_labels_and_legend_clear(sweep, tmp_path):
+    from aamperf.compare import compare, find_runs, group_runs
+    from aamperf.plots import plot_comparison
+
+    runs = find_runs([sweep])
+    result = compare(runs)
+    fig = plot_comparison(result, group_runs(runs), tmp_path / "figure.png")
+    speed_ax, _, memory_ax, train_ax, val_ax, _ = fig.axes
+    # a run that logged one training point is drawn as a point, not an invisible line
+    assert train_ax.lines and all(line.get_marker() == "o" for line in train_ax.lines)
+    # no legend inside a panel: one below them all, whatever the number of configurations
+    assert all(ax.get_legend() is None for ax in (train_ax, val_ax, memory_ax)) and len(fig.legends) == 1
+    # each value label starts past the end of its whisker
+    whisker_ends = [seg[:, 0].max() for seg in speed_ax.collections[0].get_segments()]
+    label_x = [text.get_position()[0] for text in speed_ax.texts]
+    assert all(x >= end - 1e-9 for x, end in zip(label_x, whisker_ends, strict=True))
+
+
 def test_unknown_baseline_is_a_one_line_error(sweep, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([str(sweep), "--baseline", "optim=nothing"])
