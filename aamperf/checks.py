@@ -7,6 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from aamperf.alerts import check_alerts
 from aamperf.config import Config
 from aamperf.distributed import check_distributed
 from aamperf.errors import UserError
@@ -78,7 +79,7 @@ def check_config(cfg: DictConfig) -> None:
             f"data.max_asvs={cfg.data.max_asvs} exceeds model.max_asvs={model_asvs}: the model has no "
             "position for the extra ASVs; lower data.max_asvs or raise model.max_asvs"
         )
-    problems += unread_keys(cfg, Config)
+    problems += unread_keys(cfg, Config) + check_alerts(cfg)
     cache_problem = (
         unwritable(cfg.data.cache_dir, "data.cache_dir", "the cache") if "cache_dir" in cfg.data else None
     )

@@ -229,6 +229,26 @@ class SearchConfig:
 
 
 @dataclass
+class AlertLevels:
+    """A threshold's two levels; null: not checked."""
+
+    warn: float | None = None
+    critical: float | None = None
+
+
+@dataclass
+class AlertsConfig:
+    """Thresholds checked at every log line (`aamperf/alerts.py`); each crossing is an alert in train.log,
+    summary.json `alerts` and W&B (`run.alert`). Memory's levels are memory.warn_fraction and
+    memory.max_fraction (the memory guard's)."""
+
+    samples_per_s: AlertLevels = field(default_factory=AlertLevels)  # a floor: throughput of the interval
+    val_loss: AlertLevels = field(default_factory=AlertLevels)  # a ceiling: at each validation
+    gpu_util_percent: AlertLevels = field(default_factory=AlertLevels)  # a floor: mean so far (CUDA only)
+    stop_on_critical: bool = False  # a critical alert stops the run: checkpoint, status aborted, exit 3
+
+
+@dataclass
 class Config:
     """The whole run. `model` is open: any `_target_` returning an nn.Module, with its own kwargs."""
 
@@ -251,6 +271,7 @@ class Config:
     compare: CompareConfig = field(default_factory=CompareConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)
     optim: str = "baseline"  # the level's name, set by conf/optim/*.yaml
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0

@@ -52,6 +52,7 @@ class Sink(Protocol):
     info: dict[str, Any]
 
     def log(self, row: dict[str, Any]) -> None: ...
+    def alert(self, alert: dict[str, Any]) -> None: ...
     def summary(self, summary: dict[str, Any]) -> None: ...
     def close(self, failed: bool) -> None: ...
 
@@ -125,6 +126,13 @@ class WandbSink:
     def log(self, row: dict[str, Any]) -> None:
         self.run.log(scalars(row), step=row["step"])
 
+    def alert(self, alert: dict[str, Any]) -> None:
+        import wandb
+
+        level = wandb.AlertLevel.ERROR if alert["level"] == "critical" else wandb.AlertLevel.WARN
+        title = f"{alert['level']}: {alert['metric']}"
+        self.run.alert(title=title, text=f"step {alert['step']}: {alert['message']}", level=level)
+
     def summary(self, summary: dict[str, Any]) -> None:
         self.run.summary.update({k: v for k, v in summary.items() if k != "config" and v is not None})
 
@@ -148,6 +156,11 @@ class TensorBoardSink:
         self._last_step = row["step"]
         for name, value in scalars(row).items():
             self.writer.add_scalar(name, value, row["step"])
+
+    def alert(self, alert: dict[str, Any]) -> None:
+        self.writer.add_text(
+            f"alerts/{alert['metric']}", f"{alert['level']}: {alert['message']}", alert["step"]
+        )
 
     def summary(self, summary: dict[str, Any]) -> None:
         for key, value in summary.items():

@@ -335,6 +335,7 @@ def train(cfg: DictConfig, run_dir: Path, interrupts: Interrupts | None = None) 
             resumed_from_step=result.resumed_from,
             resume_changes=result.resume_changes,
             profile=result.profile,
+            alerts=result.alerts,
         )
         # Achieved FLOP/s over the timed steps against the peak of the matmuls' dtype; above 1: null + why.
         summary.update(
@@ -356,6 +357,7 @@ def train(cfg: DictConfig, run_dir: Path, interrupts: Interrupts | None = None) 
                 nonfinite_check=exc.result.nonfinite_check,
                 train_loss=exc.result.train_loss,
                 resumed_from_step=exc.result.resumed_from,
+                alerts=exc.result.alerts,
             )
         raise
     except BaseException as exc:

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from aamperf import checkpoint
+from aamperf.alerts import Alerts
 from aamperf.distributed import all_sum, full_value, world_size
 from aamperf.errors import RunAborted
 from aamperf.interrupts import Interrupts, RunInterrupted
@@ -139,6 +140,7 @@ class FitResult:
     resumed_from: int | None = None  # the checkpoint's step, when the run went on from one
     resume_changes: dict[str, list] | None = None  # {key: [at the checkpoint, now]} that a resume applied
     profile: dict[str, Any] | None = None  # metrics.profile_steps: what torch.profiler saw
+    alerts: list[dict[str, Any]] = field(default_factory=list)  # raised while training (aamperf/alerts.py)
 
 
 def fit(
@@ -164,6 +166,7 @@ def fit(
     batches = BatchStream(data.train_loader)
     guard = NonfiniteGuard(optimizer, scaler, device, tc.max_nonfinite)
     result = FitResult(meter=meter, nonfinite_check=guard.check)
+    alerts = Alerts(cfg, record)
     # Loss sums stay on the device between log lines: reading them is a host sync, done once per line.
     loss_sum = torch.zeros((), device=device)  # of the finite steps
     interval: dict[str, float] = {"time_s": 0.0, "wait_s": 0.0, "samples": 0, "tokens": 0, "steps": 0}
@@ -281,6 +284,19 @@ def fit(
                     )
                 row.update(result.val)
             record.log(row)
+            warmed = step - interval["steps"] >= cfg.metrics.skip_steps  # the interval holds no warm-up step
+            readings = {
+                "samples_per_s": row["samples_per_s"] if warmed else None,
+                "val_loss": row.get("val_loss"),
+                "memory_fraction": plan.memory_guard.last_fraction,
+                "gpu_util_percent": monitor.gpu_util_percent,
+            }
+            alert_stop = alerts.check(step, readings)
+            if world > 1 and alerts.stop_on_critical:  # every rank stops, or none (one all-reduce a line)
+                anyone = all_sum(torch.tensor([float(alert_stop is not None)], device=device)).item()
+                alert_stop = alert_stop or ("another rank raised a critical alert" if anyone else None)
+            stop = stop or alert_stop
+            result.alerts = alerts.summary()
             bar.set_postfix(loss=f"{row['loss']:.4f}", samples_s=f"{row['samples_per_s']:.1f}")
             result.train_loss = row["loss"]
             loss_sum.zero_()

@@ -151,6 +151,11 @@ class SystemMonitor:
         self._samples = 0
         self._next_pss_at = 0.0  # perf_counter time of the next PSS reading
 
+    @property
+    def gpu_util_percent(self) -> float | None:
+        """The GPU's mean utilisation since the start (pynvml), or None without a GPU."""
+        return None if self._gpu is None or not self._samples else self._gpu_util_sum / self._samples
+
     def _tree(self) -> list[psutil.Process]:
         # W&B's service process is a child too, but it is the logger's memory, not training's.
         live = [self._root, *(p for p in self._root.children(recursive=True) if not _is_logger(p))]

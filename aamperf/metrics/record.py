@@ -112,6 +112,10 @@ class RunRecord:
             raise
         self._to_sinks("log", row)
 
+    def alert(self, alert: dict[str, Any]) -> None:
+        """An alert (aamperf/alerts.py) for the sinks that raise them (W&B); summary.json lists them all."""
+        self._to_sinks("alert", alert)
+
     def write_summary(self, summary: dict[str, Any]) -> None:
         try:
             write_json_atomic(self.summary_path, summary)  # on failure no partial file is left

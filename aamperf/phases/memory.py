@@ -115,6 +115,7 @@ class MemoryGuard:
         self.cleanups = 0
         self._above = self._machine_above = False
         self._last_read = -math.inf
+        self.last_fraction: float | None = None  # the latest reading (alerts report it)
         self.limit_bytes, self.limit_source = (None, "device") if device.type == "cuda" else memory_limit()
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's ranks on this machine
         if self.limit_bytes is not None and local_ranks > 1:  # they share the limit: each its share
@@ -144,7 +145,7 @@ class MemoryGuard:
         if now - self._last_read < self.interval_s:
             return None
         self._last_read = now
-        fraction = self.used_fraction()
+        fraction = self.last_fraction = self.used_fraction()
         if fraction >= self.max_fraction:
             kind, _, shared = self.limit_source.partition("/")
             where = {"device": "device memory", "cgroup": "the cgroup's memory limit"}.get(kind, "system RAM")
