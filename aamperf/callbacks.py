@@ -13,12 +13,11 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from aamperf.checks import check_config, unwritable
-from aamperf.compare import find_runs, make_report
 from aamperf.data.tables import resolve_files
 from aamperf.errors import RunAborted, UserError, exit_aborted, exit_bad_input, no_such_option
 from aamperf.interrupts import RunInterrupted, exit_interrupted
 from aamperf.phases import check_phases
-from aamperf.report import to_markdown
+from aamperf.report import find_runs, make_report, to_markdown
 from aamperf.run import resolve_device
 
 

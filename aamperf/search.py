@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from aamperf.callbacks import CompareReport
-from aamperf.compare import find_runs
+from aamperf.report import find_runs
 
 REFERENCE_DIR = "reference"
 

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from aamperf.compare import compare, find_runs, main
+from aamperf.compare import main
+from aamperf.report import compare, find_runs
 
 
 def make_run(root, name, overrides, validations=(), data_seed=0, **summary):
@@ -187,8 +188,8 @@ def test_the_report_goes_to_an_out_directory_that_does_not_exist_yet(sweep, tmp_
 
 
 def test_the_figure_shows_one_point_runs_and_keeps_its_labels_and_legend_clear(sweep, tmp_path):
-    from aamperf.compare import compare, find_runs, group_runs
-    from aamperf.plots import plot_comparison
+    from aamperf.report import compare, find_runs, group_runs
+    from aamperf.report.plots import plot_comparison
 
     runs = find_runs([sweep])
     result = compare(runs)

@@ -10,8 +10,8 @@ from conftest import CONF_DIR, TINY
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from aamperf.compare import find_runs
 from aamperf.config import register_configs
+from aamperf.report import find_runs
 from aamperf.search import objective
 
 

@@ -11,8 +11,8 @@ import pytest
 from conftest import TINY
 
 from aamperf.compare import main
-from aamperf.dashboard import make_report
 from aamperf.loggers import sweep_group
+from aamperf.report.wandb_report import make_report
 
 
 def wandb_records(path: Path) -> list[dict]:

@@ -96,6 +96,6 @@ def write_report(result: dict[str, Any], groups: list, out: Path) -> None:
                 }
             )
     (out / "comparison.md").write_text(to_markdown(result))
-    from aamperf.plots import plot_comparison  # matplotlib only when a report is drawn
+    from aamperf.report.plots import plot_comparison  # matplotlib only when a report is drawn
 
     plot_comparison(result, groups, out / "comparison.png")

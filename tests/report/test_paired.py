@@ -1,4 +1,4 @@
-"""aamperf.paired: the bootstrap interval on known cases, the seeds a decision needs, time to quality."""
+"""report/paired.py: the bootstrap interval on known cases, the seeds a decision needs, time to quality."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from aamperf.paired import Interval, mean_interval, seeds_needed, time_to_quality
+from aamperf.report.paired import Interval, mean_interval, seeds_needed, time_to_quality
 
 
 def test_bootstrap_interval_of_a_large_normal_sample_matches_the_t_interval():

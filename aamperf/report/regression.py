@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from aamperf.errors import UserError
-from aamperf.report import fmt
+from aamperf.report.render import fmt
 
 
 def check_regression(

@@ -10,9 +10,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from aamperf.compare import Run
 from aamperf.errors import UserError
 from aamperf.loggers import wandb_mode
+from aamperf.report.runs import Run
 
 PANELS = [  # (title, metric, kind): what a performance engineer looks at first
     ("throughput (samples/s)", "samples_per_s", "bar"),

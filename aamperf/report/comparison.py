@@ -1,0 +1,215 @@
+"""The comparison of configurations against a baseline, seed by seed: speed-up, val-loss change and
+time to quality as per-seed paired values, summarized by their mean with a bootstrap interval
+(`report/paired.py`). A configuration is "faster at equal quality" only when the speed-up interval lies
+above 1 and the val-loss interval inside +-tolerance; otherwise the verdict says what is undecided and
+about how many paired seeds would decide it."""
+
+import math
+from pathlib import Path
+from typing import Any
+
+from aamperf.errors import UserError
+from aamperf.report.paired import (
+    MIN_PAIRS,
+    Interval,
+    geometric,
+    mean_interval,
+    median_or_none,
+    seeds_needed,
+    time_to_quality,
+)
+from aamperf.report.render import write_report
+from aamperf.report.runs import Run, find_runs, group_runs, paired, pick_baseline
+
+
+def paired_values(pairs: list[tuple[Run, Run]], value) -> list[float]:
+    """value(run, baseline run) of each pair where it is defined."""
+    values = [value(run, base) for run, base in pairs]
+    return [v for v in values if v is not None and math.isfinite(v)]
+
+
+def log_ratio(key: str, invert: bool = False):
+    """Per pair: log(run / baseline) of a summary figure (or baseline / run with `invert`)."""
+
+    def value(run: Run, base: Run) -> float | None:
+        a, b = run.summary.get(key), base.summary.get(key)
+        if not (isinstance(a, int | float) and isinstance(b, int | float)) or a <= 0 or b <= 0:
+            return None
+        return math.log(b / a) if invert else math.log(a / b)
+
+    return value
+
+
+def relative_delta(run: Run, base: Run) -> float | None:
+    a, b = run.summary.get("val_loss"), base.summary.get("val_loss")
+    return a / b - 1 if isinstance(a, int | float) and isinstance(b, int | float) and b else None
+
+
+def quality_times(
+    pairs: list[tuple[Run, Run]], tolerance: float
+) -> tuple[list[float | None], list[float | None]]:
+    """Per pair: seconds from launch until the run, and the baseline, first reach the baseline's
+    final validation loss, within `tolerance` (the report's "equal quality"; None: not reached).
+    Without the tolerance a run of equal quality would miss the exact figure half the time."""
+    mine, theirs = [], []
+    for run, base in pairs:
+        final = base.summary.get("val_loss")
+        if not isinstance(final, int | float):
+            continue
+        target = final * (1 + tolerance) if final > 0 else final
+        mine.append(time_to_quality(run.validations, target))
+        theirs.append(time_to_quality(base.validations, target))
+    return mine, theirs
+
+
+def compare(
+    runs: list[Run],
+    baseline: str = "optim=baseline",
+    quality_tolerance: float = 0.02,
+    confidence: float = 0.95,
+) -> dict[str, Any]:
+    groups = group_runs(runs)
+    base = pick_baseline(groups, baseline)
+    rows = []
+    for group in groups:
+        pairs = paired(group, base)
+        speed = mean_interval(paired_values(pairs, log_ratio("samples_per_s")), confidence)
+        step = mean_interval(paired_values(pairs, log_ratio("step_time_s", invert=True)), confidence)
+        quality = mean_interval(paired_values(pairs, relative_delta), confidence)
+        speedup, lo, hi = geometric(speed)
+        few = len(pairs) < MIN_PAIRS  # too few seeds for an interval: the means alone, no pretend spread
+        if few:
+            lo = hi = None
+        mine, theirs = quality_times(pairs, quality_tolerance)
+        reached = [(m, t) for m, t in zip(mine, theirs, strict=True) if m is not None and t is not None]
+        ttq = mean_interval([math.log(t / m) for m, t in reached if m > 0 and t > 0], confidence)
+        ttq_all = len(reached) == len(pairs) and not few  # an interval only when every seed reached it
+        ttq_speedup, ttq_lo, ttq_hi = geometric(ttq) if ttq_all else (None, None, None)
+        # the process tree's memory (loader workers' PSS included) where both have it, else the main process's
+        memory_key = (
+            "peak_tree_pss_bytes"
+            if group.values("peak_tree_pss_bytes") and base.values("peak_tree_pss_bytes")
+            else "peak_rss_bytes"
+        )
+        rss = group.median(memory_key), base.median(memory_key)
+        train, base_train = group.median("train_loss"), base.median("train_loss")  # both at the last step
+        model_flops = {
+            (r.summary.get("model_flops_per_step"), b.summary.get("model_flops_per_step")) for r, b in pairs
+        }
+        row = {
+            "config": group.config,
+            "optim": group.runs[0].summary.get("optim"),
+            "seeds": sorted(r.seed for r in group.ok_runs),
+            "baseline_seeds": len(base.ok_runs),
+            "paired_seeds": [r.seed for r, _ in pairs],
+            "samples_per_s": group.median("samples_per_s"),
+            "samples_per_s_min": min(group.values("samples_per_s"), default=None),
+            "samples_per_s_max": max(group.values("samples_per_s"), default=None),
+            # geometric mean of the per-seed speed-ups, with the bootstrap interval of that mean
+            "speedup": speedup,
+            "speedup_lo": lo,
+            "speedup_hi": hi,
+            "step_time_s": group.median("step_time_s"),
+            "step_time_speedup": geometric(step)[0],
+            "time_to_quality_s": median_or_none([m for m in mine if m is not None]),
+            "time_to_quality_reached": f"{sum(m is not None for m in mine)}/{len(pairs)}",
+            "time_to_quality_speedup": ttq_speedup,
+            "time_to_quality_speedup_lo": ttq_lo,
+            "time_to_quality_speedup_hi": ttq_hi,
+            "compile_time_s": group.median("compile_time_s"),
+            "time_to_first_step_s": group.median("time_to_first_step_s"),
+            "mfu": group.median("mfu"),
+            "hfu": group.median("hfu"),
+            "model_flops_per_step": group.median("model_flops_per_step"),
+            "hardware_flops_per_step": group.median("hardware_flops_per_step"),
+            # the same batches must cost the same model FLOPs in every configuration: else MFUs differ in work
+            "model_flops_match_baseline": all(a == b for a, b in model_flops) if pairs else None,
+            "data_wait_frac": group.median("data_wait_frac"),
+            "peak_rss_bytes": group.median("peak_rss_bytes"),
+            "peak_tree_pss_bytes": group.median("peak_tree_pss_bytes"),
+            "peak_memory_bytes": rss[0],  # what peak_rss_ratio compares: memory_key's figure
+            "memory_key": memory_key,
+            "peak_rss_ratio": rss[0] / rss[1] if None not in rss else None,
+            "train_rss_growth_bytes": group.median("train_rss_growth_bytes"),
+            "val_loss": group.median("val_loss"),
+            # mean over seeds of (val loss / the same seed's baseline val loss - 1), with its interval
+            "val_loss_delta": None if quality is None else quality.mean,
+            "val_loss_delta_lo": None if quality is None or few else quality.lo,
+            "val_loss_delta_hi": None if quality is None or few else quality.hi,
+            "train_loss": train,
+            "train_loss_delta": train / base_train - 1 if train is not None and base_train else None,
+            "errors": [
+                f"{r.path.name}: {r.summary.get('error')}" for r in group.runs if r not in group.ok_runs
+            ],
+        }
+        row["verdict"], row["seeds_needed"] = verdict(
+            row, group is base, speed, quality, quality_tolerance, confidence
+        )
+        rows.append(row)
+    rows.sort(key=lambda r: (r["config"] != base.config, -(r["speedup"] or 0)))
+    return {
+        "baseline": base.config,
+        "quality_tolerance": quality_tolerance,
+        "confidence": confidence,
+        "rows": rows,
+    }
+
+
+def verdict(
+    row: dict[str, Any],
+    is_baseline: bool,
+    speed: Interval | None,
+    quality: Interval | None,
+    tolerance: float,
+    confidence: float,
+) -> tuple[str, int | None]:
+    """(verdict, paired seeds that would decide it). Faster at equal quality only when the speed-up
+    interval lies above 1 and the val-loss interval inside +-tolerance; otherwise what is known."""
+    if not row["seeds"]:
+        errors = sorted({e.split(": ", 1)[-1] for e in row["errors"]})  # one line per distinct error
+        return f"failed ({len(row['errors'])} runs): " + "; ".join(errors), None
+    if is_baseline:
+        return "baseline", None
+    n = len(row["paired_seeds"])
+    if speed is None or quality is None or n < MIN_PAIRS:
+        return (
+            f"undecided: {n} seed(s) paired with the baseline on the same data; an interval needs at "
+            f"least {MIN_PAIRS} (run both with seed=0,1,2)",
+            MIN_PAIRS,
+        )
+    pct = f"{confidence:.0%}"
+    quality_text = f"val loss {100 * quality.mean:+.1f}% [{100 * quality.lo:+.1f}, {100 * quality.hi:+.1f}]"
+    if quality.lo > tolerance:
+        return f"worse: {quality_text}, beyond the +{tolerance:.0%} tolerance ({pct} interval)", None
+    if quality.hi < -tolerance:
+        return f"not the same training: {quality_text}, better by more than {tolerance:.0%}; check why", None
+    speed_text = f"{row['speedup']:.2f}x [{row['speedup_lo']:.2f}, {row['speedup_hi']:.2f}]"
+    equal = -tolerance <= quality.lo and quality.hi <= tolerance
+    decided_speed = speed.lo > 0 or speed.hi < 0
+    if equal and decided_speed:
+        side = "faster" if speed.lo > 0 else "slower"
+        return f"{side} at equal quality: {speed_text}, {quality_text} ({pct} intervals, {n} seeds)", None
+    reasons, needs = [], []
+    if not decided_speed:
+        reasons.append(f"speed-up {speed_text} contains 1")
+        needs.append(seeds_needed(speed, 0.0, confidence))
+    if not equal:
+        reasons.append(f"{quality_text} crosses the +-{tolerance:.0%} tolerance")
+        needs.append(seeds_needed(quality, tolerance, confidence, inside=True))
+    if any(need is None for need in needs):
+        return f"undecided: {'; '.join(reasons)}; more seeds would not decide it at this mean", None
+    need = max(needs)
+    more = f"about {need} paired seeds would decide it ({need - n} more)"
+    return f"undecided: {'; '.join(reasons)}; {more}", need
+
+
+def make_report(
+    dirs: list[Path], baseline: str, quality_tolerance: float, out: Path, confidence: float = 0.95
+) -> dict[str, Any]:
+    """Find the runs under `dirs`, compare them and write the report files into `out`."""
+    runs = find_runs(dirs)
+    if not runs:
+        raise UserError(f"no summary.json under {', '.join(map(str, dirs))}: nothing to compare")
+    result = compare(runs, baseline, quality_tolerance, confidence)
+    write_report(result, group_runs(runs), out)
+    return result

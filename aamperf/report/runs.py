@@ -1,0 +1,110 @@
+"""The runs a report reads: each run directory's summary.json, overrides and metrics.jsonl, grouped into
+configurations (runs that differ only by seed) and paired with the baseline's run of the same seed on
+the same data (`data.seed`)."""
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from aamperf.errors import UserError
+
+IGNORED_OVERRIDES = ("seed=", "hydra.", "trainer.progress=", "compare.", "logger.", "hparams_search=")
+
+
+@dataclass
+class Run:
+    path: Path
+    overrides: list[str]
+    summary: dict[str, Any]
+
+    @property
+    def seed(self) -> Any:
+        return self.summary.get("seed")
+
+    @property
+    def pair_key(self) -> tuple[Any, Any]:
+        """(data.seed, seed): runs pair when they trained on the same data from the same seed."""
+        data = (self.summary.get("config") or {}).get("data") or {}
+        return data.get("seed"), self.seed
+
+    @cached_property
+    def metrics(self) -> list[dict[str, Any]]:
+        """The run's metrics.jsonl lines (none if it has no file)."""
+        path = self.path / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    @property
+    def validations(self) -> list[tuple[float, float]]:
+        """(elapsed_s from launch, val_loss) of each validation in metrics.jsonl, in order."""
+        return [(r.get("elapsed_s"), r["val_loss"]) for r in self.metrics if r.get("val_loss") is not None]
+
+
+@dataclass
+class Group:
+    config: str
+    runs: list[Run] = field(default_factory=list)
+
+    def values(self, key: str) -> list[float]:
+        return [r.summary[key] for r in self.ok_runs if isinstance(r.summary.get(key), int | float)]
+
+    @property
+    def ok_runs(self) -> list[Run]:
+        return [r for r in self.runs if r.summary.get("status") == "completed"]
+
+    def median(self, key: str) -> float | None:
+        values = self.values(key)
+        return statistics.median(values) if values else None
+
+
+def find_runs(dirs: list[Path]) -> list[Run]:
+    runs = []
+    for directory in dirs:
+        for summary_path in sorted(Path(directory).rglob("summary.json")):
+            overrides_path = summary_path.parent / ".hydra" / "overrides.yaml"
+            overrides = (
+                OmegaConf.to_container(OmegaConf.load(overrides_path)) if overrides_path.exists() else []
+            )
+            runs.append(Run(summary_path.parent, overrides or [], json.loads(summary_path.read_text())))
+    return runs
+
+
+def group_runs(runs: list[Run]) -> list[Group]:
+    """Group by the overrides that are not the seed; label by those that differ between groups."""
+    keys = [tuple(o for o in r.overrides if not o.startswith(IGNORED_OVERRIDES)) for r in runs]
+    common = set.intersection(*(set(k) for k in keys)) if keys else set()
+    groups: dict[str, Group] = {}
+    for run, key in zip(runs, keys, strict=True):
+        label = " ".join(o for o in key if o not in common) or f"optim={run.summary.get('optim')}"
+        groups.setdefault(label, Group(label)).runs.append(run)
+    return list(groups.values())
+
+
+def pick_baseline(groups: list[Group], baseline: str) -> Group:
+    """The group labelled `baseline`, or the only one whose overrides include all of its overrides."""
+    matches = [g for g in groups if g.config == baseline]  # exact first: "optim=baseline" alone
+    if not matches:
+        wanted = set(baseline.split())
+        matches = [g for g in groups if wanted <= set(g.config.split())]
+    if not matches:
+        matches = [g for g in groups if baseline == f"optim={g.runs[0].summary.get('optim')}"]
+    if len(matches) != 1:
+        names = ", ".join(f"'{g.config}'" for g in groups)
+        raise UserError(
+            f"compare.baseline={baseline!r} matches {len(matches)} configurations of {names}; "
+            "name one of them with compare.baseline (--baseline for python -m aamperf.compare)"
+        )
+    return matches[0]
+
+
+def paired(group: Group, base: Group) -> list[tuple[Run, Run]]:
+    """(run, baseline run) of each seed both completed on the same data (`data.seed`), by seed."""
+    by_key = {r.pair_key: r for r in base.ok_runs}
+    pairs = [(r, by_key[r.pair_key]) for r in group.ok_runs if r.pair_key in by_key]
+    return sorted(pairs, key=lambda pair: str(pair[0].seed))
