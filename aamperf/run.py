@@ -281,7 +281,7 @@ def train(cfg: DictConfig, run_dir: Path, interrupts: Interrupts | None = None) 
         summary.update(
             model_flops_per_step=model_flops,
             hardware_flops_per_step=hardware_flops,
-            flops_per_step=model_flops,  # DESIGN.md section 7's key: the model FLOPs
+            flops_per_step=model_flops,  # the record's older key: the model FLOPs
             peak_flops=peak,
             peak_flops_calibration=peak_record,
             n_params=sum(p.numel() for p in model.parameters()),

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -21,8 +22,11 @@ def test_every_option_composes(make_cfg, group, option):
     cfg = make_cfg(f"{group}={option}", hydra=group == "hparams_search")  # it reads ${hydra:sweep.dir}
     job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])  # the job's config, as a run sees it
     OmegaConf.to_container(job, resolve=True)  # every interpolation resolves
-    if group in ("model", "loss"):
-        assert isinstance(instantiate(cfg[group]), object)
+    if group in ("model", "loss"):  # both are built from their _target_ and are modules the run calls
+        built = instantiate(cfg[group])
+        assert isinstance(built, torch.nn.Module) and callable(built)
+        if group == "model":
+            assert sum(p.numel() for p in built.parameters()) > 0
 
 
 def test_model_presets_have_the_documented_sizes(make_cfg):

@@ -20,7 +20,7 @@ from aamperf.metrics.monitor import pss_bytes
 from aamperf.phases import apply_phases, setup_phases
 from aamperf.run import analytic_flops, build, train
 
-# DESIGN.md section 7: the keys the checks rely on.
+# The run record's keys that the checks and `python -m aamperf.compare` read (README: What a run writes).
 SUMMARY_KEYS = {
     "status",
     "optim",
