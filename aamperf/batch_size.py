@@ -134,7 +134,7 @@ def find_batch_size(
             raise UserError(
                 f"trainer.batch_size=auto: not even a batch of {grid} fits "
                 f"{asked} ({budget / 2**30:.2f} GiB) "
-                f"with {len(train_idx)} training samples; raise the budget, use memory=checkpointing or "
+                f"with {len(train_idx)} training samples; raise the budget, use memory=full or "
                 "precision=bf16, or give trainer.batch_size"
             )
         lo, hi = grid, None  # lo fits; hi (when known) does not, or is predicted not to

@@ -91,7 +91,7 @@ class MemoryConfig:
     """Activation checkpointing and memory guards (`aamperf/phases/memory.py`)."""
 
     checkpointing: str = "none"  # none | full (every transformer layer) | selective (every k-th layer) | auto
-    checkpoint_every: int = 2  # selective: checkpoint layers 0, k, 2k, ...
+    recompute_every: int = 2  # selective (and auto in fp32): recompute layers 0, k, 2k, ...
     warn_fraction: float = 0.90  # of system RAM (CPU) or device memory: gc + cache clearing, warning
     max_fraction: float = 0.97  # ... checkpoint and stop (status aborted) before the system's OOM killer
     cuda_memory_fraction: float | None = None  # cap this process's share of the GPU

@@ -97,7 +97,20 @@ def exit_aborted(exc: RunAborted) -> NoReturn:
     exit_with(aborted_line(exc), EXIT_ABORTED)
 
 
+# Names changed so that each says what it sets (one meaning per name); the old ones are refused with the new.
+RENAMED_OPTIONS = {
+    ("memory", "checkpointing"): "full",  # it recomputes every layer; memory=selective every k-th
+    ("optimizer", "adamw"): "adamw_for_loop",  # torch's AdamW one parameter at a time
+}
+RENAMED_KEYS = {
+    # recomputation of every k-th layer, apart from trainer.checkpoint_every (steps between saves)
+    "memory.checkpoint_every": "memory.recompute_every",
+}
+
+
 def no_such_option(group: str, option: str, options: list[str]) -> str:
+    if (group, option) in RENAMED_OPTIONS:
+        return f"{group}={option} is now {group}={RENAMED_OPTIONS[group, option]} (the same setting, renamed)"
     return f"{group}={option}: no such option; choose one of {', '.join(options)} (conf/{group}/)"
 
 
@@ -122,6 +135,8 @@ def hydra_error_message(exc: CompactHydraException) -> str:
 
 def unknown_key_message(full_key: str, siblings: list[str]) -> str:
     """`trainer.batchsize` -> the close match among the keys at `trainer`, or those keys."""
+    if full_key in RENAMED_KEYS:
+        return f"{full_key} is now {RENAMED_KEYS[full_key]} (the same setting, renamed)"
     path, _, key = full_key.rpartition(".")
     prefix = f"{path}." if path else ""
     close = difflib.get_close_matches(key, siblings, n=1)

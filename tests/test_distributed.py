@@ -261,7 +261,7 @@ def test_slurm_tasks_train_like_torchrun_ranks(tmp_path, cache_dir):
 def test_fsdp_with_activation_checkpointing_and_compile_trains_like_one_process(tmp_path, cache_dir):
     """The model phases in their order (checkpointing -> compile -> shard) under FSDP2."""
     one, _, _ = launch(tmp_path, cache_dir, "one")
-    phases = ["distributed=fsdp", "memory=checkpointing", "compile=default"]
+    phases = ["distributed=fsdp", "memory=full", "compile=default"]
     two, summary, _ = launch(tmp_path, cache_dir, "two", *phases, ranks=2)
     assert {
         k: summary["phases"][k]["status"] for k in ("checkpointing", "compile", "distributed")

@@ -197,7 +197,7 @@ def test_model_flops_are_the_same_for_every_configuration_of_the_same_batches(ma
             "dedup": ["aam_ops=dedup", "memory=none"],
             "fast": ["aam_ops=fast", "memory=none"],
             "bf16": ["precision=bf16", "memory=none"],
-            "checkpointing": ["memory=checkpointing"],  # the baseline's: every layer recomputed
+            "checkpointing": ["memory=full"],  # the baseline's: every layer recomputed
         }.items()
     }
     model = {f[0] for f in flops.values()}
@@ -207,7 +207,7 @@ def test_model_flops_are_the_same_for_every_configuration_of_the_same_batches(ma
     assert hardware["plain"] > hardware["padding_aware"]  # plain pads every batch to data.max_asvs
     assert hardware["dedup"] < hardware["plain"] and hardware["fast"] < hardware["padding_aware"]
     assert hardware["fast"] < model.pop()  # each distinct ASV once: less executed than the math
-    # memory=checkpointing: every layer's forward once more (forward = a third of forward + backward)
+    # memory=full: every layer's forward once more (forward = a third of forward + backward)
     assert hardware["checkpointing"] == pytest.approx(hardware["plain"] * 4 / 3, rel=0.03)
 
 

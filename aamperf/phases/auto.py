@@ -107,7 +107,7 @@ def measure_decisions(cfg: DictConfig, device: torch.device, micro_batch: int) -
     if cfg.attention.impl == "auto":
         decisions["attention"] = choose_attention(device, probe, DTYPES[dtype], attention)
     if cfg.memory.checkpointing == "auto":  # recorded beside the checkpointing phase
-        decisions["checkpointing"] = choose_checkpointing(dtype, cfg.memory.checkpoint_every)
+        decisions["checkpointing"] = choose_checkpointing(dtype, cfg.memory.recompute_every)
     return decisions
 
 

@@ -24,8 +24,8 @@ def check_memory(cfg: DictConfig) -> list[str]:
     problems = []
     if cfg.checkpointing not in CHECKPOINTING:
         problems.append(f"memory.checkpointing={cfg.checkpointing} is not one of {', '.join(CHECKPOINTING)}")
-    if cfg.checkpoint_every < 1:
-        problems.append(f"memory.checkpoint_every={cfg.checkpoint_every} must be >= 1")
+    if cfg.recompute_every < 1:
+        problems.append(f"memory.recompute_every={cfg.recompute_every} must be >= 1")
     if not 0 < cfg.warn_fraction <= 1:
         problems.append(f"memory.warn_fraction={cfg.warn_fraction} must be in (0, 1]")
     if not 0 < cfg.max_fraction <= 1:
@@ -36,12 +36,12 @@ def check_memory(cfg: DictConfig) -> list[str]:
 def apply_checkpointing(model: nn.Module, cfg: DictConfig) -> dict:
     """Wrap transformer layers so their activations are recomputed in backward instead of kept.
 
-    full: every layer; selective: layers 0, k, 2k, ... of each stack (k = memory.checkpoint_every).
+    full: every layer; selective: layers 0, k, 2k, ... of each stack (k = memory.recompute_every).
     The wrapper keeps state_dict keys unchanged (checkpoints stay loadable either way).
     """
     if cfg.checkpointing == "none":
         return skipped("memory.checkpointing=none")
-    every = 1 if cfg.checkpointing == "full" else cfg.checkpoint_every
+    every = 1 if cfg.checkpointing == "full" else cfg.recompute_every
     wrapped = 0
     for parent in list(model.modules()):
         if isinstance(parent, nn.ModuleList) and any(isinstance(m, Block) for m in parent):
@@ -153,7 +153,7 @@ class MemoryGuard:
             return (
                 f"memory at {100 * fraction:.0f}% of {where}, over memory.max_fraction="
                 f"{self.max_fraction:g}; lower trainer.batch_size (or trainer.batch_size=auto), use "
-                "memory=checkpointing or precision=bf16, or raise memory.max_fraction"
+                "memory=full or precision=bf16, or raise memory.max_fraction"
             )
         if self.device.type != "cuda":
             machine = 1 - psutil.virtual_memory().available / psutil.virtual_memory().total

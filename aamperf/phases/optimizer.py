@@ -20,5 +20,5 @@ def build_optimizer(
     kwargs = {"foreach": cfg.impl == "foreach", "fused": cfg.impl == "fused" or None}
     optimizer = torch.optim.AdamW(params, lr=trainer.lr, weight_decay=trainer.weight_decay, **kwargs)
     if cfg.impl == "for_loop":
-        return optimizer, skipped("optimizer=adamw (one parameter at a time)")
+        return optimizer, skipped("optimizer=adamw_for_loop (one parameter at a time)")
     return optimizer, applied(impl=cfg.impl)

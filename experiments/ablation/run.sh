@@ -15,7 +15,7 @@ for phase in precision=bf16 attention=sdpa aam_ops=padding_aware aam_ops=dedup c
 done
 run ultra optim=ultra
 for phase in precision=fp32 attention=math aam_ops=plain compile=disabled \
-             dataloader=simple optimizer=adamw system=default; do
+             dataloader=simple optimizer=adamw_for_loop system=default; do
   run "ultra_without_${phase//[=\/]/_}" optim=ultra "$phase"
 done
 python -m aamperf.compare "$out"

@@ -107,7 +107,7 @@ def test_model_flops_count_each_sample_at_its_own_length():
 def test_hardware_flops_count_the_recomputation_of_checkpointed_layers(mode):
     model = AAM(max_asvs=16, dropout=0.1, **SIZES[1])  # 2 + 1 + 3 layers
     model.asv_rows = "unique"
-    record = apply_checkpointing(model, OmegaConf.create({"checkpointing": mode, "checkpoint_every": 2}))
+    record = apply_checkpointing(model, OmegaConf.create({"checkpointing": mode, "recompute_every": 2}))
     assert model.checkpointed_layers() == ((2, 1, 3) if mode == "full" else (1, 1, 2))
     assert record["layers"] == sum(model.checkpointed_layers())
     batch = make_batch(4, 12)

@@ -16,7 +16,7 @@ CPU = torch.device("cpu")
 def test_optimizer_implementations(make_cfg):
     params = [torch.nn.Parameter(torch.randn(3))]
     for option, foreach, fused in (
-        ("adamw", False, None),
+        ("adamw_for_loop", False, None),
         ("adamw_foreach", True, None),
         ("adamw_fused", False, True),
     ):
@@ -25,12 +25,12 @@ def test_optimizer_implementations(make_cfg):
         group = optimizer.param_groups[0]
         assert (group["foreach"], group["fused"]) == (foreach, fused)
         assert group["lr"] == cfg.trainer.lr and group["weight_decay"] == cfg.trainer.weight_decay
-        assert record["status"] == ("skipped" if option == "adamw" else "applied")
+        assert record["status"] == ("skipped" if option == "adamw_for_loop" else "applied")
 
 
 def test_fused_and_plain_adamw_take_the_same_step(make_cfg):
     results = []
-    for option in ("adamw", "adamw_fused"):
+    for option in ("adamw_for_loop", "adamw_fused"):
         torch.manual_seed(0)
         p = torch.nn.Parameter(torch.randn(64))
         cfg = make_cfg(f"optimizer={option}")
