@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from aamperf.distributed import world_size
-from aamperf.errors import UserError, disk_full, no_space
+from aamperf.errors import UserError, disk_full, no_space, one_line
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -312,7 +312,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
         EOFError,
         pickle.UnpicklingError,
     ) as exc:
-        reason = " ".join(str(exc).split())[:300]
+        reason = one_line(exc)[:300]
         raise UserError(
             f"cannot resume from {path}: {reason}; it is not a checkpoint of this model and run "
             "(start a new run directory, or trainer.resume=disabled)"

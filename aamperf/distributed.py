@@ -15,6 +15,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import Tensor
 
+from aamperf.errors import one_line
+
 STRATEGIES = ("none", "ddp", "fsdp")
 COMM_HOOKS = ("none", "fp16", "bf16")
 
@@ -116,7 +118,7 @@ def peer_lost(exc: BaseException, timeout_s: float) -> str | None:
     """The one line for a collective that failed because another rank stopped or died, else None."""
     if not (dist.is_available() and dist.is_initialized()) or not isinstance(exc, RuntimeError):
         return None
-    text = " ".join(str(exc).split())
+    text = one_line(exc)
     if not (isinstance(exc, dist.DistError) or any(s in text.lower() for s in PEER_LOST)):
         return None
     return (

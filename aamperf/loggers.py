@@ -14,6 +14,8 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig
 
+from aamperf.errors import one_line
+
 BACKENDS = ("none", "wandb", "tensorboard")
 SECTIONS = {  # metrics.jsonl key -> the panel section it belongs to in W&B / TensorBoard
     "loss": "train",
@@ -107,7 +109,7 @@ def start_wandb(cfg: DictConfig, directory: Path, **init: Any):
         run = wandb.init(mode=mode, tags=list(cfg.logger.tags), **kwargs, **init)
         return run, {"backend": "wandb", "mode": run.settings.mode}
     except Exception as exc:  # never let W&B stop training: keep the run on disk for `wandb sync`
-        reason = " ".join(str(exc).split())[:200]
+        reason = one_line(exc)[:200]
         print(f"warning: W&B could not start {mode or 'online'} ({reason}); logging offline", file=sys.stderr)
         run = wandb.init(mode="offline", tags=list(cfg.logger.tags), **kwargs, **init)
         return run, {"backend": "wandb", "mode": "offline", "fallback": reason}

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from aamperf.errors import one_line
 from aamperf.metrics.flops import (
     _DTYPES,
     MAX_ROWS,
@@ -197,7 +198,7 @@ def measure_compile(
         watch.resume()
         compiled_s = timed(step(compiled), device, min_s=MIN_WATCH_S / 2)
     except Exception as exc:  # a missing C compiler, an unsupported device: compile does not work here
-        error = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        error = one_line(f"{type(exc).__name__}: {exc}")[:300]
         return {"works": False, "error": error, "under_load": None}
     finally:
         torch._dynamo.reset()  # the probe's graphs must not count as the run's compiles

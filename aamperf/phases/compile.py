@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from aamperf.errors import one_line
 from aamperf.metrics.flops import MIN_WATCH_S, LoadWatch
 from aamperf.model.layers import Block
 from aamperf.phases.record import applied, fallback, skipped
@@ -67,7 +68,7 @@ def apply_compile(model: nn.Module, cfg: DictConfig, warmup: Callable[[], None])
         warmup()
     except Exception as exc:  # a backend that is missing or fails on this model: train eagerly instead
         _to_eager(targets)
-        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        reason = one_line(f"{type(exc).__name__}: {exc}")[:300]
         return fallback(f"torch.compile failed, running eager: {reason}", mode=cfg.mode, backend=cfg.backend)
     return applied(
         mode=cfg.mode,
