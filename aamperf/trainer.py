@@ -17,10 +17,10 @@ from aamperf import checkpoint
 from aamperf.alerts import Alerts
 from aamperf.distributed import all_sum, full_value, world_size
 from aamperf.errors import RunAborted
+from aamperf.guards import NonfiniteGuard
 from aamperf.interrupts import Interrupts, RunInterrupted
 from aamperf.metrics import RunRecord, StepMeter, SystemMonitor
 from aamperf.metrics.profile import StepProfiler
-from aamperf.nonfinite import NonfiniteGuard
 from aamperf.phases import Plan
 
 LossFn = Callable[[torch.nn.Module, dict[str, Any], int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -135,7 +135,7 @@ class FitResult:
     train_loss: float | None = None
     val: dict[str, float] = field(default_factory=dict)
     nonfinite_steps: int = 0
-    nonfinite_check: str = ""  # how bad steps are skipped (aamperf/nonfinite.py)
+    nonfinite_check: str = ""  # how bad steps are skipped (aamperf/guards.py)
     steps: int = 0
     resumed_from: int | None = None  # the checkpoint's step, when the run went on from one
     resume_changes: dict[str, list] | None = None  # {key: [at the checkpoint, now]} that a resume applied

@@ -11,8 +11,9 @@ import psutil
 import pytest
 import torch
 from conftest import TINY
+from omegaconf import OmegaConf
 
-from aamperf.nonfinite import NonfiniteGuard
+from aamperf.guards import MemoryGuard, NonfiniteGuard
 from aamperf.run import train
 
 TESTS = Path(__file__).resolve().parent
@@ -150,3 +151,27 @@ def test_another_programs_memory_warns_but_does_not_stop_the_run(tmp_path, cache
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["memory_limit_source"] in ("machine", "cgroup")
     assert "by other processes too" in (run_dir / "train.log").read_text()
+
+
+def test_memory_guard_cleans_once_per_crossing():
+    limits = OmegaConf.create({"warn_fraction": 1e-6, "max_fraction": 1.0})  # any use crosses warn
+    guard = MemoryGuard(limits, torch.device("cpu"), interval_s=0.0)
+    assert guard.check() is None
+    assert guard.check() is None
+    assert guard.cleanups == 1  # still above: no second clean-up, so it never runs every step
+    guard.warn_fraction = 1.0
+    guard.check()
+    guard.warn_fraction = 1e-6
+    guard.check()
+    assert guard.cleanups == 2
+
+
+def test_memory_guard_says_stop_above_max_and_reads_at_most_every_interval():
+    guard = MemoryGuard(
+        OmegaConf.create({"warn_fraction": 1.0, "max_fraction": 1.0}), torch.device("cpu"), interval_s=60
+    )
+    assert guard.check() is None  # the first read: below 100%
+    guard.max_fraction = 1e-6
+    assert guard.check() is None  # read 0 s ago: not read again
+    guard.interval_s = 0.0
+    assert guard.check().startswith("memory at ") and "memory.max_fraction=1e-06" in guard.check()

@@ -16,13 +16,14 @@ from torch import nn
 
 from aamperf.distributed import World
 from aamperf.errors import UserError
+from aamperf.guards import MemoryGuard
 from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to
 from aamperf.phases.attention import apply_attention, check_attention
 from aamperf.phases.compile import apply_compile, auto_compile, check_compile, trial_context
 from aamperf.phases.dataloader import check_dataloader, resolve_dataloader
 from aamperf.phases.distributed import check_comm_hook, grad_sync, wrap_model
 from aamperf.phases.dropout import apply_dropout, check_dropout
-from aamperf.phases.memory import MemoryGuard, apply_checkpointing, apply_cuda_memory, check_memory
+from aamperf.phases.memory import apply_checkpointing, apply_cuda_memory, check_memory
 from aamperf.phases.optimizer import build_optimizer, check_optimizer
 from aamperf.phases.precision import DTYPES, apply_precision, check_precision
 from aamperf.phases.system import apply_channels_last, apply_system

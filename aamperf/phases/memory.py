@@ -1,13 +1,9 @@
-"""Activation checkpointing per transformer layer, CUDA allocator settings, and a memory guard."""
+"""Activation checkpointing per transformer layer and CUDA allocator settings (the memory guard that
+watches a run is in aamperf/guards.py)."""
 
-import gc
 import logging
-import math
 import os
-import time
-from pathlib import Path
 
-import psutil
 import torch
 from omegaconf import DictConfig
 from torch import nn
@@ -67,115 +63,3 @@ def apply_cuda_memory(cfg: DictConfig, device: torch.device) -> dict:
         torch.cuda.set_per_process_memory_fraction(cfg.cuda_memory_fraction, device)
         done["memory_fraction"] = cfg.cuda_memory_fraction
     return applied(**done) if done else skipped("no CUDA memory setting chosen")
-
-
-def memory_limit() -> tuple[int, str]:
-    """(bytes this process may use before it is killed, what sets them): its cgroup's limit (v2
-    `memory.max`, v1 `memory.limit_in_bytes`) where one is below the machine's RAM, else the RAM."""
-    total = psutil.virtual_memory().total
-    limits = []
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:  # "0::/path" (v2) or "4:memory:/path" (v1); in a container the path may be "/"
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            files = [f"/sys/fs/cgroup{path}/memory.max", "/sys/fs/cgroup/memory.max"]
-        elif "memory" in controllers.split(","):
-            files = [
-                f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes",
-                "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-            ]
-        else:
-            continue
-        for name in files:
-            try:
-                text = Path(name).read_text().strip()
-            except OSError:
-                continue
-            if text.isdigit() and int(text) < total:
-                limits.append(int(text))
-            break  # the first readable file of this hierarchy answers for it
-    return (min(limits), "cgroup") if limits else (total, "machine")
-
-
-class MemoryGuard:
-    """The run's own memory (this process and its workers, RSS) as a fraction of the limit that applies
-    to it (its cgroup's, else the machine's RAM; CUDA: the device's memory), checked at every step but
-    read at most every `interval_s` (a read costs ~40 us). Above `warn_fraction`: collect garbage and
-    empty the CUDA cache, once per crossing, with a warning (never every step: clearing costs time).
-    Above `max_fraction`: a message for the trainer, which checkpoints and stops the run before the
-    operating system kills it. Other processes' memory never stops the run: a machine over
-    `max_fraction` in all is a warning, once per crossing."""
-
-    def __init__(self, cfg: DictConfig, device: torch.device, interval_s: float = 0.1):
-        self.warn_fraction, self.max_fraction, self.device = cfg.warn_fraction, cfg.max_fraction, device
-        self.interval_s = interval_s
-        self.cleanups = 0
-        self._above = self._machine_above = False
-        self._last_read = -math.inf
-        self.last_fraction: float | None = None  # the latest reading (alerts report it)
-        self.limit_bytes, self.limit_source = (None, "device") if device.type == "cuda" else memory_limit()
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's ranks on this machine
-        if self.limit_bytes is not None and local_ranks > 1:  # they share the limit: each its share
-            self.limit_bytes //= local_ranks
-            self.limit_source += f"/{local_ranks}"
-        self._process = psutil.Process()
-
-    def run_bytes(self) -> int:
-        """RSS of this process and its children (dataloader workers): shared pages count in each."""
-        total = self._process.memory_info().rss
-        for child in self._process.children(recursive=True):
-            try:
-                total += child.memory_info().rss
-            except psutil.Error:  # ended meanwhile
-                pass
-        return total
-
-    def used_fraction(self) -> float:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            return 1 - free / total
-        return self.run_bytes() / self.limit_bytes
-
-    def check(self) -> str | None:
-        """None, or why the run must stop now."""
-        now = time.perf_counter()
-        if now - self._last_read < self.interval_s:
-            return None
-        self._last_read = now
-        fraction = self.last_fraction = self.used_fraction()
-        if fraction >= self.max_fraction:
-            kind, _, shared = self.limit_source.partition("/")
-            where = {"device": "device memory", "cgroup": "the cgroup's memory limit"}.get(kind, "system RAM")
-            where += f" shared by {shared} local ranks" if shared else ""
-            return (
-                f"memory at {100 * fraction:.0f}% of {where}, over memory.max_fraction="
-                f"{self.max_fraction:g}; lower trainer.batch_size (or trainer.batch_size=auto), use "
-                "memory=full or precision=bf16, or raise memory.max_fraction"
-            )
-        if self.device.type != "cuda":
-            machine = 1 - psutil.virtual_memory().available / psutil.virtual_memory().total
-            if machine >= self.max_fraction and not self._machine_above:
-                log.warning(
-                    "the machine's memory is %.0f%% used, by other processes too (this run: %.2f GiB, %.0f%% "
-                    "of its limit): not stopped, since what other processes use is not this run's",
-                    100 * machine,
-                    self.run_bytes() / 2**30,
-                    100 * fraction,
-                )
-            self._machine_above = machine >= self.max_fraction
-        above = fraction >= self.warn_fraction
-        if above and not self._above:
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            self.cleanups += 1
-            log.warning(
-                "memory at %.0f%% (memory.warn_fraction=%.2f): collected garbage and cleared caches",
-                100 * fraction,
-                self.warn_fraction,
-            )
-        self._above = above
-        return None

@@ -3,10 +3,9 @@
 import os
 
 import torch
-from omegaconf import OmegaConf
 
 from aamperf.phases.dataloader import resolve_dataloader
-from aamperf.phases.memory import MemoryGuard, apply_cuda_memory
+from aamperf.phases.memory import apply_cuda_memory
 from aamperf.phases.optimizer import build_optimizer
 from aamperf.phases.system import apply_channels_last, apply_system
 
@@ -78,28 +77,6 @@ def test_tuned_loader_on_cpu_keeps_workers_and_drops_pinning(make_cfg):
     assert loader.pin_memory is False and loader.non_blocking is False
     simple, record = resolve_dataloader(make_cfg("dataloader=simple").dataloader, CPU)
     assert record["status"] == "skipped" and simple.prefetch_factor is None
-
-
-def test_memory_guard_cleans_once_per_crossing():
-    limits = OmegaConf.create({"warn_fraction": 1e-6, "max_fraction": 1.0})  # any use crosses warn
-    guard = MemoryGuard(limits, CPU, interval_s=0.0)
-    assert guard.check() is None
-    assert guard.check() is None
-    assert guard.cleanups == 1  # still above: no second clean-up, so it never runs every step
-    guard.warn_fraction = 1.0
-    guard.check()
-    guard.warn_fraction = 1e-6
-    guard.check()
-    assert guard.cleanups == 2
-
-
-def test_memory_guard_says_stop_above_max_and_reads_at_most_every_interval():
-    guard = MemoryGuard(OmegaConf.create({"warn_fraction": 1.0, "max_fraction": 1.0}), CPU, interval_s=60)
-    assert guard.check() is None  # the first read: below 100%
-    guard.max_fraction = 1e-6
-    assert guard.check() is None  # read 0 s ago: not read again
-    guard.interval_s = 0.0
-    assert guard.check().startswith("memory at ") and "memory.max_fraction=1e-06" in guard.check()
 
 
 def test_cuda_memory_settings_skip_on_cpu(make_cfg):
