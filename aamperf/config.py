@@ -88,7 +88,7 @@ class DropoutConfig:
 
 @dataclass
 class MemoryConfig:
-    """Activation checkpointing and memory guards (`aamperf/phases/memory.py`)."""
+    """Activation checkpointing (`aamperf/phases/memory.py`) and the memory guard (`aamperf/guards.py`)."""
 
     checkpointing: str = "none"  # none | full (every transformer layer) | selective (every k-th layer) | auto
     recompute_every: int = 2  # selective (and auto in fp32): recompute layers 0, k, 2k, ...
