@@ -24,7 +24,7 @@ import torch
 
 from aamperf.errors import one_line
 from aamperf.metrics.flops import (
-    _DTYPES,
+    DTYPES,
     MAX_ROWS,
     MIN_WATCH_S,
     LoadWatch,
@@ -99,8 +99,8 @@ def measure_matmul(device: torch.device, shapes: list[tuple[int, int, int]]) -> 
     for dtype in dtypes:  # CUDA: the same shapes, timed with synchronization
         rates = []
         for m, k, n in shapes:
-            a = torch.randn(m, k, device=device, dtype=_DTYPES[dtype])
-            b = torch.randn(k, n, device=device, dtype=_DTYPES[dtype])
+            a = torch.randn(m, k, device=device, dtype=DTYPES[dtype])
+            b = torch.randn(k, n, device=device, dtype=DTYPES[dtype])
             times = timed(lambda a=a, b=b: a @ b, device)
             rates.append(statistics.median(2 * m * k * n / t for t in times))
         record["flops"][dtype] = statistics.median(rates)

@@ -41,7 +41,7 @@ GPU_PEAK_FLOPS: dict[tuple[str, str], float] = {
     ("T4", "fp32"): 8.1e12,
 }
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # precision.dtype -> torch
 # CPU flags that change which matmul kernels run: a cached peak is only valid with the same set.
 _MATMUL_FLAGS = (
     "amx_bf16",
@@ -256,7 +256,7 @@ def calibrate_cpu(
     """Median FLOP/s over `trials` of each matmul shape (the model's, and a square one unless
     `square=False` and shapes are given), at the current torch thread count; the peak is the best
     shape's median. The record says whether the machine was busy."""
-    dtype, threads = _DTYPES[precision], torch.get_num_threads()
+    dtype, threads = DTYPES[precision], torch.get_num_threads()
     watch = LoadWatch()
     per_shape = []
     model_shapes = [(min(m, MAX_ROWS), k, n) for m, k, n in shapes]
@@ -331,7 +331,7 @@ def peak_flops(
             "dtype": precision,
             "reason": reason,
         }
-    if device.type != "cpu" or precision not in _DTYPES:
+    if device.type != "cpu" or precision not in DTYPES:
         return None, {
             "status": "unknown",
             "dtype": precision,

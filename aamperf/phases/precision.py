@@ -7,9 +7,8 @@ from functools import partial
 import torch
 from omegaconf import DictConfig
 
+from aamperf.metrics.flops import DTYPES  # one home: precision.dtype -> the torch dtype
 from aamperf.phases.record import applied, skipped
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def check_precision(cfg: DictConfig, device: torch.device) -> list[str]:
