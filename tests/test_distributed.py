@@ -138,6 +138,7 @@ def test_the_bf16_gradient_hook_on_cpu_is_refused_before_anything_runs(tmp_path,
     assert not (tmp_path / "run").exists()  # refused before Hydra made the run directory
 
 
+@pytest.mark.slow  # about 20 s of two ranks (the suite stays under 10 min)
 def test_sigterm_to_aamperf_launch_stops_every_rank_after_its_step_with_a_checkpoint(tmp_path, cache_dir):
     import signal
     import time

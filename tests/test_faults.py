@@ -84,6 +84,7 @@ def test_a_second_signal_ends_the_process_at_once(tmp_path, cache_dir):
     assert not checkpoint.checkpoints(run_dir)
 
 
+@pytest.mark.slow  # about 40 s: submitit's runner, a requeue and a resumed run (the suite stays under 10 min)
 def test_a_preempted_submitit_job_checkpoints_is_requeued_and_goes_on_to_the_end(tmp_path, cache_dir):
     """hydra/launcher=submitit_local: submitit's own job runner, as under SLURM. Its preemption signal
     (SIGUSR2) to the job: aamperf finishes the step and checkpoints, submitit requeues the job, and the
