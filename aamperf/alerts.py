@@ -79,7 +79,7 @@ class Alerts:
         ]
         self.stop_on_critical = a.stop_on_critical
         self.record = record  # its sinks get each alert (W&B: run.alert)
-        self.raised: list[Alert] = []
+        self.raised: list[dict[str, Any]] = []  # summary.json `alerts`, in the order raised
         self._state = {rule.metric: "ok" for rule in self.rules}
 
     def check(self, step: int, values: dict[str, float | None]) -> str | None:
@@ -95,14 +95,11 @@ class Alerts:
                 continue
             side = "below" if rule.floor else "above"
             message = f"{rule.metric} {value:.4g} {side} its {level} level {threshold:g} ({rule.key})"
-            alert = Alert(step, rule.metric, level, float(value), float(threshold), message)
+            alert = asdict(Alert(step, rule.metric, level, float(value), float(threshold), message))
             self.raised.append(alert)
             (log.error if level == "critical" else log.warning)("alert at step %d: %s", step, message)
             if self.record is not None:
-                self.record.alert(asdict(alert))
+                self.record.alert(alert)
             if level == "critical" and self.stop_on_critical and rule.metric != "memory_fraction":
                 stop = f"critical alert: {message} (alerts.stop_on_critical=true)"
         return stop
-
-    def summary(self) -> list[dict[str, Any]]:
-        return [asdict(alert) for alert in self.raised]

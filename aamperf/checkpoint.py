@@ -2,7 +2,8 @@
 exactly where it stopped, written atomically, read back without running code from the file.
 
 One process and DDP: rank 0 writes one file, `<run dir>/checkpoints/step_<N>.pt` (model, optimizer,
-scheduler, GradScaler, every rank's RNG states, the data position, the loop's counters). FSDP2: a
+scheduler, GradScaler, every rank's RNG states, the data position, the loop's counters; the
+scheduler's state is kept to be read, a resume rebuilds the schedule from its config). FSDP2: a
 sharded checkpoint directory `step_<N>/` through torch.distributed.checkpoint, which can be read by
 another number of ranks. A half-written checkpoint never replaces a good one: files are renamed
 into place after an fsync, directories after DCP has finished.

@@ -167,6 +167,7 @@ def fit(
     guard = NonfiniteGuard(optimizer, scaler, device, tc.max_nonfinite)
     result = FitResult(meter=meter, nonfinite_check=guard.check)
     alerts = Alerts(cfg, record)
+    result.alerts = alerts.raised  # filled as they are raised: an aborted run's summary has them too
     # Loss sums stay on the device between log lines: reading them is a host sync, done once per line.
     loss_sum = torch.zeros((), device=device)  # of the finite steps
     interval: dict[str, float] = {"time_s": 0.0, "wait_s": 0.0, "samples": 0, "tokens": 0, "steps": 0}
@@ -296,7 +297,6 @@ def fit(
                 anyone = all_sum(torch.tensor([float(alert_stop is not None)], device=device)).item()
                 alert_stop = alert_stop or ("another rank raised a critical alert" if anyone else None)
             stop = stop or alert_stop
-            result.alerts = alerts.summary()
             bar.set_postfix(loss=f"{row['loss']:.4f}", samples_s=f"{row['samples_per_s']:.1f}")
             result.train_loss = row["loss"]
             loss_sum.zero_()

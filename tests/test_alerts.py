@@ -38,7 +38,7 @@ def test_an_alert_is_raised_once_per_crossing_and_again_when_it_worsens_or_retur
     a.check(30, {"samples_per_s": 40.0})  # worse: critical
     a.check(40, {"samples_per_s": 120.0})  # back above: re-armed
     a.check(50, {"samples_per_s": 90.0, "val_loss": 5.0, "memory_fraction": 0.95, "gpu_util_percent": None})
-    raised = [(x["step"], x["metric"], x["level"]) for x in a.summary()]
+    raised = [(x["step"], x["metric"], x["level"]) for x in a.raised]
     assert raised == [
         (10, "samples_per_s", "warn"),
         (30, "samples_per_s", "critical"),
@@ -46,7 +46,7 @@ def test_an_alert_is_raised_once_per_crossing_and_again_when_it_worsens_or_retur
         (50, "val_loss", "critical"),  # a ceiling: above is bad
         (50, "memory_fraction", "warn"),  # memory's levels: memory.warn_fraction / max_fraction
     ]
-    assert a.summary()[1]["message"] == "samples_per_s 40 below its critical level 50 (alerts.samples_per_s)"
+    assert a.raised[1]["message"] == "samples_per_s 40 below its critical level 50 (alerts.samples_per_s)"
 
 
 def test_a_critical_alert_stops_only_when_asked():
