@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from aamperf.checkpoint import rng_state, set_rng_state
+from aamperf.device import to_device
 from aamperf.errors import UserError
 from aamperf.metrics.monitor import peak_rss, release_freed_memory, reset_peak_rss
 from aamperf.phases import Plan
-from aamperf.trainer import to_device
+from aamperf.rng import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from omegaconf import DictConfig
 
 from aamperf.checks import check_config, unwritable
 from aamperf.data.tables import resolve_files
+from aamperf.device import resolve_device
 from aamperf.errors import RunAborted, UserError, exit_aborted, exit_bad_input, no_such_option
 from aamperf.interrupts import RunInterrupted, exit_interrupted
 from aamperf.phases import check_phases
 from aamperf.report import find_runs, make_report, to_markdown
-from aamperf.run import resolve_device
 
 
 def check_start(config: DictConfig) -> None:

@@ -16,20 +16,19 @@ its non-tensor items with `weights_only=True` too (`SafeReader`, `SafePlanner`).
 import io
 import os
 import pickle
-import random
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from aamperf.distributed import world_size
 from aamperf.errors import UserError, disk_full, no_space, one_line
+from aamperf.rng import all_rng_states, set_rng_state
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -104,38 +103,6 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def is_sharded(model: nn.Module) -> bool:
     return hasattr(model, "set_requires_gradient_sync") and not hasattr(model, "no_sync")  # FSDP2
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's random generators as plain Python values: loadable with weights_only, and safe
-    to send through all_gather_object (which fails on tensors inside objects in torch 2.13)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": (kind, keys.tolist(), pos, has_gauss, gauss),
-        "torch": torch.get_rng_state().tolist(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
-
-
-def all_rng_states() -> list[dict[str, Any]]:
-    """Every rank's RNG states, in rank order (a collective under torch.distributed)."""
-    if world_size() == 1:
-        return [rng_state()]
-    states: list[Any] = [None] * world_size()
-    dist.all_gather_object(states, rng_state())
-    return states
 
 
 def step_of(path: Path) -> int:

@@ -5,12 +5,10 @@ import itertools
 import logging
 import os
 import platform
-import random
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -19,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from aamperf.batch_size import find_batch_size, smallest_batch
 from aamperf.checks import check_config
 from aamperf.data import build_data, rebatch
+from aamperf.device import resolve_device, to_device
 from aamperf.distributed import adopt_slurm_env, close_world, init_world, peer_lost
 from aamperf.errors import RunAborted, UserError
 from aamperf.interrupts import Interrupts, RunInterrupted
@@ -42,28 +41,10 @@ from aamperf.phases.auto import resolve_auto
 from aamperf.phases.compile import compiled_graphs
 from aamperf.phases.dataloader import decide_workers, step_floor_s
 from aamperf.probe import timed
-from aamperf.trainer import fit, to_device
+from aamperf.rng import seed_everything
+from aamperf.trainer import fit
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    """`device` -> a torch device; under torchrun each process takes the GPU of its local rank."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if name == "auto":
-        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    if name == "cuda":
-        name = f"cuda:{local_rank}"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device={name} but no CUDA device is available here; use device=cpu or device=auto")
-    return device
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def build(cfg: DictConfig, name: str, **kwargs: Any) -> Any:

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from aamperf import checkpoint
 from aamperf.alerts import Alerts
+from aamperf.device import sync, to_device
 from aamperf.distributed import all_sum, full_value, world_size
 from aamperf.errors import RunAborted
 from aamperf.guards import NonfiniteGuard
@@ -96,16 +97,6 @@ class BatchStream:
         for _ in range(state["taken"]):
             next(self._iter)
         self._taken = state["taken"]
-
-
-def to_device(batch: dict[str, Any], device: torch.device, non_blocking: bool) -> dict[str, Any]:
-    return {k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def sync(device: torch.device) -> None:
-    """Wait for queued GPU work, so a wall-clock step time is the step's real time (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_checkpoint import command, losses
 
-from aamperf import checkpoint
+from aamperf import checkpoint, rng
 from aamperf.errors import UserError
 
 LONG = ["trainer.max_steps=40", "trainer.val_every=8", "trainer.resume=auto"]
@@ -207,7 +207,7 @@ def _sharded_checkpoint(path: Path, model, optimizer) -> None:
 
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
-    torch.save({"rngs": [checkpoint.rng_state()], "step": 4}, path / "trainer.pt")
+    torch.save({"rngs": [rng.rng_state()], "step": 4}, path / "trainer.pt")
 
 
 def _put_payload_in_a_bytes_item(path: Path, marker: Path) -> None:

@@ -1,0 +1,31 @@
+"""The run's device: which one (`device=`), moving batches onto it, waiting for its queued work."""
+
+import os
+from typing import Any
+
+import torch
+
+from aamperf.errors import UserError
+
+
+def resolve_device(name: str) -> torch.device:
+    """`device` -> a torch device; under torchrun each process takes the GPU of its local rank."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if name == "cuda":
+        name = f"cuda:{local_rank}"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device={name} but no CUDA device is available here; use device=cpu or device=auto")
+    return device
+
+
+def to_device(batch: dict[str, Any], device: torch.device, non_blocking: bool = False) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so a wall-clock step time is the step's real time (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
