@@ -88,7 +88,7 @@ class DropoutConfig:
 
 @dataclass
 class MemoryConfig:
-    """Activation checkpointing (`aamperf/phases/memory.py`) and the memory guard (`aamperf/guards.py`)."""
+    """Activation checkpointing (`aamperf/phases/memory.py`), the memory guard (`aamperf/guards/`)."""
 
     checkpointing: str = "none"  # none | full (every transformer layer) | selective (every k-th layer) | auto
     recompute_every: int = 2  # selective (and auto in fp32): recompute layers 0, k, 2k, ...
@@ -139,7 +139,7 @@ class AutoBatchConfig:
 
 @dataclass
 class TrainerConfig:
-    """The training loop (`aamperf/trainer.py`)."""
+    """The training loop (`aamperf/trainer/`)."""
 
     max_steps: int = 100
     # samples per optimizer step, over all ranks (the global batch; UniFrac needs >= 2), or "auto": the
@@ -149,7 +149,7 @@ class TrainerConfig:
     grad_accum_steps: int = 1  # micro-batches per optimizer step; each has batch_size / grad_accum_steps
     lr: float = 1e-4
     weight_decay: float = 0.01
-    # warmup_cosine | warmup_linear | constant | onecycle: torch's schedulers (aamperf/trainer.py)
+    # warmup_cosine | warmup_linear | constant | onecycle: torch's schedulers (aamperf/trainer/schedule.py)
     lr_schedule: str = "warmup_cosine"
     warmup_steps: int = 10  # linear warm-up (onecycle: its rise)
     min_lr_ratio: float = 0.1  # warmup_cosine / warmup_linear decay to lr * min_lr_ratio at max_steps

@@ -16,9 +16,10 @@ from conftest import TINY
 from aamperf.data import build_data
 from aamperf.distributed import World
 from aamperf.errors import UserError
+from aamperf.job import analytic_flops, build
 from aamperf.metrics.monitor import pss_bytes
 from aamperf.phases import apply_phases, setup_phases
-from aamperf.run import analytic_flops, build, train
+from aamperf.run import train
 
 # The run record's keys that the checks and `python -m aamperf.compare` read (README: What a run writes).
 SUMMARY_KEYS = {
@@ -213,7 +214,7 @@ def test_model_flops_are_the_same_for_every_configuration_of_the_same_batches(ma
 
 def test_an_mfu_above_one_is_null_with_a_reason(make_cfg, tmp_path, monkeypatch):
     monkeypatch.setattr(
-        "aamperf.run.peak_flops", lambda *args: (1e3, {"status": "this_run_under_load", "reason": "loaded"})
+        "aamperf.job.peak_flops", lambda *args: (1e3, {"status": "this_run_under_load", "reason": "loaded"})
     )
     summary = train(make_cfg("trainer.max_steps=2"), tmp_path)
     assert summary["status"] == "completed" and summary["peak_flops"] == 1e3

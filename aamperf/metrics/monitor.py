@@ -156,6 +156,14 @@ class SystemMonitor:
         """The GPU's mean utilisation since the start (pynvml), or None without a GPU."""
         return None if self._gpu is None or not self._samples else self._gpu_util_sum / self._samples
 
+    def readings(self) -> dict[str, float]:
+        """The latest sample, for a metrics line."""
+        return {
+            "rss_bytes": self.rss_bytes,
+            "tree_pss_bytes": self.tree_pss_bytes,
+            "cpu_percent": self.cpu_percent,
+        }
+
     def _tree(self) -> list[psutil.Process]:
         # W&B's service process is a child too, but it is the logger's memory, not training's.
         live = [self._root, *(p for p in self._root.children(recursive=True) if not _is_logger(p))]

@@ -1,5 +1,5 @@
 """Activation checkpointing per transformer layer and CUDA allocator settings (the memory guard that
-watches a run is in aamperf/guards.py)."""
+watches a run is in aamperf/guards/memory.py)."""
 
 import logging
 import os

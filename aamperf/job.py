@@ -1,0 +1,222 @@
+"""What a run trains with, built from its config in order: device and ranks, the phases' settings and
+`auto` decisions, the device's peak, data, model and loss, the phased plan, the batch (found, with
+trainer.batch_size=auto), loader workers (dataloader=auto), and the FLOPs of a step."""
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from aamperf.batch_size import find_batch_size, smallest_batch
+from aamperf.data import build_data, rebatch
+from aamperf.device import resolve_device, to_device
+from aamperf.distributed import World, init_world
+from aamperf.errors import UserError
+from aamperf.metrics import count_flops, matmul_dtype, peak_flops
+from aamperf.phases import TRIAL_BATCHES, Plan, apply_phases, check_phases, setup_phases
+from aamperf.phases.auto import resolve_auto
+from aamperf.phases.dataloader import decide_workers, step_floor_s
+from aamperf.probe import timed
+from aamperf.rng import seed_everything
+
+
+@dataclass
+class Job:
+    device: torch.device
+    world: World
+    data: Any
+    loss_fn: Any
+    plan: Plan
+    non_blocking: bool
+    model_flops: float  # of one optimizer step: the model's math
+    hardware_flops: float  # ... what the phases made the code execute
+    peak_flops: float | None
+
+
+def build_job(cfg: DictConfig, summary: dict[str, Any]) -> Job:
+    """Build the run; `summary` gets what each part decided as it is decided (a failed start keeps it)."""
+    device = resolve_device(cfg.device)
+    summary["device"] = str(device)
+    check_phases(cfg, device)
+    world = init_world(cfg, device)
+    summary.update(world_size=world.world_size, rank=world.rank)
+    setup = setup_phases(cfg, device)
+    summary["phases"] = setup.records
+    seed_everything(cfg.seed)
+    auto_batch = cfg.trainer.batch_size == "auto"  # found below; the smallest batch until then
+    tc = cfg.trainer
+    micro_batch = smallest_batch(world.world_size) if auto_batch else tc.batch_size // tc.grad_accum_steps
+    # before the data and its loader workers exist: nothing of this run competes with the measurements
+    decisions = resolve_auto(cfg, device, micro_batch, world)
+    peak, summary["peak_flops_calibration"] = measure_peak(cfg, device, world, micro_batch)
+    data = build_data(
+        cfg.data,
+        batch_size=micro_batch,  # one micro-batch, all ranks
+        seed=cfg.seed,
+        loader=setup.loader,
+        pad_to=setup.pad_to,
+        rank=world.rank,
+        world_size=world.world_size,
+    )
+    model, loss_fn = build_model(cfg, device, world, data, summary)
+    host_batches, batch_s = timed_batches(data.train_loader, cfg.metrics.flop_batches)
+    first = to_device(host_batches[0], device)
+    # A model without an analytic count is counted by torch now, eager and before any phase
+    # (FlopCounterMode cannot see inside compiled kernels); AAM is counted after its phases.
+    counted = None if hasattr(model, "flops_per_step") else counted_flops(model, loss_fn, first)
+    trial = [first] + [to_device(b, device) for b in host_batches[1:TRIAL_BATCHES]]
+    plan = apply_phases(model, cfg, device, warmup_step(loss_fn, trial), setup.records, world, micro_batch)
+    for group, decision in decisions.items():  # each `auto` beside what its phase then did
+        plan.records[group]["auto"] = decision
+    if auto_batch:
+        summary["batch_finder"] = found = find_batch_size(plan, loss_fn, data, cfg, device, world.world_size)
+        tc.batch_size, tc.grad_accum_steps = found["batch_size"], found["grad_accum_steps"]
+        rebatch(data, found["micro_batch"], cfg.seed, setup.loader)
+        host_batches, batch_s = timed_batches(data.train_loader, cfg.metrics.flop_batches)
+        if counted is not None:  # a model torch counts: counted again at the batch it will train on
+            counted = counted_flops(model, loss_fn, to_device(host_batches[0], device))
+    # a plug-in model is counted once by torch: its model FLOPs are what it executes
+    flops = (counted, counted) if counted is not None else analytic_flops(model, host_batches)
+    if cfg.dataloader.num_workers == "auto":
+        step_s = None if auto_batch else plan.records["compile"].get("auto", {}).get("eager_step_s")
+        loader_workers(
+            cfg, setup, plan, data, loss_fn, host_batches[0], batch_s, step_s, flops[1], peak, device
+        )
+    model_flops, hardware_flops = (f * tc.grad_accum_steps for f in flops)
+    summary.update(
+        model_flops_per_step=model_flops,
+        hardware_flops_per_step=hardware_flops,
+        flops_per_step=model_flops,  # the record's older key: the model FLOPs
+        peak_flops=peak,
+        n_params=sum(p.numel() for p in model.parameters()),
+        n_train=data.n_train,
+        n_val=data.n_val,
+        unifrac_cached=data.unifrac_cached,
+    )
+    non_blocking = setup.loader.non_blocking
+    return Job(device, world, data, loss_fn, plan, non_blocking, model_flops, hardware_flops, peak)
+
+
+def build(cfg: DictConfig, name: str, **kwargs: Any) -> Any:
+    """instantiate() with a user-facing error: a wrong kwarg of `model`/`loss` names the override."""
+    try:
+        return instantiate(cfg[name], **kwargs)
+    except InstantiationException as exc:
+        cause = exc.__cause__ or exc
+        raise UserError(
+            f"{name}: cannot build {cfg[name].get('_target_')}: {cause}; fix the {name}.* overrides "
+            f"or conf/{name}/"
+        ) from exc
+
+
+def build_model(cfg: DictConfig, device: torch.device, world: World, data, summary: dict[str, Any]):
+    """The model on its device (the same initial weights on every rank) and the loss, told the target's
+    scale where the data has one."""
+    model = build(cfg, "model")
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(
+            f"model: {cfg.model.get('_target_')} returned a {type(model).__name__}, not a "
+            "torch.nn.Module; fix model._target_"
+        )
+    model = model.to(device)
+    if world.world_size > 1:  # the same initial weights everywhere; from here each rank its own draws
+        seed_everything(cfg.seed + world.rank)
+    loss_fn = build(cfg, "loss")
+    if data.has_target and hasattr(loss_fn, "scale_target"):  # a target in its own units: standardized
+        loss_fn.scale_target(data.target_mean, data.target_std)
+        summary["target"] = {
+            "column": cfg.data.target,
+            "mean": data.target_mean,
+            "std": data.target_std,
+            "samples_without_target": data.samples_without_target,  # left out of the run
+        }
+    return model, loss_fn
+
+
+def loader_workers(
+    cfg, setup, plan, data, loss_fn, batch, batch_s, step_s, hardware_flops, peak, device
+) -> None:
+    """dataloader=auto, now that a step can be timed: a worker where making a batch would hold the step
+    up. The step's seconds: `step_s` (compile=auto timed it on this batch where it did not compile),
+    else a floor from its FLOPs where that settles it, else one step timed now."""
+    floor = False
+    if step_s is None:
+        step_s = step_floor_s(hardware_flops, peak, batch_s)
+        floor = step_s is not None
+    if step_s is None:
+        step_s = warm_step_s(warmup_step(loss_fn, [to_device(batch, device)]), plan, device)
+    notes = plan.records["dataloader"]["notes"]
+    loader, plan.records["dataloader"] = decide_workers(
+        setup.loader, cfg.dataloader, batch_s, step_s, notes, floor=floor
+    )
+    if loader is not None:
+        setup.loader = loader
+        rebatch(data, data.train_loader.batch_size, cfg.seed, loader)
+
+
+def counted_flops(model: torch.nn.Module, loss_fn, batch: dict[str, Any]) -> float:
+    """FLOPs of one forward + backward of a model without an analytic count, as torch dispatches them."""
+    flops = count_flops(lambda: loss_fn(model, batch, 0)[0].backward())
+    model.zero_grad(set_to_none=True)
+    return flops
+
+
+def analytic_flops(model: torch.nn.Module, host_batches: list[dict[str, Any]]) -> tuple[float, float]:
+    """Mean (model, hardware) FLOPs of a forward + backward over `host_batches`: the model's math on
+    the real ASVs, and what the phases made the code execute (`AAM.batch_flops`)."""
+    per_batch = [model.batch_flops(b["tokens"], b.get("asv_ids")) for b in host_batches]
+    return tuple(sum(f[i] for f in per_batch) / len(per_batch) for i in range(2))
+
+
+def calibration_shapes(model_cfg: DictConfig, micro_batch: int, max_asvs: int) -> list[tuple[int, int, int]]:
+    """The model's own big matmul for the CPU peak calibration: AAM's ASV-encoder FFN up-projection,
+    [rows * seq_len, D] x [D, ffn_mult * D] (none for a model without these keys: the square only)."""
+    if not {"embedding_dim", "ffn_mult", "seq_len"} <= set(model_cfg.keys()):
+        return []
+    dim = model_cfg.embedding_dim
+    return [(micro_batch * max_asvs * model_cfg.seq_len, dim, model_cfg.ffn_mult * dim)]
+
+
+def measure_peak(cfg: DictConfig, device: torch.device, world, micro_batch: int) -> tuple[float | None, dict]:
+    """The device's peak FLOP/s for the dtype the matmuls run in, measured (CPU) by the first rank
+    alone while the others wait: ranks calibrating together would each see the others' load."""
+    peak, record = None, {"status": "not_measured", "reason": "only the first rank measures the peak"}
+    if world.is_main:
+        dtype = matmul_dtype(device, cfg.precision.dtype, cfg.precision.matmul_precision)
+        shapes = calibration_shapes(cfg.model, micro_batch, cfg.data.max_asvs)
+        peak, record = peak_flops(device, dtype, cfg.metrics.peak_flops_cache, shapes)
+    if world.world_size > 1:
+        torch.distributed.barrier()
+    return peak, record
+
+
+def warmup_step(loss_fn, batches: list[dict[str, Any]]):
+    """One forward + backward on batch i of `batches` (compilation happens here, and compile=auto's
+    trial), leaving no gradients behind."""
+
+    def run(model: torch.nn.Module, autocast, scaler, i: int = 0) -> None:
+        with autocast():
+            loss, _ = loss_fn(model, batches[i % len(batches)], 0)
+        scaler.scale(loss).backward()
+        model.zero_grad(set_to_none=True)
+
+    return run
+
+
+def timed_batches(loader, n: int) -> tuple[list[dict[str, Any]], float]:
+    """The loader's first `n` batches, and the seconds each took to make (to arrive, with workers)."""
+    start = time.perf_counter()
+    batches = list(itertools.islice(loader, n))
+    return batches, (time.perf_counter() - start) / len(batches)
+
+
+def warm_step_s(step, plan, device: torch.device) -> float:
+    """Seconds of one forward + backward of the phased model, after one untimed (dropout draws
+    forked: the run's random stream stays as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        return timed(lambda: step(plan.model, plan.autocast, plan.scaler), device, trials=1)[0]

@@ -1,0 +1,96 @@
+"""summary.json: what a run says about itself, started when the run starts, filled as it goes and
+written once at its end by the same code for every outcome (completed, aborted, interrupted, failed)."""
+
+import datetime
+import logging
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from aamperf.errors import UserError
+from aamperf.metrics import StepMeter, null_reason, utilization
+
+log = logging.getLogger(__name__)
+
+
+def resolved_config(cfg: DictConfig) -> dict[str, Any]:
+    """The config with interpolations resolved, or as written when one cannot be (a failed run)."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    except Exception:  # e.g. ${model.max_asvs} with a model that has none: the error is recorded already
+        return OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
+
+
+class Summary(dict):
+    def __init__(self, cfg: DictConfig, meter: StepMeter, clock_origin: str, loggers: list[dict]):
+        super().__init__(
+            status="running",
+            optim=cfg.optim,
+            precision=cfg.precision.dtype,
+            device=None,
+            world_size=1,
+            seed=cfg.seed,
+            started_at=datetime.datetime.now().isoformat(timespec="seconds"),
+            host=platform.node(),
+            torch=torch.__version__,
+            clock_origin=clock_origin,
+            phases={},
+            logger=loggers,
+            error=None,
+        )
+        self.meter = meter
+
+    def trained(self, result, plan=None, monitor=None) -> None:
+        """What the loop did, however it ended (`result`: its FitResult; None: it never started)."""
+        self.update(self.meter.summary())
+        if monitor is not None:
+            self.update(monitor.summary())
+        if plan is not None:
+            guard = plan.memory_guard
+            self.update(
+                memory_cleanups=guard.cleanups,
+                memory_limit_bytes=guard.limit_bytes,
+                memory_limit_source=guard.limit_source,
+            )
+        if result is None:
+            return
+        self.update(
+            steps=result.steps,
+            train_loss=result.train_loss,
+            val_loss=result.val.get("val_loss"),
+            val=result.val,
+            nonfinite_steps=result.nonfinite_steps,
+            nonfinite_check=result.nonfinite_check,
+            resumed_from_step=result.resumed_from,
+            resume_changes=result.resume_changes,
+            profile=result.profile,
+            alerts=result.alerts,
+        )
+
+    def completed(self, job, model_flops: float, hardware_flops: float) -> None:
+        """Status completed, with the figures only a whole run has: compile time, MFU / HFU."""
+        self["status"] = "completed"
+        # Compilation done in the compile phase's warm-up counts too, not only the warm-up steps' excess.
+        if self.get("compile_time_s") is not None:
+            self["compile_time_s"] += job.plan.records["compile"].get("compile_time_s", 0.0)
+        # Achieved FLOP/s over the timed steps against the peak of the matmuls' dtype; above 1: null + why.
+        step_time, peak = self["step_time_s"], job.peak_flops
+        mfu, hfu = utilization(model_flops, step_time, peak), utilization(hardware_flops, step_time, peak)
+        self.update(null_reason(mfu, hfu, peak, self["peak_flops_calibration"]))
+
+    def ended(self, status: str, error: str) -> None:
+        self.update(status=status, error=error)
+
+    def write(self, record, cfg: DictConfig, run_dir: Path) -> None:
+        """Into the run record (rank 0); a full disk is said in one line unless the run failed already."""
+        self.update(duration_s=self.meter.elapsed_s(), config=resolved_config(cfg), pid=os.getpid())
+        try:
+            record.write_summary(dict(self))
+        except UserError as exc:
+            if self["status"] == "completed":
+                raise
+            log.warning("summary.json not written: no space left in %s (%r)", run_dir, exc.__cause__)

@@ -1,0 +1,61 @@
+"""The loop's checkpoints: its state saved every `trainer.checkpoint_every` steps and at a stop, and the
+resume from the newest one (`trainer.resume=auto`). How the files are written and read safely:
+aamperf/checkpoint.py."""
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from torch import nn, optim
+
+from aamperf import checkpoint
+
+
+class Checkpoints:
+    """`state`: the loop's objects by name, each with state_dict() / load_state_dict() (scaler, batch
+    stream, meter, guards' counters, interval, result so far)."""
+
+    def __init__(
+        self,
+        run_dir: Path | None,
+        cfg: DictConfig,
+        model: nn.Module,
+        optimizer: optim.Optimizer,
+        record,
+        **state: Any,
+    ):
+        self.run_dir, self.tc, self.record = run_dir, cfg.trainer, record
+        self.model, self.optimizer, self.state = model, optimizer, state
+        self.config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        self.kept: dict[str, Any] = {}  # saved to be read, never loaded (the scheduler: a resume rebuilds it)
+        self.resumed_from: int | None = None  # the checkpoint's step, when the run went on from one
+        self.changes: dict[str, list] | None = None  # {key: [at the checkpoint, now]} that the resume applied
+        self._last: tuple[int, Path] | None = None
+
+    def resume(self) -> int:
+        """Go on from the newest checkpoint as if the run had never stopped: its step (0: a fresh run)."""
+        saved = checkpoint.checkpoints(self.run_dir) if self.run_dir and self.tc.resume == "auto" else []
+        if not saved:
+            return 0
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        loaded = checkpoint.load(saved[-1], self.model, self.optimizer)
+        self.changes = checkpoint.config_changes(loaded.get("config", self.config), self.config)
+        checkpoint.check_resume(saved[-1], self.changes)
+        checkpoint.use_run_hyperparameters(self.optimizer, fresh)
+        for name, obj in self.state.items():
+            obj.load_state_dict(loaded[name])
+        self.resumed_from = loaded["step"]
+        self.record.truncate_after(self.resumed_from)  # lines logged after the checkpoint are logged again
+        return self.resumed_from
+
+    def due(self, step: int) -> bool:
+        return bool(self.tc.checkpoint_every) and step % self.tc.checkpoint_every == 0
+
+    def save(self, step: int) -> Path | None:
+        """The checkpoint of `step` (every rank calls this; once per step); None without a run directory."""
+        if self.run_dir is None:
+            return None
+        if self._last is None or self._last[0] != step:
+            state = {"optimizer": self.optimizer, **self.state, **self.kept, "config": self.config}
+            self._last = step, checkpoint.save(self.run_dir, step, self.model, state, self.tc.keep_last)
+        return self._last[1]

@@ -1,0 +1,237 @@
+"""The training loop: fetch -> forward/backward -> step, with timers, guards and checkpoints around it."""
+
+import math
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from aamperf.device import sync, to_device
+from aamperf.distributed import all_sum, full_value, world_size
+from aamperf.errors import RunAborted
+from aamperf.guards import Guards
+from aamperf.interrupts import Interrupts, RunInterrupted
+from aamperf.metrics import RunRecord, StepMeter, SystemMonitor
+from aamperf.metrics.interval import Interval
+from aamperf.metrics.profile import StepProfiler
+from aamperf.phases import Plan
+from aamperf.trainer.checkpoints import Checkpoints
+from aamperf.trainer.schedule import build_scheduler
+from aamperf.trainer.stream import BatchStream
+
+LossFn = Callable[[torch.nn.Module, dict[str, Any], int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class FitResult:
+    meter: StepMeter
+    train_loss: float | None = None
+    val: dict[str, float] = field(default_factory=dict)
+    nonfinite_steps: int = 0
+    nonfinite_check: str = ""  # how bad steps are skipped (aamperf/guards/nonfinite.py)
+    steps: int = 0
+    resumed_from: int | None = None  # the checkpoint's step, when the run went on from one
+    resume_changes: dict[str, list] | None = None  # {key: [at the checkpoint, now]} that a resume applied
+    profile: dict[str, Any] | None = None  # metrics.profile_steps: what torch.profiler saw
+    alerts: list[dict[str, Any]] = field(default_factory=list)  # raised while training (aamperf/alerts.py)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"train_loss": self.train_loss, "val": self.val}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.train_loss, self.val = state["train_loss"], state["val"]
+
+
+@dataclass
+class Step:
+    """What one optimizer step did (its losses, norm and flag stay on the device)."""
+
+    time_s: float
+    wait_s: float
+    samples: int
+    tokens: int
+    losses: torch.Tensor  # the step's loss, then its parts
+    names: list[str]  # of `losses`: loss, loss_<part>, ...
+    grad_norm: torch.Tensor
+    bad: torch.Tensor  # not finite: skipped
+
+
+class TrainStep:
+    """One optimizer step: `grad_accum_steps` micro-batches forward and backward, the true gradients
+    clipped, the step taken unless it is not finite (`guards`), the schedule advanced."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        loss_fn: LossFn,
+        batches,
+        tc: DictConfig,
+        guards: Guards,
+        scheduler,
+        device,
+        non_blocking: bool,
+    ):
+        self.plan, self.loss_fn, self.batches, self.accum = plan, loss_fn, batches, tc.grad_accum_steps
+        self.guards, self.scheduler, self.device, self.non_blocking = guards, scheduler, device, non_blocking
+        self.params = [p for group in plan.optimizer.param_groups for p in group["params"]]
+        self.max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf  # inf: measured, nothing clipped
+
+    def __call__(self, step: int) -> Step:
+        plan, start = self.plan, time.perf_counter()
+        wait_s, samples, tokens = 0.0, 0, 0
+        step_loss = torch.zeros((), device=self.device)
+        for micro in range(1, self.accum + 1):
+            fetch = time.perf_counter()
+            batch = to_device(next(self.batches), self.device, self.non_blocking)
+            wait_s += time.perf_counter() - fetch
+            # distributed: gradients are reduced across ranks only after the last micro-batch
+            with plan.grad_sync(micro == self.accum):
+                with plan.autocast():
+                    loss, parts = self.loss_fn(plan.model, batch, step)
+                plan.scaler.scale(loss / self.accum).backward()
+            step_loss += loss.detach() / self.accum
+            samples += batch["n_samples"]  # of the global batch: all ranks' work
+            tokens += batch["n_tokens"]
+        plan.scaler.unscale_(plan.optimizer)  # clip the true gradients (identity without fp16)
+        # FSDP2: a replicated DTensor, made a plain tensor without communication
+        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.params, self.max_norm))
+        losses = torch.stack([step_loss.float(), *(v.detach().float() for v in parts.values())])
+        bad = self.guards.step(step, losses, grad_norm)  # a non-finite step changes nothing
+        self.scheduler.step()
+        plan.optimizer.zero_grad(set_to_none=True)
+        sync(self.device)
+        names = ["loss", *(f"loss_{k}" for k in parts)]
+        return Step(time.perf_counter() - start, wait_s, samples, tokens, losses, names, grad_norm, bad)
+
+
+@torch.no_grad()
+def validate(model: torch.nn.Module, loss_fn: LossFn, loader, n_batches: int, device, non_blocking) -> dict:
+    """Mean loss and parts over at most `n_batches` batches, so its cost does not grow with the data."""
+    model.eval()
+    sums: dict[str, torch.Tensor] = {}
+    n = 0
+    for batch in loader:
+        # step=0: the same nucleotide masks at every validation, so val losses are comparable over time.
+        loss, parts = loss_fn(model, to_device(batch, device, non_blocking), 0)
+        for name, value in {"loss": loss, **parts}.items():
+            sums[name] = sums.get(name, 0) + value.detach().float()
+        n += 1
+        if n == n_batches:
+            break
+    model.train()
+    world = world_size()  # each rank holds its share of every part: the global value is their mean
+    return {
+        f"val_{name}": (all_sum(total) / (n * world)).item() for name, total in sums.items()
+    }  # host sync: once per validation
+
+
+def interrupted(
+    interrupts: Interrupts, step: int, checkpoints: Checkpoints, result: FitResult
+) -> RunInterrupted:
+    """A stop signal arrived during `step`, which is whole: keep it (SIGINT only where checkpoints are
+    kept anyway), and say where it is."""
+    keep = interrupts.signum != signal.SIGINT or checkpoints.tc.checkpoint_every
+    path = checkpoints.save(step) if keep else None
+    where = (
+        f"checkpoint of step {step}: {path} (trainer.resume=auto goes on)"
+        if path
+        else "no checkpoint (trainer.checkpoint_every=0; SIGTERM always writes one)"
+    )
+    name = signal.Signals(interrupts.signum).name
+    return RunInterrupted(f"{name} received; stopped after step {step}, {where}", result, interrupts.signum)
+
+
+def fit(
+    plan: Plan,
+    loss_fn: LossFn,
+    data,
+    cfg: DictConfig,
+    device: torch.device,
+    record: RunRecord,
+    monitor: SystemMonitor,
+    meter: StepMeter,
+    non_blocking: bool = False,
+    run_dir: Path | None = None,
+    interrupts: Interrupts | None = None,
+) -> FitResult:
+    """Train for `trainer.max_steps` optimizer steps; log every `metrics.log_every` steps. A guard's stop,
+    or a stop signal (`interrupts`), ends the run after the step it came in, with a checkpoint of it."""
+    tc, batches = cfg.trainer, BatchStream(data.train_loader)
+    guards, interval = Guards(cfg, plan, device, record), Interval(device)
+    result = FitResult(meter, nonfinite_check=guards.nonfinite.check, alerts=guards.alerts.raised)
+    checkpoints = Checkpoints(
+        run_dir, cfg, plan.model, plan.optimizer, record, scaler=plan.scaler, stream=batches, meter=meter,
+        nonfinite=guards.nonfinite, interval=interval, result=result,
+    )  # fmt: skip
+    done = checkpoints.resume()
+    result.resumed_from, result.resume_changes = checkpoints.resumed_from, checkpoints.changes
+    scheduler = checkpoints.kept["scheduler"] = build_scheduler(plan.optimizer, tc, done_steps=done)
+    train_step = TrainStep(plan, loss_fn, batches, tc, guards, scheduler, device, non_blocking)
+    bar = tqdm(
+        total=tc.max_steps,
+        initial=done,
+        desc="train",
+        unit="step",
+        disable=not (tc.progress and plan.is_main),
+        dynamic_ncols=True,
+    )
+    profiler = StepProfiler(cfg.metrics.profile_steps, cfg.metrics.skip_steps, run_dir, plan.rank)
+    plan.model.train()
+    interrupts = interrupts or Interrupts()
+    interrupts.in_loop, result.steps = True, done
+    try:
+        for step in range(done + 1, tc.max_steps + 1):
+            profiler.begin(step)
+            out = train_step(step)
+            profiler.end(step)
+            if not profiler.covers(step):
+                meter.add(out.time_s, out.wait_s, out.samples, out.tokens)
+            interval.add(out.time_s, out.wait_s, out.samples, out.tokens, out.losses[0], out.bad)
+            bar.update()
+            result.steps = step
+            val_due = step % tc.val_every == 0 or step == tc.max_steps
+            log_due = step % cfg.metrics.log_every == 0 or val_due
+            if guards.memory_over(log_due) or log_due:
+                losses, stop = guards.end_interval(step, interval, out.losses, out.names)
+                row = {
+                    "step": step,
+                    **losses,
+                    "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": out.grad_norm.item(),
+                }
+                # elapsed_s: from the process's start, before this line's validation: the time a model of
+                # this quality took to get
+                row.update(interval.rates(), **monitor.readings(), elapsed_s=meter.elapsed_s())
+                if val_due and not stop:
+                    with plan.autocast():
+                        result.val = validate(
+                            plan.model, loss_fn, data.val_loader, tc.val_batches, device, non_blocking
+                        )
+                    row.update(result.val)
+                record.log(row)
+                warmed = step - interval.steps >= cfg.metrics.skip_steps  # the interval held no warm-up step
+                stop = stop or guards.check_alerts(step, row, warmed, monitor.gpu_util_percent)
+                bar.set_postfix(loss=f"{row['loss']:.4f}", samples_s=f"{row['samples_per_s']:.1f}")
+                result.train_loss = row["loss"]
+                interval.reset()
+                if stop:  # the state now is the last good one (bad steps changed nothing): keep it, stop
+                    where = (
+                        f"checkpoint of step {step}: {checkpoints.save(step)} (trainer.resume=auto goes on)"
+                    )
+                    raise RunAborted(f"{stop}; {where}", result)
+            if checkpoints.due(step):
+                checkpoints.save(step)
+            if interrupts.requested(device):  # a stop signal: this step is whole; keep it, then stop
+                raise interrupted(interrupts, step, checkpoints, result)
+    finally:  # however the loop ended
+        interrupts.in_loop = False
+        bar.close()
+        result.nonfinite_steps = int(guards.nonfinite.total.item())
+    result.profile = profiler.result
+    return result

@@ -1,0 +1,44 @@
+"""Batches without end, and where the run is in them (kept in checkpoints)."""
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+class BatchStream:
+    """Endless batches; each pass re-shuffles through the sampler's own seeded generator. Its position
+    (the generator's state when the pass began, batches taken since) goes into checkpoints."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader):
+        self.loader = loader
+        self._iter: Iterator[dict[str, Any]] | None = None
+        self._pass_state: torch.Tensor | None = None
+        self._taken = 0
+
+    def __next__(self) -> dict[str, Any]:
+        while True:
+            if self._iter is None:
+                self._pass_state = self.loader.sampler.generator.get_state()
+                self._iter, self._taken = iter(self.loader), 0
+            try:
+                batch = next(self._iter)
+            except StopIteration:
+                self._iter = None
+                continue
+            self._taken += 1
+            return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pass_state": self._pass_state, "taken": self._taken}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replay the pass from its start: the same shuffle, the batches already trained on skipped."""
+        self._iter = None
+        if state["pass_state"] is None:
+            return
+        self.loader.sampler.generator.set_state(state["pass_state"])
+        self._pass_state, self._iter = state["pass_state"], iter(self.loader)
+        for _ in range(state["taken"]):
+            next(self._iter)
+        self._taken = state["taken"]
