@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from aamperf.distributed import world_size
+from aamperf.distributed import rank, world_size
 from aamperf.errors import NoSpace, UserError, disk_full, no_space, one_line
 from aamperf.files import replace_durably, write_atomic
 from aamperf.rng import all_rng_states, set_rng_state
@@ -131,19 +131,19 @@ def save(run_dir: Path, step: int, model: nn.Module, state: dict[str, Any], keep
 
         model_state, optim_state = get_state_dict(model, optimizer)
         final, tmp = root / f"step_{step:08d}", root / f"step_{step:08d}.tmp"
-        if dist.get_rank() == 0:
+        if rank() == 0:
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
         with _cleaned_up(tmp, root, step):
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
-            if dist.get_rank() == 0:
+            if rank() == 0:
                 torch.save({**_plain(state), "rngs": rngs, "step": step}, tmp / "trainer.pt")
                 replace_durably(tmp, final)
         dist.barrier()
     else:
         final = root / f"step_{step:08d}.pt"
-        if world_size() == 1 or dist.get_rank() == 0:
+        if rank() == 0:
             root.mkdir(parents=True, exist_ok=True)
             payload = {
                 "model": unwrap(model).state_dict(),
@@ -156,7 +156,7 @@ def save(run_dir: Path, step: int, model: nn.Module, state: dict[str, Any], keep
                 write_atomic(final, lambda f: torch.save(payload, f))
         if world_size() > 1:
             dist.barrier()
-    if world_size() == 1 or dist.get_rank() == 0:
+    if rank() == 0:
         for old in checkpoints(run_dir)[:-keep_last] + _partial(root):
             shutil.rmtree(old) if old.is_dir() else old.unlink()
     return final
@@ -281,8 +281,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
             "(start a new run directory, or trainer.resume=disabled)"
         ) from exc
     rngs = payload.pop("rngs")
-    rank = dist.get_rank() if world_size() > 1 else 0
     # Another number of ranks than when saved (the model and data position do not depend on it):
     # a new rank takes the generators of rank (rank mod saved ranks); only dropout masks differ.
-    set_rng_state(rngs[rank % len(rngs)])
+    set_rng_state(rngs[rank() % len(rngs)])
     return payload
