@@ -1,5 +1,6 @@
 """Lasting files written atomically and durably: a reader sees the old file or the whole new one, never
-half of one, and a full disk is one line that names the file and what to do (`errors.NoSpace`)."""
+half of one, and a full disk is one line that names the file and what to do (`errors.NoSpace`). JSON
+caches and JSON-lines records read back whatever a crash left."""
 
 import json
 import logging
@@ -97,6 +98,23 @@ def update_json_cache(path: Path, key: str, entry: Any) -> None:
         write_json_atomic(path, {**read_json_cache(path), key: entry})
     except NoSpace:
         log.warning("%s not updated: no space left on its file system", path)
+
+
+def json_line(line: str) -> dict[str, Any] | None:
+    """A JSON-lines line as its object; None for a line cut short by a crash or a full disk (appended
+    files such as metrics.jsonl are not written atomically)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
+def read_json_lines(path: Path) -> list[dict[str, Any]]:
+    """The objects of a JSON-lines file in order (none without the file), damaged lines left out."""
+    if not Path(path).exists():
+        return []
+    return [row for line in Path(path).read_text().splitlines() if (row := json_line(line)) is not None]
 
 
 def fsync_directory(directory: Path) -> None:

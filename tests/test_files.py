@@ -9,7 +9,14 @@ import sys
 import pytest
 
 from aamperf.errors import NoSpace, UserError
-from aamperf.files import read_json_cache, replace_durably, update_json_cache, write_atomic, write_json_atomic
+from aamperf.files import (
+    read_json_cache,
+    read_json_lines,
+    replace_durably,
+    update_json_cache,
+    write_atomic,
+    write_json_atomic,
+)
 
 
 def leftovers(directory):
@@ -104,3 +111,10 @@ def test_processes_writing_the_cache_at_once_never_fail_or_leave_a_damaged_file(
     entries = json.loads(cache.read_text())
     assert any(k.startswith("a-") for k in entries) and any(k.startswith("b-") for k in entries)
     assert leftovers(tmp_path) == []
+
+
+def test_json_lines_leave_out_a_line_cut_short(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.5}\n\n{"step": 2, "lo')  # a crash mid-line
+    assert read_json_lines(path) == [{"step": 1, "loss": 2.5}]
+    assert read_json_lines(tmp_path / "absent.jsonl") == []

@@ -10,18 +10,15 @@ from typing import Any
 import psutil
 
 from aamperf.errors import UserError, disk_full, no_space
-from aamperf.files import json_safe, write_atomic, write_json_atomic
+from aamperf.files import json_line, json_safe, write_atomic, write_json_atomic
 
 SPACE_FIX = "free space there or set hydra.run.dir elsewhere"
 LOCK = ".running"  # host and pid of the run that holds the directory; removed when it ends
 
 
 def _row(line: str) -> dict | None:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return row if isinstance(row, dict) and "step" in row else None
+    row = json_line(line)
+    return row if row is not None and "step" in row else None
 
 
 def claim(run_dir: Path) -> Path:
