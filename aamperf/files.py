@@ -6,8 +6,8 @@ import json
 import logging
 import math
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, NoReturn
@@ -30,10 +30,10 @@ def write_atomic(path: Path, data: bytes | str | Writer, fix: str = FREE_SPACE) 
     path, tmp = Path(path), None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        tmp = Path(name)
-        with open(tmp, "wb") as f:  # by name: a writer's errors name the file; closed before the clean-up
+        # not tempfile.mkstemp: its files are private (0600); this one gets the umask's mode, as a plain open
+        name = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        with open(name, "xb") as f:  # by name: a writer's errors name the file; closed before the clean-up
+            tmp = name
             if callable(data):
                 data(f)
             else:

@@ -3,6 +3,7 @@ full disk as one line that names the file."""
 
 import errno
 import json
+import os
 import subprocess
 import sys
 
@@ -31,6 +32,9 @@ def test_bytes_text_and_a_writer_each_become_the_whole_file(tmp_path):
     assert (tmp_path / "deeper" / "b.txt").read_text(encoding="utf-8") == "héllo\n"
     assert (tmp_path / "c.bin").read_bytes() == b"written by a writer"
     assert leftovers(tmp_path) == [] and leftovers(tmp_path / "deeper") == []
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (tmp_path / "a.bin").stat().st_mode & 0o777 == 0o666 & ~umask  # as open() makes it, not private
 
 
 def test_a_failing_writer_leaves_the_old_file_and_no_temporary_file(tmp_path):
