@@ -28,6 +28,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from aamperf.device import to_device
+from aamperf.distributed import world_size
 from aamperf.errors import UserError
 from aamperf.metrics.monitor import peak_rss, release_freed_memory, reset_peak_rss
 from aamperf.phases import Plan
@@ -68,7 +69,7 @@ def _peak_after(run: Callable[[], None], device: torch.device) -> float:
 
 
 def _largest_of_all_ranks(peak: float, device: torch.device) -> float:
-    if not (dist.is_available() and dist.is_initialized()):
+    if world_size() == 1:
         return peak
     value = torch.tensor([peak], device=device, dtype=torch.float64)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)

@@ -16,6 +16,7 @@ from aamperf.checks import check_config, unwritable
 from aamperf.data.tables import resolve_files
 from aamperf.device import resolve_device
 from aamperf.errors import RunAborted, UserError, exit_aborted, exit_bad_input, no_such_option
+from aamperf.files import write_atomic
 from aamperf.interrupts import RunInterrupted, exit_interrupted
 from aamperf.phases import check_phases
 from aamperf.report import find_runs, make_report, to_markdown
@@ -75,7 +76,7 @@ class CheckBeforeRun(Callback):
                 error = exc
         if isinstance(error, UserError):
             for path, content in self.earlier_files.items():
-                path.write_bytes(content)
+                write_atomic(path, content)
             exit_bad_input(error)
         if isinstance(error, RunInterrupted):  # a stop signal: 128 + its number
             exit_interrupted(error)

@@ -5,8 +5,8 @@ One process and DDP: rank 0 writes one file, `<run dir>/checkpoints/step_<N>.pt`
 scheduler, GradScaler, every rank's RNG states, the data position, the loop's counters; the
 scheduler's state is kept to be read, a resume rebuilds the schedule from its config). FSDP2: a
 sharded checkpoint directory `step_<N>/` through torch.distributed.checkpoint, which can be read by
-another number of ranks. A half-written checkpoint never replaces a good one: files are renamed
-into place after an fsync, directories after DCP has finished.
+another number of ranks. A half-written checkpoint never replaces a good one: a file, or a directory
+once DCP has finished, is fsynced and renamed into place (aamperf/files.py).
 
 No code from a file runs on resume: `.pt` files are read with `torch.load(weights_only=True)`; a sharded
 directory's `.metadata` (a pickle) through an unpickler that builds only DCP's own metadata classes, and
@@ -14,7 +14,6 @@ its non-tensor items with `weights_only=True` too (`SafeReader`, `SafePlanner`).
 """
 
 import io
-import os
 import pickle
 import shutil
 from collections.abc import Iterator
@@ -26,8 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from aamperf.distributed import world_size
-from aamperf.errors import UserError, disk_full, no_space, one_line
+from aamperf.distributed import rank, world_size
+from aamperf.errors import NoSpace, UserError, disk_full, no_space, one_line
+from aamperf.files import replace_durably, write_atomic
 from aamperf.rng import all_rng_states, set_rng_state
 
 CHECKPOINT_DIR = "checkpoints"
@@ -118,17 +118,6 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(done, key=step_of)
 
 
-def _fsync_replace(tmp: Path, final: Path) -> None:
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    fd = os.open(final.parent, os.O_RDONLY)  # the rename itself, durable
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save(run_dir: Path, step: int, model: nn.Module, state: dict[str, Any], keep_last: int) -> Path:
     """Write the checkpoint of `step` (every rank calls this) and keep the newest `keep_last`.
 
@@ -142,19 +131,19 @@ def save(run_dir: Path, step: int, model: nn.Module, state: dict[str, Any], keep
 
         model_state, optim_state = get_state_dict(model, optimizer)
         final, tmp = root / f"step_{step:08d}", root / f"step_{step:08d}.tmp"
-        if dist.get_rank() == 0:
+        if rank() == 0:
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
         with _cleaned_up(tmp, root, step):
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
-            if dist.get_rank() == 0:
+            if rank() == 0:
                 torch.save({**_plain(state), "rngs": rngs, "step": step}, tmp / "trainer.pt")
-                os.replace(tmp, final)
+                replace_durably(tmp, final)
         dist.barrier()
     else:
         final = root / f"step_{step:08d}.pt"
-        if world_size() == 1 or dist.get_rank() == 0:
+        if rank() == 0:
             root.mkdir(parents=True, exist_ok=True)
             payload = {
                 "model": unwrap(model).state_dict(),
@@ -163,27 +152,33 @@ def save(run_dir: Path, step: int, model: nn.Module, state: dict[str, Any], keep
                 "rngs": rngs,
                 "step": step,
             }
-            tmp = final.with_name(final.name + ".tmp")
-            with _cleaned_up(tmp, root, step):
-                with open(tmp, "wb") as f:  # closed here even when torch.save fails: its space is freed
-                    torch.save(payload, f)
-                _fsync_replace(tmp, final)
+            with _cleaned_up(None, root, step):
+                write_atomic(final, lambda f: torch.save(payload, f))
         if world_size() > 1:
             dist.barrier()
-    if world_size() == 1 or dist.get_rank() == 0:
-        for old in checkpoints(run_dir)[:-keep_last]:
+    if rank() == 0:
+        for old in checkpoints(run_dir)[:-keep_last] + _partial(root):
             shutil.rmtree(old) if old.is_dir() else old.unlink()
     return final
 
 
+def _partial(root: Path) -> list[Path]:
+    """What killed saves left (a kill runs no clean-up): `.step_<N>.pt.<random>.tmp`, `step_<N>.tmp/`."""
+    return [p for p in root.iterdir() if p.name.lstrip(".").startswith("step_") and p.name.endswith(".tmp")]
+
+
 @contextmanager
-def _cleaned_up(tmp: Path, root: Path, step: int) -> Iterator[None]:
-    """A save that fails leaves no partial file; on a full disk it says so in one line."""
+def _cleaned_up(tmp: Path | None, root: Path, step: int) -> Iterator[None]:
+    """A save that fails leaves no partial file (`tmp`, a DCP directory being written; the files of
+    aamperf/files.py clean up after themselves); on a full disk it says so in one line that names the
+    last good checkpoint."""
     try:
         yield
-    except Exception as exc:  # a kill (or SystemExit) runs no clean-up: the next save ignores its .tmp
-        full = disk_full(exc, root)  # before the partial file goes: it is what filled the disk
-        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+    except Exception as exc:  # a kill runs no clean-up: the next save removes what it left (`_partial`)
+        # asked before the partial directory goes: it is what filled the disk
+        full = isinstance(exc, NoSpace) or disk_full(exc, root)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         if full:
             kept = [p.name for p in checkpoints(root.parent)]
             raise no_space(
@@ -286,8 +281,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
             "(start a new run directory, or trainer.resume=disabled)"
         ) from exc
     rngs = payload.pop("rngs")
-    rank = dist.get_rank() if world_size() > 1 else 0
     # Another number of ranks than when saved (the model and data position do not depend on it):
     # a new rank takes the generators of rank (rank mod saved ranks); only dropout masks differ.
-    set_rng_state(rngs[rank % len(rngs)])
+    set_rng_state(rngs[rank() % len(rngs)])
     return payload

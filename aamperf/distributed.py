@@ -143,6 +143,11 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def rank() -> int:
+    """This process's rank in the process group; 0 for a single process."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 class _Gather(torch.autograd.Function):
     """all_gather forward; backward: each slice's gradient summed over the ranks that used it."""
 

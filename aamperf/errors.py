@@ -26,6 +26,10 @@ class UserError(Exception):
     """Bad input from the user: config, files or data. The entry point prints it and exits 2."""
 
 
+class NoSpace(UserError):
+    """A write failed for want of space (`no_space`): a cache may catch it and go on without its file."""
+
+
 class RunAborted(Exception):
     """The run stopped itself to protect its state (non-finite steps, memory): status `aborted`, a
     checkpoint of the last good state, and a one-line message. The entry point exits 3."""
@@ -55,8 +59,8 @@ def disk_full(exc: BaseException, path: Path) -> bool:
         return False
 
 
-def no_space(path: Path, what: str, fix: str) -> "UserError":
-    return UserError(f"no space left on the file system of {path} to write {what}; {fix}")
+def no_space(path: Path, what: str, fix: str) -> NoSpace:
+    return NoSpace(f"no space left on the file system of {path} to write {what}; {fix}")
 
 
 def one_line(message: object) -> str:

@@ -23,13 +23,12 @@ from typing import Any
 import torch
 
 from aamperf.errors import one_line
+from aamperf.files import read_json_cache, update_json_cache
 from aamperf.metrics.flops import (
     DTYPES,
     MAX_ROWS,
     MIN_WATCH_S,
     LoadWatch,
-    _read_cache,
-    _write_cache,
     calibrate_cpu,
     machine_key,
 )
@@ -243,7 +242,7 @@ class Probe:
         """The cached answer, or None (none yet, or probe.refresh asks for a new one)."""
         if self.refresh:
             return None
-        return _read_cache(self.cache_file).get(self._key(question, params))
+        return read_json_cache(self.cache_file).get(self._key(question, params))
 
     def least(self, question: str, figure: str) -> float | None:
         """The smallest `figure` among the cached answers to `question` on this device, whatever their
@@ -251,7 +250,7 @@ class Probe:
         if self.refresh:
             return None
         prefix = f"{self.key}|{question}|"
-        cache = _read_cache(self.cache_file)
+        cache = read_json_cache(self.cache_file)
         figures = [r[figure] for k, r in cache.items() if k.startswith(prefix) and r.get(figure) is not None]
         return min(figures, default=None)
 
@@ -259,13 +258,13 @@ class Probe:
         """The cached answer to `question` with these `params` on this device, or a new measurement (cached
         when the machine was quiet; otherwise a quiet earlier one is preferred)."""
         key = self._key(question, params)
-        cached = _read_cache(self.cache_file).get(key)
+        cached = read_json_cache(self.cache_file).get(key)
         if cached and not self.refresh:
             return {**cached, "source": "cache"}
         with torch.random.fork_rng(devices=[]):  # a measurement leaves the run's random stream as it was
             record = {**measure(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         if record.get("under_load") is None:
-            _write_cache(self.cache_file, key, record)
+            update_json_cache(self.cache_file, key, record)
             return {**record, "source": "measured"}
         if cached:  # this one is unreliable; the quiet one of an earlier run stands
             return {**cached, "source": "cache", "rejected": record}

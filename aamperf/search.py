@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from aamperf.callbacks import CompareReport
+from aamperf.files import write_atomic
 from aamperf.report import find_runs
 
 REFERENCE_DIR = "reference"
@@ -134,8 +135,7 @@ class FastestSearch(CompareReport):
                 "(or copy this file to conf/optim/)",
             ]
         )
-        out.parent.mkdir(exist_ok=True)
-        out.write_text(level_yaml(best.overrides, list(config.hydra.sweeper.params), note))
+        write_atomic(out, level_yaml(best.overrides, list(config.hydra.sweeper.params), note))
         print(
             f"search: best trial {best.path.name}: {s['samples_per_s']:.3g} samples/s{speedup}; "
             f"written to {out}"

@@ -85,8 +85,9 @@ def test_checkpoints_are_loadable_without_code_and_only_the_newest_kept(make_cfg
 
 
 def test_a_kill_during_a_save_leaves_the_last_good_checkpoint(make_cfg, tmp_path, monkeypatch):
-    """The process dies halfway through writing step 4 (an exception here, which like a kill runs
-    no clean-up in checkpoint.save): step 2 stays the newest checkpoint, and a re-run goes on from it."""
+    """The process dies halfway through writing step 4 (SystemExit here, whose partial file is removed; a
+    kill leaves it, planted below): step 2 stays the newest checkpoint, and a re-run goes on from it and
+    removes the partial file."""
     resumable = make_cfg("trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.resume=auto")
     real_save = torch.save
 
@@ -102,7 +103,8 @@ def test_a_kill_during_a_save_leaves_the_last_good_checkpoint(make_cfg, tmp_path
         train(resumable, tmp_path)
     monkeypatch.setattr(torch, "save", real_save)
     saved = tmp_path / "checkpoints"
-    assert sorted(p.name for p in saved.iterdir()) == ["step_00000002.pt", "step_00000004.pt.tmp"]
+    assert sorted(p.name for p in saved.iterdir()) == ["step_00000002.pt"]
+    (saved / ".step_00000004.pt.k1ll3d.tmp").write_bytes(b"the first bytes of step 4")  # a kill's leftover
     summary = train(resumable, tmp_path)
     assert summary["status"] == "completed" and summary["resumed_from_step"] == 2
     assert sorted(p.name for p in saved.iterdir()) == ["step_00000002.pt", "step_00000004.pt"]

@@ -18,10 +18,11 @@ from aamperf.data.tables import (
     read_unifrac,
     resolve_files,
 )
-from aamperf.data.tokenize import TOKENS_PER_ASV, count_real_tokens, tokenize_sequences
+from aamperf.data.tokenize import count_real_tokens, tokenize_sequences
 from aamperf.data.unifrac import cached_unifrac, select_unifrac
 from aamperf.errors import UserError
 from aamperf.model.aam import bucket_size
+from aamperf.tokens import TOKENS_PER_ASV
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,6 @@
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -14,7 +13,8 @@ import biom
 import h5py
 import numpy as np
 
-from aamperf.errors import disk_full, no_space
+from aamperf.errors import NoSpace, disk_full, no_space
+from aamperf.files import replace_durably
 
 if TYPE_CHECKING:  # scikit-bio costs ~2 s to import; only a first run simulates
     from skbio import TreeNode
@@ -67,12 +67,12 @@ def ensure_simulated(params: SimParams, cache_dir: Path) -> dict[str, Path]:
             return paths
         if final.exists():  # damaged, or files deleted by hand (a rename never leaves half a directory)
             shutil.rmtree(final)
-        os.rename(tmp, final)  # atomic: readers see no directory or a whole one
+        replace_durably(tmp, final)  # atomic: readers see no directory or a whole one
         log.info("simulated data set written to %s", final)
-    except OSError as exc:
+    except (OSError, NoSpace) as exc:
         if damaged(final) is None:  # another process won the race
             return paths
-        if disk_full(exc, final.parent):
+        if isinstance(exc, NoSpace) or disk_full(exc, final.parent):
             raise no_space(
                 final.parent, "the simulated data set", "free space or set data.cache_dir elsewhere"
             ) from exc

@@ -1,13 +1,11 @@
-"""Nucleotide tokens of the AAM workload: pad=0, A=1, C=2, G=3, T=4, START=5 prepended, 150 bp + START."""
+"""Sequences to tokens (the ids: aamperf/tokens.py): START, then up to 150 bases, then PAD."""
 
 import re
 
 import numpy as np
 import torch
 
-PAD, A, C, G, T, START, MASK = 0, 1, 2, 3, 4, 5, 6
-ASV_BP = 150  # longer sequences are truncated, shorter ones padded with PAD
-TOKENS_PER_ASV = ASV_BP + 1  # START + 150 bp
+from aamperf.tokens import ASV_BP, PAD, START, TOKENS_PER_ASV, A, C, G, T, real_bases
 
 # Ambiguous IUPAC letters (N, R, Y, ...) become PAD: the model has no token for them, and PAD keeps
 # them out of the masked-nucleotide loss and out of `n_tokens`. Any other character is an error.
@@ -52,4 +50,4 @@ def tokenize_sequences(sequences: list[str]) -> torch.Tensor:
 
 def count_real_tokens(tokens: torch.Tensor) -> torch.Tensor:
     """Real nucleotides (A/C/G/T: tokens 1-4) per row; START, PAD and ambiguous letters excluded."""
-    return ((tokens >= A) & (tokens <= T)).sum(dim=-1)
+    return real_bases(tokens).sum(dim=-1)

@@ -2,8 +2,6 @@
 
 import hashlib
 import logging
-import os
-import tempfile
 import zipfile
 from collections import Counter
 from pathlib import Path
@@ -13,7 +11,8 @@ import biom
 import numpy as np
 
 from aamperf.data.tables import read_tree
-from aamperf.errors import UserError, disk_full, one_line
+from aamperf.errors import NoSpace, UserError, one_line
+from aamperf.files import write_atomic
 
 if TYPE_CHECKING:  # scikit-bio costs ~2 s to import; a cache hit never needs it
     from skbio import TreeNode
@@ -83,19 +82,9 @@ def cached_unifrac(table: biom.Table, tree_path: Path, cache_dir: Path) -> tuple
             problem = f"is damaged ({type(exc).__name__}: {one_line(exc)[:120]})"
         log.warning("UniFrac cache %s %s; recomputing it", path, problem)
     matrix = compute_unifrac(table, read_tree(tree_path))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, matrix=matrix, ids=sample_ids)
-            os.replace(tmp, path)  # atomic: a reader sees the old file, no file, or the whole new one
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    except OSError as exc:  # the run has its matrix: a cache it cannot keep costs the next run only
-        if not disk_full(exc, path.parent):
-            raise
+    try:  # atomic: a reader sees the old file, no file, or the whole new one
+        write_atomic(path, lambda f: np.savez(f, matrix=matrix, ids=sample_ids))
+    except NoSpace:  # the run has its matrix: a cache it cannot keep costs the next run only
         log.warning(
             "UniFrac not cached: no space left in %s (free space, or set data.cache_dir)", path.parent
         )

@@ -1,7 +1,5 @@
 """FLOPs of a step and the device's peak FLOP/s, the two halves of MFU / HFU."""
 
-import json
-import logging
 import os
 import platform
 import socket
@@ -15,10 +13,7 @@ import psutil
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from aamperf.errors import disk_full
-from aamperf.metrics.record import write_json_atomic
-
-log = logging.getLogger(__name__)
+from aamperf.files import read_json_cache, update_json_cache
 
 # Dense peak FLOP/s of known GPUs by (name fragment, matmul dtype), from the vendors' data sheets.
 # A device not listed gets MFU = null: never a guess.
@@ -289,26 +284,6 @@ def calibrate_cpu(
     return record
 
 
-def _read_cache(path: Path) -> dict[str, Any]:
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):  # absent, or damaged: no cache (it is rewritten by the next clean run)
-        return {}
-    return cache if isinstance(cache, dict) else {}
-
-
-def _write_cache(path: Path, key: str, entry: dict[str, Any]) -> None:
-    """Add `entry` under `key`. Several processes (torchrun ranks, sweeps) may write at once: each writes
-    its own temporary file and renames it (at worst one's entry is lost, never the file)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {**_read_cache(path), key: entry})
-    except OSError as exc:  # a cache: measured again next time
-        if not disk_full(exc, path.parent):
-            raise
-        log.warning("%s not updated: no space left on its file system", path)
-
-
 def peak_flops(
     device: torch.device,
     precision: str,
@@ -345,13 +320,13 @@ def peak_flops(
         entry = {
             k: record[k] for k in ("peak_flops", "spread", "best_shape", "loadavg_before", "other_cores_busy")
         }
-        _write_cache(cache_file, key, {**entry, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        update_json_cache(cache_file, key, {**entry, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
         return record["peak_flops"], {
             **record,
             "status": "this_run",
             "reason": "calibrated in this run; cached",
         }
-    cached = _read_cache(cache_file).get(key)
+    cached = read_json_cache(cache_file).get(key)
     if cached:
         reason = (
             f"this run's calibration ({record['peak_flops']:.3g} FLOP/s) was under load "

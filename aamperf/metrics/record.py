@@ -1,10 +1,8 @@
 """The run record: metrics.jsonl (one line per logged step, flushed) and summary.json (atomic)."""
 
 import json
-import math
 import os
 import socket
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -12,44 +10,15 @@ from typing import Any
 import psutil
 
 from aamperf.errors import UserError, disk_full, no_space
+from aamperf.files import json_line, json_safe, write_atomic, write_json_atomic
 
 SPACE_FIX = "free space there or set hydra.run.dir elsewhere"
 LOCK = ".running"  # host and pid of the run that holds the directory; removed when it ends
 
 
-def _clean(value: Any) -> Any:
-    """JSON has no NaN/inf: a non-finite float is written as null (a bad value is never hidden as 0)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
-    return value
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write to a temp file, fsync, rename: a reader never sees half a file. The temp file's name is
-    unique to this writer, so several processes (torchrun ranks) may write the same file at once."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(_clean(obj), f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _row(line: str) -> dict | None:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return row if isinstance(row, dict) and "step" in row else None
+    row = json_line(line)
+    return row if row is not None and "step" in row else None
 
 
 def claim(run_dir: Path) -> Path:
@@ -102,7 +71,7 @@ class RunRecord:
     def log(self, row: dict[str, Any]) -> None:
         if self._metrics is None:
             self._metrics = open(self.metrics_path, "a")
-        row = _clean(row)
+        row = json_safe(row)
         try:
             self._metrics.write(json.dumps(row) + "\n")
             self._metrics.flush()  # a crash loses at most the line being written
@@ -117,13 +86,8 @@ class RunRecord:
         self._to_sinks("alert", alert)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        try:
-            write_json_atomic(self.summary_path, summary)  # on failure no partial file is left
-        except OSError as exc:
-            if disk_full(exc, self.summary_path):
-                raise no_space(self.run_dir, "summary.json", SPACE_FIX) from exc
-            raise
-        self._to_sinks("summary", _clean(summary))
+        write_json_atomic(self.summary_path, summary, SPACE_FIX)  # on failure no partial file is left
+        self._to_sinks("summary", json_safe(summary))
 
     def keep_earlier_summary(self) -> None:
         """Write this run's summary beside the one an earlier run left here (aamperf/callbacks.py)."""
@@ -141,9 +105,7 @@ class RunRecord:
         kept = [
             line for line, row in zip(lines, rows, strict=True) if row is not None and row["step"] <= step
         ]
-        tmp = self.metrics_path.with_name(".metrics.jsonl.tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, self.metrics_path)
+        write_atomic(self.metrics_path, "".join(kept), SPACE_FIX)
 
     def close(self, failed: bool = False) -> None:
         if self._metrics is not None:

@@ -5,8 +5,8 @@ from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from aamperf.model.layers import AttentionPooling, Transformer
+from aamperf.tokens import PAD, TOKENS_PER_ASV, VOCAB_SIZE
 
-PAD, A, C, G, T, START, MASK = range(7)  # token ids, as the data pipeline writes them
 ASV_ROWS = ("all", "real", "unique")  # which ASV rows the ASV encoder runs on (`AAM.asv_rows`)
 
 
@@ -50,8 +50,8 @@ class AAM(nn.Module):
         max_asvs: int,
         ffn_mult: int = 4,
         dropout: float = 0.1,
-        vocab_size: int = 7,
-        seq_len: int = 151,
+        vocab_size: int = VOCAB_SIZE,
+        seq_len: int = TOKENS_PER_ASV,
         target_dim: int = 1,
         count_embedding: bool = True,
     ):

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aamperf.distributed import all_sum, gather, gather_constant, world_size
-from aamperf.model.aam import MASK, A, T
+from aamperf.tokens import MASK, real_bases
 
 _M32 = 0xFFFFFFFF
 
@@ -33,7 +33,7 @@ def nucleotide_mask(tokens: Tensor, asv_ids: Tensor, step: int, seed: int, fract
     position = torch.arange(length, device=tokens.device, dtype=torch.int64)
     draw = _hash32(asv_key ^ _hash32(position)) >> 8  # 24 uniform bits
     hidden = draw < int(fraction * (1 << 24))
-    return hidden & (tokens >= A) & (tokens <= T)
+    return hidden & real_bases(tokens)
 
 
 class AAMLoss(nn.Module):

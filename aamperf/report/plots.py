@@ -9,6 +9,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
+from aamperf.files import write_atomic  # noqa: E402
+
 
 def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> plt.Figure:
     """Six panels: the two verdict intervals (speed-up, val-loss change), peak memory, MFU / HFU,
@@ -98,6 +100,6 @@ def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> plt.Figu
     legend_rows = sum(label.count("\n") + 1 for label in ticks[::columns])
     fig.suptitle(f"baseline: {result['baseline']}")
     fig.tight_layout(rect=(0, min(0.4, 0.02 + 0.14 * legend_rows / fig.get_figheight()), 1, 1))
-    fig.savefig(out, dpi=110)
+    write_atomic(out, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
     return fig  # closed: its artists can still be inspected

@@ -1,10 +1,11 @@
 """The comparison report's files: comparison.json, .csv, .md (the table) and .png (the figure)."""
 
 import csv
+import io
 from pathlib import Path
 from typing import Any
 
-from aamperf.metrics.record import write_json_atomic
+from aamperf.files import write_atomic, write_json_atomic
 
 
 def fmt(value: Any, spec: str = ".3g") -> str:
@@ -83,19 +84,20 @@ def write_report(result: dict[str, Any], groups: list, out: Path) -> None:
     write_json_atomic(out / "comparison.json", result)
     lists = ("seeds", "paired_seeds", "errors")
     columns = [k for k in result["rows"][0] if k not in lists] + list(lists)
-    with open(out / "comparison.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        for row in result["rows"]:
-            writer.writerow(
-                {
-                    **row,
-                    "seeds": " ".join(map(str, row["seeds"])),
-                    "paired_seeds": " ".join(map(str, row["paired_seeds"])),
-                    "errors": " | ".join(row["errors"]),
-                }
-            )
-    (out / "comparison.md").write_text(to_markdown(result))
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=columns)
+    writer.writeheader()
+    for row in result["rows"]:
+        writer.writerow(
+            {
+                **row,
+                "seeds": " ".join(map(str, row["seeds"])),
+                "paired_seeds": " ".join(map(str, row["paired_seeds"])),
+                "errors": " | ".join(row["errors"]),
+            }
+        )
+    write_atomic(out / "comparison.csv", table.getvalue())
+    write_atomic(out / "comparison.md", to_markdown(result))
     from aamperf.report.plots import plot_comparison  # matplotlib only when a report is drawn
 
     plot_comparison(result, groups, out / "comparison.png")

@@ -12,6 +12,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from aamperf.errors import UserError
+from aamperf.files import read_json_lines
 
 IGNORED_OVERRIDES = ("seed=", "hydra.", "trainer.progress=", "compare.", "logger.", "hparams_search=")
 
@@ -34,11 +35,8 @@ class Run:
 
     @cached_property
     def metrics(self) -> list[dict[str, Any]]:
-        """The run's metrics.jsonl lines (none if it has no file)."""
-        path = self.path / "metrics.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        """The run's metrics.jsonl rows (none if it has no file; a line a crash cut short left out)."""
+        return read_json_lines(self.path / "metrics.jsonl")
 
     @property
     def validations(self) -> list[tuple[float, float]]:

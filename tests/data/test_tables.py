@@ -15,8 +15,9 @@ from aamperf.data.tables import (
     read_tree,
     read_unifrac,
 )
-from aamperf.data.tokenize import START, count_real_tokens, tokenize_sequences
+from aamperf.data.tokenize import count_real_tokens, tokenize_sequences
 from aamperf.errors import UserError
+from aamperf.tokens import START
 
 IDS = ["s1", "s2", "s3"]
 MATRIX = np.array([[0.0, 0.25, 0.5], [0.25, 0.0, 0.75], [0.5, 0.75, 0.0]])
