@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 from aamperf.device import to_device
 from aamperf.distributed import world_size
 from aamperf.errors import UserError
+from aamperf.guards import memory_limit
 from aamperf.metrics.monitor import peak_rss, release_freed_memory, reset_peak_rss
 from aamperf.phases import Plan
 from aamperf.rng import rng_state, set_rng_state
@@ -44,10 +45,11 @@ def smallest_batch(world: int) -> int:
 
 def memory_budget(fraction: float, device: torch.device) -> int:
     """Bytes one rank may use: `fraction` of the device's memory (CUDA), or of the RAM this run can
-    have (available now + this process's RSS), shared by the ranks on this machine (CPU)."""
+    have (available now + this process's RSS, at most its cgroup's limit: the memory guard's), shared
+    by the ranks on this machine (CPU)."""
     if device.type == "cuda":
         return int(fraction * torch.cuda.get_device_properties(device).total_memory)
-    usable = psutil.virtual_memory().available + psutil.Process().memory_info().rss
+    usable = min(psutil.virtual_memory().available + psutil.Process().memory_info().rss, memory_limit()[0])
     return int(fraction * usable / int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from aamperf.errors import UserError
+from aamperf.errors import NoSpace
 from aamperf.metrics import StepMeter, null_reason, utilization
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class Summary(dict):
         self.update(duration_s=self.meter.elapsed_s(), config=resolved_config(cfg), pid=os.getpid())
         try:
             record.write_summary(dict(self))
-        except UserError as exc:
+        except NoSpace as exc:
             if self["status"] == "completed":
                 raise
             log.warning("summary.json not written: no space left in %s (%r)", run_dir, exc.__cause__)

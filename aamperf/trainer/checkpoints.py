@@ -5,10 +5,11 @@ aamperf/checkpoint.py."""
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn, optim
 
 from aamperf import checkpoint
+from aamperf.summary import resolved_config
 
 
 class Checkpoints:
@@ -26,7 +27,7 @@ class Checkpoints:
     ):
         self.run_dir, self.tc, self.record = run_dir, cfg.trainer, record
         self.model, self.optimizer, self.state = model, optimizer, state
-        self.config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        self.config = resolved_config(cfg)
         self.kept: dict[str, Any] = {}  # saved to be read, never loaded (the scheduler: a resume rebuilds it)
         self.resumed_from: int | None = None  # the checkpoint's step, when the run went on from one
         self.changes: dict[str, list] | None = None  # {key: [at the checkpoint, now]} that the resume applied
