@@ -30,6 +30,7 @@ def test_auto_batch_fits_the_budget_and_keeps_the_effective_batch(launch):
     trainer = summary["config"]["trainer"]
     assert (trainer["batch_size"], trainer["grad_accum_steps"]) == (32, found["grad_accum_steps"])
     rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]  # the check below is of these lines, not of none
     assert all(abs(r["samples_per_s"] * r["step_time_s"] - 32) < 1e-6 for r in rows)  # trained at 32
 
 
@@ -46,4 +47,5 @@ def test_auto_batch_run_trains_like_the_batch_given(make_cfg, tmp_path):
     def losses(run_dir):
         return [(r["loss"], r.get("val_loss")) for r in read_metrics(run_dir)]
 
-    assert losses(tmp_path / "auto") == losses(tmp_path / "given")
+    given = losses(tmp_path / "given")
+    assert losses(tmp_path / "auto") == given and len(given) == 4

@@ -101,7 +101,9 @@ def test_gradient_accumulation_splits_the_batch_into_micro_batches(make_cfg, tmp
     one = train(make_cfg("trainer.batch_size=4", "trainer.max_steps=4"), tmp_path / "one")
     # two micro-batches of 4: the FLOPs of two forward + backward passes of batch 4 (same batches first)
     assert summary["flops_per_step"] == pytest.approx(2 * one["flops_per_step"], rel=0.25)
-    for row in read_metrics(tmp_path):  # every optimizer step saw the whole batch of 8
+    rows = read_metrics(tmp_path)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]  # the loop below checks these, not no line
+    for row in rows:  # every optimizer step saw the whole batch of 8
         assert row["samples_per_s"] * row["step_time_s"] == pytest.approx(8)
     assert summary["steps"] == 4
 
