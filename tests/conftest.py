@@ -1,7 +1,16 @@
-"""Fixtures: the real Hydra config, composed with tiny CPU settings."""
+"""Fixtures: the real Hydra config, composed with tiny CPU settings; a run launched as a user launches
+it; and the run record read back as `python -m aamperf.compare` reads it."""
 
-from collections.abc import Callable, Iterator
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -9,8 +18,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from aamperf.config import register_configs
+from aamperf.report.runs import Run
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf"
+TESTS = REPO / "tests"  # tests/plugin_model.py: the model._target_ / loss._target_ of some tests
 
 # Small enough for a 3-step run in a few seconds, big enough for every code path.
 TINY = [
@@ -57,3 +69,119 @@ def make_cfg(cache_dir: Path) -> Iterator[Callable[..., DictConfig]]:
 
     yield make
     HydraConfig.instance().cfg = None  # no HydraConfig left behind for the next test
+
+
+# ---- a run launched as a user launches it ------------------------------------------------------------
+
+PYTHON = (sys.executable,)
+# Set by a torchrun that started pytest: a run launched here is not one of its ranks.
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+
+
+def torchrun(ranks: int, *options: str, module: str = "torch.distributed.run") -> list[str]:
+    """The launcher of `ranks` local processes, for launch(launcher=...): torchrun, or aamperf.launch."""
+    return [sys.executable, "-m", module, *options, "--standalone", f"--nproc_per_node={ranks}"]
+
+
+class Launched(NamedTuple):
+    proc: subprocess.CompletedProcess | subprocess.Popen  # finished; still running with wait=False
+    run_dir: Path | None  # hydra.run.dir, or hydra.sweep.dir of a multirun
+
+
+def launch_run(
+    *args: str,
+    cache_dir: Path,
+    run_dir: Path | None,
+    module: str = "aamperf.train",
+    launcher: Sequence[str] = PYTHON,
+    multirun: bool = False,
+    tiny: bool = True,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float = 600,
+    wait: bool = True,
+) -> Launched:
+    """`<launcher> -m <module> [-m] <TINY> data.cache_dir=... <args> hydra.run.dir=<run_dir>`, in
+    `env` (default: this process's) without a torchrun rank, with this checkout and tests/ importable.
+    wait=True: run it to the end (or `timeout`), output captured as text; wait=False: start it, stderr
+    piped (text), stdout dropped. run_dir=None: Hydra's default directory under `cwd`."""
+    cmd = [*launcher, "-m", module, *(["-m"] if multirun else [])]
+    cmd += [*TINY, f"data.cache_dir={cache_dir}"] if tiny else []
+    cmd += args
+    if run_dir is not None:
+        cmd.append(f"hydra.{'sweep' if multirun else 'run'}.dir={run_dir}")
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k not in RANK_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(TESTS), env.get("PYTHONPATH")]))
+    if wait:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+        return Launched(proc, run_dir)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd
+    )
+    return Launched(proc, run_dir)
+
+
+@pytest.fixture
+def launch(tmp_path: Path, cache_dir: Path) -> Callable[..., Launched]:
+    """launch(*overrides, name="run", **options): launch_run in the directory tmp_path / name (Hydra's
+    default with name=None), with the session's data cache."""
+
+    def launch(*overrides: str, name: str | None = "run", **options) -> Launched:
+        return launch_run(
+            *overrides, cache_dir=cache_dir, run_dir=None if name is None else tmp_path / name, **options
+        )
+
+    return launch
+
+
+def on_tmpfs(size: int, mount: Path, copy: Path) -> list[str]:
+    """A launcher prefix: the command after it runs in a private mount namespace (as root, or in a user
+    namespace) where `mount` is a tmpfs of `size` bytes; what it left there is copied to `copy` (the
+    tmpfs goes with the namespace)."""
+    mount, copy = shlex.quote(str(mount)), shlex.quote(str(copy))
+    script = f'mount -t tmpfs -o size={size} tmpfs {mount} || exit 99; "$@"; rc=$?; '
+    script += f"mkdir -p {copy} && cp -a {mount}/. {copy}/; exit $rc"
+    return ["unshare", "-rm" if os.geteuid() else "-m", "sh", "-c", script, "sh"]
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int) -> None:
+    """Until the run has logged `n` whole lines: it is in its training loop."""
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= n):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline, "the run logged no steps"
+        time.sleep(0.01)
+
+
+# ---- the run record, read back ------------------------------------------------------------------------
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's lines, as the report reads them (aamperf/report/runs.py); the file must exist."""
+    assert (Path(run_dir) / "metrics.jsonl").is_file(), f"{run_dir} has no metrics.jsonl"
+    return Run(Path(run_dir), [], {}).metrics
+
+
+def read_summary(run_dir: Path) -> dict:
+    """summary.json of a run directory."""
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def losses(run_dir: Path) -> list[tuple]:
+    """(step, loss, val_loss) of each metrics line: what a resumed run must repeat exactly."""
+    return [(r["step"], r["loss"], r.get("val_loss")) for r in read_metrics(run_dir)]
+
+
+def read_wandb(run: Path, *options: str) -> list[dict]:
+    """The JSON records of one offline W&B run (its directory), read back by W&B's own tool: one a line,
+    or with --summary one object over several lines."""
+    wandb_cli = shutil.which("wandb") or str(Path(sys.executable).with_name("wandb"))
+    cmd = [wandb_cli, "leet", "inspect", "--json", *options, str(run)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    decoder, records, at = json.JSONDecoder(), [], 0
+    while at < len(out):  # each line that starts an object; any other line is not a record
+        if out.startswith("{", at):
+            record, at = decoder.raw_decode(out, at)
+            records.append(record)
+        at = out.find("\n", at) + 1 or len(out)
+    return records

@@ -1,13 +1,8 @@
 """Alerts: thresholds with warn and critical levels, raised once per crossing into train.log,
 summary.json and W&B (read back from the offline run), and a critical one stopping the run when asked."""
 
-import json
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import read_summary, read_wandb
 from omegaconf import OmegaConf
 
 from aamperf.alerts import Alerts
@@ -75,14 +70,7 @@ def test_a_run_raises_its_alerts_into_its_log_summary_and_wandb(make_cfg, tmp_pa
     assert summary["status"] == "completed"  # alerts.stop_on_critical=false: the run goes on
     metrics = {(a["metric"], a["level"]) for a in summary["alerts"]}
     assert metrics == {("samples_per_s", "warn"), ("val_loss", "critical")}
-    wandb_cli = shutil.which("wandb") or str(Path(sys.executable).with_name("wandb"))
-    out = subprocess.run(
-        [wandb_cli, "leet", "inspect", "--json", str(tmp_path / "wandb" / "latest-run")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    sent = [json.loads(line)["alert"] for line in out.splitlines() if '"type":"alert"' in line]
+    sent = [r["alert"] for r in read_wandb(tmp_path / "wandb" / "latest-run") if r["type"] == "alert"]
     assert {(x["title"], x["level"]) for x in sent} == {
         ("warn: samples_per_s", "WARN"),
         ("critical: val_loss", "ERROR"),
@@ -93,7 +81,7 @@ def test_a_critical_alert_can_stop_the_run_with_a_checkpoint(make_cfg, tmp_path,
     cfg = make_cfg("trainer.max_steps=8", "alerts.val_loss.critical=0.001", "alerts.stop_on_critical=true")
     with pytest.raises(RunAborted, match="critical alert: val_loss .* above its critical level 0.001"):
         train(cfg, tmp_path)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = read_summary(tmp_path)
     assert summary["status"] == "aborted" and summary["steps"] == 2  # the first validation (val_every=2)
     assert summary["alerts"][0]["metric"] == "val_loss"
     assert (tmp_path / "checkpoints" / "step_00000002.pt").exists()

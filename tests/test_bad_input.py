@@ -5,14 +5,13 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CONF_DIR, TINY
+from conftest import CONF_DIR, TINY, read_summary
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
@@ -166,7 +165,7 @@ def earlier_run(tmp_path_factory, cache_dir) -> Path:
         mp.setattr(sys, "argv", ["aamperf.train", *args, "trainer.max_steps=1", "trainer.checkpoint_every=1"])
         with root_logger_kept():
             cli()
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    assert read_summary(run_dir)["status"] == "completed"
     return run_dir
 
 
@@ -230,7 +229,7 @@ def test_recorded_fallbacks_keep_the_run_going(inputs, cache_dir, tmp_path, monk
         monkeypatch, capfd, *TINY, f"data.cache_dir={cache_dir}", f"hydra.run.dir={tmp_path}", *overrides
     )
     assert code == 0, err
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = read_summary(tmp_path)
     assert summary["status"] == "completed"
     assert summary["logger"][0]["mode"] == "offline" and "API key" in summary["logger"][0]["fallback"]
     assert summary["phases"]["compile"]["status"] == "fallback"
@@ -246,7 +245,7 @@ def test_a_bad_job_of_a_sweep_is_recorded_and_the_sweep_goes_on(cache_dir, tmp_p
     ]
     code, _, err = invoke(monkeypatch, capfd, "-m", *TINY, f"data.cache_dir={cache_dir}", *sweep)
     assert code == 1  # a job failed: the report lists it
-    summaries = [json.loads(p.read_text()) for p in tmp_path.glob("*/summary.json")]
+    summaries = [read_summary(p.parent) for p in tmp_path.glob("*/summary.json")]
     by_batch = {s["config"]["trainer"]["batch_size"]: s for s in summaries}
     assert by_batch[1]["status"] == "failed" and "trainer.batch_size=1 must be >= 2" in by_batch[1]["error"]
     assert by_batch[4]["status"] == "completed" and len(summaries) == 2
@@ -285,11 +284,10 @@ def test_a_sweep_and_its_config_at_once_is_one_line(monkeypatch, capfd):
     ]
 
 
-def test_the_shell_sees_exit_code_2_for_a_config_mistake(tmp_path):
-    cmd = [sys.executable, "-m", "aamperf.train", "trainer.batchsize=8", f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+def test_the_shell_sees_exit_code_2_for_a_config_mistake(launch):
+    proc, run_dir = launch("trainer.batchsize=8", tiny=False)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "error: trainer.batchsize is not a config key; did you mean trainer.batch_size?"
     ]
-    assert not (tmp_path / "run").exists()
+    assert not run_dir.exists()

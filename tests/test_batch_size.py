@@ -1,33 +1,23 @@
 """trainer.batch_size=auto: the largest batch whose measured step fits the memory budget, with the
 requested effective batch kept by accumulation, and a run that starts as if the batch had been given."""
 
-import json
-import subprocess
-import sys
-
 import psutil
-from conftest import TINY
+from conftest import read_metrics, read_summary
 
 from aamperf.run import train
 
 
-def test_auto_batch_fits_the_budget_and_keeps_the_effective_batch(tmp_path, cache_dir):
+def test_auto_batch_fits_the_budget_and_keeps_the_effective_batch(launch):
     # A budget of ~0.65 GiB: a few tiny batches fit, a batch of the whole training set does not.
     vm = psutil.virtual_memory()
     fraction = 0.65 * 2**30 / vm.available
-    run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "aamperf.train",
-        *TINY,
-        f"data.cache_dir={cache_dir}",
+    proc, run_dir = launch(
         "trainer.batch_size=auto",
-    ]
-    cmd += [f"trainer.auto_batch.budget_fraction={fraction:.5f}", "trainer.auto_batch.effective_batch=32"]
-    proc = subprocess.run([*cmd, f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300)
+        f"trainer.auto_batch.budget_fraction={fraction:.5f}",
+        "trainer.auto_batch.effective_batch=32",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     found = summary["batch_finder"]
     assert found["limited_by"] == "memory"
     fitting = [p for p in found["probes"] if p["fits"]]
@@ -39,7 +29,8 @@ def test_auto_batch_fits_the_budget_and_keeps_the_effective_batch(tmp_path, cach
     assert found["micro_batch"] <= found["largest_fitting"] and found["grad_accum_steps"] >= 2
     trainer = summary["config"]["trainer"]
     assert (trainer["batch_size"], trainer["grad_accum_steps"]) == (32, found["grad_accum_steps"])
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]  # the check below is of these lines, not of none
     assert all(abs(r["samples_per_s"] * r["step_time_s"] - 32) < 1e-6 for r in rows)  # trained at 32
 
 
@@ -54,6 +45,7 @@ def test_auto_batch_run_trains_like_the_batch_given(make_cfg, tmp_path):
     assert [p["batch"] for p in auto["batch_finder"]["probes"]] == [2, 4, 8]
 
     def losses(run_dir):
-        return [(r["loss"], r.get("val_loss")) for r in map(json.loads, (run_dir / "metrics.jsonl").open())]
+        return [(r["loss"], r.get("val_loss")) for r in read_metrics(run_dir)]
 
-    assert losses(tmp_path / "auto") == losses(tmp_path / "given")
+    given = losses(tmp_path / "given")
+    assert losses(tmp_path / "auto") == given and len(given) == 4

@@ -1,17 +1,12 @@
 """Checkpoints: a run killed with SIGKILL goes on exactly where it stopped; bad checkpoints are refused."""
 
-import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 
 import psutil
 import pytest
 import torch
-from conftest import TINY
+from conftest import losses, read_summary, torchrun, wait_for_steps
 
 from aamperf.errors import UserError
 from aamperf.run import train
@@ -24,51 +19,22 @@ RESUMABLE = [
 ]
 
 
-def command(cache_dir, run_dir, *overrides, ranks=1):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    return [
-        *(launcher if ranks > 1 else [sys.executable]),
-        "-m",
-        "aamperf.train",
-        *TINY,
-        f"data.cache_dir={cache_dir}",
-        *overrides,
-        f"hydra.run.dir={run_dir}",
-    ]
+def test_a_run_killed_mid_training_resumes_with_the_same_losses(launch):
+    proc, whole = launch(*RESUMABLE, name="whole")
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
-
-def losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"], r.get("val_loss")) for r in rows]
-
-
-def test_a_run_killed_mid_training_resumes_with_the_same_losses(tmp_path, cache_dir):
-    whole = tmp_path / "whole"
-    subprocess.run(command(cache_dir, whole, *RESUMABLE), check=True, capture_output=True, timeout=300)
-
-    killed = tmp_path / "killed"
-    proc = subprocess.Popen(
-        command(cache_dir, killed, *RESUMABLE), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    metrics = killed / "metrics.jsonl"
-    deadline = time.time() + 240
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5) and time.time() < deadline:
-        time.sleep(0.01)
+    proc, killed = launch(*RESUMABLE, name="killed", wait=False)
+    wait_for_steps(proc, killed, 5)
     proc.send_signal(signal.SIGKILL)  # no handler, no cleanup: as the OOM killer or a preemption
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    logged_before = len(metrics.read_text().splitlines())
+    logged_before = len((killed / "metrics.jsonl").read_text().splitlines())  # a line cut short counts
     assert 5 <= logged_before < 12, "the run was not killed mid-training"
-    assert (
-        not (killed / "summary.json").exists()
-        or json.loads((killed / "summary.json").read_text())["status"] != "completed"
-    )
+    assert not (killed / "summary.json").exists() or read_summary(killed)["status"] != "completed"
 
-    resumed = subprocess.run(
-        command(cache_dir, killed, *RESUMABLE), capture_output=True, text=True, timeout=300
-    )
+    resumed, _ = launch(*RESUMABLE, name="killed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    summary = json.loads((killed / "summary.json").read_text())
+    summary = read_summary(killed)
     assert summary["status"] == "completed" and summary["resumed_from_step"] in (4, 6, 8, 10)
     # bitwise on CPU fp32: every step once, in order, with the loss of the uninterrupted run
     assert losses(killed) == losses(whole)
@@ -127,16 +93,12 @@ def test_a_corrupt_checkpoint_is_refused_with_the_fix(make_cfg, tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_distributed_checkpoint_saved_and_resumed(tmp_path, cache_dir, strategy):
+def test_distributed_checkpoint_saved_and_resumed(launch, tmp_path, strategy):
     """2 ranks: a full (DDP, rank 0) or sharded (FSDP2, torch.distributed.checkpoint) checkpoint,
     resumed by a new 2-rank launch and by one process, with the losses of the run that went through."""
     settings = [*RESUMABLE, "trainer.max_steps=6", "model.dropout=0", "data.val_fraction=0.31"]
     settings += ["trainer.batch_size=8", f"distributed={strategy}", "trainer.keep_last=3"]
-    whole = tmp_path / "whole"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    run = subprocess.run(
-        command(cache_dir, whole, *settings, ranks=2), capture_output=True, text=True, env=env
-    )
+    run, whole = launch(*settings, name="whole", launcher=torchrun(2))
     assert run.returncode == 0, run.stderr[-3000:]
     newest = sorted((whole / "checkpoints").iterdir())[-1]
     assert newest.name.startswith("step_00000006")
@@ -148,42 +110,32 @@ def test_distributed_checkpoint_saved_and_resumed(tmp_path, cache_dir, strategy)
     shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     one = tmp_path / "one"  # the same checkpoint, resumed by a single process (another world size)
     shutil.copytree(again, one)
-    run = subprocess.run(
-        command(cache_dir, again, *settings, ranks=2), capture_output=True, text=True, env=env
-    )
+    run, _ = launch(*settings, name="again", launcher=torchrun(2))
     assert run.returncode == 0, run.stderr[-3000:]
-    assert json.loads((again / "summary.json").read_text())["resumed_from_step"] == 4
+    assert read_summary(again)["resumed_from_step"] == 4
     assert [loss for _, loss, _ in losses(again)] == pytest.approx(
         [loss for _, loss, _ in losses(whole)], rel=1e-6
     )
     single = [o for o in settings if not o.startswith("distributed=")] + ["distributed=none"]
-    run = subprocess.run(command(cache_dir, one, *single), capture_output=True, text=True, env=env)
+    run, _ = launch(*single, name="one")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert json.loads((one / "summary.json").read_text())["resumed_from_step"] == 4
+    assert read_summary(one)["resumed_from_step"] == 4
     assert [loss for _, loss, _ in losses(one)] == pytest.approx(
         [loss for _, loss, _ in losses(whole)], rel=1e-5
     )
 
 
-def test_torchrun_restarts_a_killed_rank_and_goes_on_from_the_last_checkpoint(tmp_path, cache_dir):
+def test_torchrun_restarts_a_killed_rank_and_goes_on_from_the_last_checkpoint(launch):
     """Elastic restart (torchrun --max-restarts): one rank dies, torchrun restarts both, they resume."""
     settings = [*RESUMABLE, "model.dropout=0", "data.val_fraction=0.31", "trainer.batch_size=8"]
     settings += ["distributed=ddp"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    whole = tmp_path / "whole"
-    run = subprocess.run(
-        command(cache_dir, whole, *settings, ranks=2), capture_output=True, text=True, env=env
-    )
+    run, whole = launch(*settings, name="whole", launcher=torchrun(2))
     assert run.returncode == 0, run.stderr[-3000:]
 
-    restarted = tmp_path / "restarted"
-    cmd = command(cache_dir, restarted, *settings, ranks=2)
-    cmd.insert(cmd.index("--standalone"), "--max-restarts=1")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    metrics = restarted / "metrics.jsonl"
-    deadline = time.time() + 240
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5) and time.time() < deadline:
-        time.sleep(0.01)
+    proc, restarted = launch(
+        *settings, name="restarted", launcher=torchrun(2, "--max-restarts=1"), wait=False
+    )
+    wait_for_steps(proc, restarted, 5)
     ranks = [
         p
         for p in psutil.Process(proc.pid).children(recursive=True)
@@ -192,8 +144,8 @@ def test_torchrun_restarts_a_killed_rank_and_goes_on_from_the_last_checkpoint(tm
     assert len(ranks) == 2
     ranks[1].kill()  # one rank dies (SIGKILL); torchrun tears the group down and starts it again
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err.decode()[-3000:]
-    summary = json.loads((restarted / "summary.json").read_text())
+    assert proc.returncode == 0, err[-3000:]
+    summary = read_summary(restarted)
     assert summary["status"] == "completed" and summary["resumed_from_step"] in (4, 6, 8, 10)
     assert [loss for _, loss, _ in losses(restarted)] == pytest.approx(
         [loss for _, loss, _ in losses(whole)], rel=1e-6

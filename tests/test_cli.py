@@ -1,47 +1,31 @@
 """The entry point as a user runs it: exit codes, one-line errors, the run directory."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import TINY
+from conftest import read_summary
 
 
-def run_cli(tmp_path, cache_dir, *overrides):
-    cmd = [
-        sys.executable,
-        "-m",
-        "aamperf.train",
-        *TINY,
-        f"data.cache_dir={cache_dir}",
-        f"hydra.run.dir={tmp_path / 'run'}",
-        *overrides,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-
-
-def test_main_job_writes_run_directory(tmp_path, cache_dir):
-    proc = run_cli(tmp_path, cache_dir, "trainer.max_steps=5")
+def test_main_job_writes_run_directory(launch):
+    proc, run_dir = launch("trainer.max_steps=5")
     assert proc.returncode == 0, proc.stderr
-    assert f"run directory: {tmp_path / 'run'}" in proc.stdout
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert f"run directory: {run_dir}" in proc.stdout
+    summary = read_summary(run_dir)
     assert summary["status"] == "completed" and summary["steps"] == 5
-    assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()  # the resolved config beside the record
+    assert (run_dir / ".hydra" / "config.yaml").exists()  # the resolved config beside the record
 
 
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, cache_dir):
-    proc = run_cli(tmp_path, cache_dir, "trainer.batch_size=1")
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(launch):
+    proc, run_dir = launch("trainer.batch_size=1")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: trainer.batch_size=1 must be >= 2")
     assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "run").exists()  # refused before Hydra made the run directory
+    assert not run_dir.exists()  # refused before Hydra made the run directory
 
 
-def test_missing_user_table_names_the_option(tmp_path, cache_dir):
-    proc = run_cli(
-        tmp_path,
-        cache_dir,
+def test_missing_user_table_names_the_option(launch, tmp_path):
+    proc, _ = launch(
         "data=biom",
         f"data.table={tmp_path / 'nope.biom'}",
         f"data.tree={tmp_path / 'nope.nwk'}",
@@ -51,20 +35,20 @@ def test_missing_user_table_names_the_option(tmp_path, cache_dir):
     assert last.startswith("error:") and "data.table" in last and "nope.biom" in last
 
 
-def test_a_run_of_warm_up_steps_only_says_why_it_has_no_speed(tmp_path, cache_dir):
-    proc = run_cli(tmp_path, cache_dir, "trainer.max_steps=1")  # TINY: metrics.skip_steps=1
+def test_a_run_of_warm_up_steps_only_says_why_it_has_no_speed(launch):
+    proc, _ = launch("trainer.max_steps=1")  # TINY: metrics.skip_steps=1
     assert proc.returncode == 0, proc.stderr
     assert (
         "n/a: the 1 steps run were all warm-up (metrics.skip_steps=1); raise trainer.max_steps" in proc.stdout
     )
 
 
-def test_help_says_what_aamperf_is_its_groups_and_commands():
-    proc = subprocess.run([sys.executable, "-m", "aamperf.train", "--help"], capture_output=True, text=True)
+def test_help_says_what_aamperf_is_its_groups_and_commands(launch):
+    proc, _ = launch("--help", tiny=False, name=None)
     assert proc.returncode == 0 and proc.stdout.startswith("aamperf: PyTorch training made fast")
     assert "optim: advanced, baseline, basic, ultra" in proc.stdout  # the groups, from conf/
     assert "python -m aamperf.compare DIR" in proc.stdout and len(proc.stdout.splitlines()) < 60
-    listing = subprocess.run([sys.executable, "-m", "aamperf"], capture_output=True, text=True)
+    listing, _ = launch(module="aamperf", tiny=False, name=None)
     assert listing.returncode == 0 and "python -m aamperf.launch" in listing.stdout
 
 

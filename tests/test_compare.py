@@ -202,7 +202,7 @@ def test_the_figure_shows_one_point_runs_and_keeps_its_labels_and_legend_clear(s
     # each value label starts past the end of its whisker
     whisker_ends = [seg[:, 0].max() for seg in speed_ax.collections[0].get_segments()]
     label_x = [text.get_position()[0] for text in speed_ax.texts]
-    assert all(x >= end - 1e-9 for x, end in zip(label_x, whisker_ends, strict=True))
+    assert label_x and all(x >= end - 1e-9 for x, end in zip(label_x, whisker_ends, strict=True))
 
 
 def test_unknown_baseline_is_a_one_line_error(sweep, capsys):

@@ -1,5 +1,6 @@
 """Every option of every config group composes, and the schema refuses what it should."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,14 @@ GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
 OPTIONS = [(g, o.stem) for g in GROUPS for o in sorted((CONF_DIR / g).glob("*.yaml"))]
 
 
-def test_groups_of_the_design_exist():
-    assert {"data", "model", "loss", "dataloader", "optim"} <= set(GROUPS)
+def test_the_groups_and_options_the_readme_lists_exist():
+    """README "Config groups": each group of its table is in conf/, with each option it names."""
+    section = (CONF_DIR.parent / "README.md").read_text().split("## Config groups")[1].split("\n## ")[0]
+    table = dict(re.findall(r"^\| `(\w+)` \| (.+?) \|", section, re.MULTILINE))
+    assert {"data", "model", "loss", "optim"} <= table.keys() and "dataloader" in GROUPS
+    for group, options in table.items():
+        named = set(re.findall(r"`(\w+)`", options))
+        assert named and named <= {o for g, o in OPTIONS if g == group}, group
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])

@@ -1,16 +1,14 @@
 """torch.distributed with real processes on CPU (gloo): 2 ranks train exactly as 1 process with the batch."""
 
-import json
 import math
 import os
+import signal
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import TINY
+from conftest import PYTHON, read_metrics, read_summary, torchrun, wait_for_steps
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -23,31 +21,14 @@ from aamperf.phases import apply_phases, setup_phases
 SAME_TRAINING = ["model.dropout=0", "data.val_fraction=0.31", "trainer.batch_size=8", "trainer.max_steps=4"]
 
 
-TESTS = os.path.dirname(os.path.abspath(__file__))  # tests/plugin_model.py for loss._target_
-
-
-def launch(tmp_path, cache_dir, name, *overrides, ranks=1):
-    run_dir = tmp_path / name
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    cmd = [
-        *(launcher if ranks > 1 else [sys.executable]),
-        "-m",
-        "aamperf.train",
-        *TINY,
-        f"data.cache_dir={cache_dir}",
-        *SAME_TRAINING,
-        *overrides,
-        f"hydra.run.dir={run_dir}",
-    ]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = TESTS
+def trained(launch, name, *overrides, launcher=PYTHON):
+    """A run of SAME_TRAINING that must complete: (its metrics lines, its summary, its directory)."""
     # a rank that aborts (CI saw one FSDP2 rank end in "terminate called without an active exception",
     # 1 run in ~10) prints where it was: its Python stack, and the C++ one of a torch error
-    env.update(PYTHONFAULTHANDLER="1", TORCH_SHOW_CPP_STACKTRACES="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", "TORCH_SHOW_CPP_STACKTRACES": "1"}
+    proc, run_dir = launch(*SAME_TRAINING, *overrides, name=name, launcher=launcher, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return rows, json.loads((run_dir / "summary.json").read_text()), run_dir
+    return read_metrics(run_dir), read_summary(run_dir), run_dir
 
 
 def values(rows, key):
@@ -56,19 +37,19 @@ def values(rows, key):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_train_like_one_process_with_the_whole_batch(tmp_path, cache_dir, strategy):
+def test_two_ranks_train_like_one_process_with_the_whole_batch(launch, strategy):
     # DDP: NaN in a gradient at step 3, in the one process and on rank 1 only: both ranks must skip it
     poison = ["loss._target_=plugin_model.PoisonedLoss", "+loss.into=grad", "+loss.steps=[3]"]
     poison = poison if strategy == "ddp" else []
-    one, _, _ = launch(tmp_path, cache_dir, "one", *poison)
+    one, _, _ = trained(launch, "one", *poison)
     # the profiler on the DDP run only: one CI run saw an FSDP2 rank abort at exit after profiling
     # ("terminate called without an active exception"), not reproduced locally; see the issue notes
     profile = ["metrics.profile_steps=1"] if strategy == "ddp" else []
     # FSDP finds its batch size (the 8 of the one process): the ranks agree, the probes leave no trace
     auto = ["trainer.batch_size=auto", "trainer.auto_batch.max_batch=8"] if strategy == "fsdp" else []
     poison += ["+loss.rank=1"] if poison else []
-    two, summary, run_dir = launch(
-        tmp_path, cache_dir, "two", f"distributed={strategy}", *profile, *auto, *poison, ranks=2
+    two, summary, run_dir = trained(
+        launch, "two", f"distributed={strategy}", *profile, *auto, *poison, launcher=torchrun(2)
     )
     if poison:
         assert summary["nonfinite_steps"] == 1 and [r["nonfinite_steps"] for r in two] == [0, 0, 1, 0]
@@ -92,85 +73,50 @@ def test_two_ranks_train_like_one_process_with_the_whole_batch(tmp_path, cache_d
     assert sorted(p.name for p in run_dir.iterdir()) == sorted(files)
 
 
-def test_distributed_without_torchrun_is_a_one_line_error(tmp_path, cache_dir):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    cmd = [sys.executable, "-m", "aamperf.train", *TINY, f"data.cache_dir={cache_dir}", "distributed=ddp"]
-    proc = subprocess.run(cmd + [f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, env=env)
+def test_distributed_without_torchrun_is_a_one_line_error(launch):
+    proc, _ = launch("distributed=ddp")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: distributed=ddp needs torchrun's environment")
     assert "torchrun --nproc_per_node=2 -m aamperf.train distributed=ddp" in last
 
 
-def test_bad_input_under_aamperf_launch_is_one_line_and_exit_2_for_the_job(tmp_path, cache_dir):
+def test_bad_input_under_aamperf_launch_is_one_line_and_exit_2_for_the_job(launch):
     """`python -m aamperf.launch` is torchrun with aamperf's exit codes: both ranks refuse the batch (3 does
     not split over 2 ranks); the job shows that line once and exits 2, where torchrun exits 1 with its
     failure report."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMP_NUM_THREADS")
-    }
-    bad = ["distributed=ddp", "trainer.batch_size=3", f"hydra.run.dir={tmp_path / 'run'}"]
-    cmd = ["-m", "aamperf.train", *TINY, f"data.cache_dir={cache_dir}", *bad]
-    launch = [sys.executable, "-m", "aamperf.launch", "--standalone", "--nproc_per_node=2"]
-    ours = subprocess.run(launch + cmd, capture_output=True, text=True, timeout=300, env=env)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    bad = ["distributed=ddp", "trainer.batch_size=3"]
+    ours, _ = launch(*bad, launcher=torchrun(2, module="aamperf.launch"), env=env)
     assert ours.returncode == 2, ours.stderr[-3000:]
     lines = ours.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: trainer.batch_size=3"), ours.stderr[-3000:]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    theirs = subprocess.run(torchrun + cmd, capture_output=True, text=True, timeout=300, env=env)
+    theirs, _ = launch(*bad, launcher=torchrun(2), env=env)
     assert theirs.returncode == 1  # torchrun's own: its report names the rank's line (its error file)
     assert lines[0] in theirs.stderr
 
 
-def test_the_bf16_gradient_hook_on_cpu_is_refused_before_anything_runs(tmp_path, cache_dir):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    bad = ["distributed=ddp", "distributed.comm_hook=bf16", f"hydra.run.dir={tmp_path / 'run'}"]
-    launch = [sys.executable, "-m", "aamperf.launch", "--standalone", "--nproc_per_node=2"]
-    cmd = [*launch, "-m", "aamperf.train", *TINY, f"data.cache_dir={cache_dir}", *bad]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+def test_the_bf16_gradient_hook_on_cpu_is_refused_before_anything_runs(launch):
+    bad = ["distributed=ddp", "distributed.comm_hook=bf16"]
+    proc, run_dir = launch(*bad, launcher=torchrun(2, module="aamperf.launch"))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
         "error: distributed.comm_hook=bf16 needs CUDA (torch's bf16 hook runs on NCCL only); on cpu use "
         "distributed.comm_hook=fp16 or none"
     ]
-    assert not (tmp_path / "run").exists()  # refused before Hydra made the run directory
+    assert not run_dir.exists()  # refused before Hydra made the run directory
 
 
 @pytest.mark.slow  # about 20 s of two ranks (the suite stays under 10 min)
-def test_sigterm_to_aamperf_launch_stops_every_rank_after_its_step_with_a_checkpoint(tmp_path, cache_dir):
-    import signal
-    import time
-
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    run_dir = tmp_path / "run"
-    settings = ["distributed=ddp", "trainer.max_steps=500", f"hydra.run.dir={run_dir}"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "aamperf.launch",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "aamperf.train",
-    ]
-    proc = subprocess.Popen(
-        [*cmd, *TINY, f"data.cache_dir={cache_dir}", *settings],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
-        time.sleep(0.05)
+def test_sigterm_to_aamperf_launch_stops_every_rank_after_its_step_with_a_checkpoint(launch):
+    settings = ["distributed=ddp", "trainer.max_steps=500"]
+    proc, run_dir = launch(*settings, launcher=torchrun(2, module="aamperf.launch"), wait=False)
+    wait_for_steps(proc, run_dir, 2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
     assert "Traceback" not in err and err.count("interrupted: SIGTERM received") == 2  # one per rank
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     assert summary["status"] == "interrupted"
     assert (run_dir / "checkpoints" / f"step_{summary['steps']:08d}.pt").exists()
 
@@ -232,38 +178,38 @@ def test_ddp_gradients_equal_one_process_parameter_by_parameter(make_cfg, tmp_pa
         torch.testing.assert_close(distributed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_slurm_tasks_train_like_torchrun_ranks(tmp_path, cache_dir):
+def test_slurm_tasks_train_like_torchrun_ranks(launch):
     """Two tasks of a SLURM job step on one node, as srun (or hydra/launcher=slurm) starts them."""
     pytest.importorskip("submitit")
-    one, _, _ = launch(tmp_path, cache_dir, "one")
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
-    }
-    env.update(SLURM_JOB_ID=str(free_port()), SLURM_NTASKS="2", SLURM_JOB_NUM_NODES="1", SLURM_NODEID="0")
-    env["SLURM_JOB_NODELIST"] = "localhost"
-    cmd = [sys.executable, "-m", "aamperf.train", *TINY, f"data.cache_dir={cache_dir}", *SAME_TRAINING]
-    cmd += ["distributed=ddp", f"hydra.run.dir={tmp_path / 'slurm'}"]
+    one, _, _ = trained(launch, "one")
+    env = dict(os.environ, SLURM_JOB_ID=str(free_port()), SLURM_NTASKS="2", SLURM_JOB_NUM_NODES="1")
+    env.update(SLURM_NODEID="0", SLURM_JOB_NODELIST="localhost")
     tasks = [
-        subprocess.Popen(
-            cmd, env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}, stderr=subprocess.PIPE
+        launch(
+            *SAME_TRAINING,
+            "distributed=ddp",
+            name="slurm",
+            env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+            wait=False,
         )
         for r in (0, 1)
     ]
-    for task in tasks:
+    for task, _ in tasks:
         _, err = task.communicate(timeout=300)
-        assert task.returncode == 0, err.decode()[-3000:]
-    summary = json.loads((tmp_path / "slurm" / "summary.json").read_text())
+        assert task.returncode == 0, err[-3000:]
+    run_dir = tasks[0].run_dir
+    summary = read_summary(run_dir)
     assert summary["world_size"] == 2 and summary["phases"]["distributed"]["backend"] == "gloo"
-    rows = [json.loads(line) for line in (tmp_path / "slurm" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in one], rel=1e-5)
 
 
 @pytest.mark.slow
-def test_fsdp_with_activation_checkpointing_and_compile_trains_like_one_process(tmp_path, cache_dir):
+def test_fsdp_with_activation_checkpointing_and_compile_trains_like_one_process(launch):
     """The model phases in their order (checkpointing -> compile -> shard) under FSDP2."""
-    one, _, _ = launch(tmp_path, cache_dir, "one")
+    one, _, _ = trained(launch, "one")
     phases = ["distributed=fsdp", "memory=full", "compile=default"]
-    two, summary, _ = launch(tmp_path, cache_dir, "two", *phases, ranks=2)
+    two, summary, _ = trained(launch, "two", *phases, launcher=torchrun(2))
     assert {
         k: summary["phases"][k]["status"] for k in ("checkpointing", "compile", "distributed")
     } == dict.fromkeys(("checkpointing", "compile", "distributed"), "applied")

@@ -2,10 +2,8 @@
 second one, SLURM's preemption signal) and checkpoint files crafted to run code."""
 
 import io
-import json
 import os
 import pickle
-import shlex
 import signal
 import subprocess
 import sys
@@ -14,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint import command, losses
+from conftest import PYTHON, losses, on_tmpfs, read_metrics, read_summary, torchrun, wait_for_steps
 
 from aamperf import checkpoint, rng
 from aamperf.errors import UserError
@@ -22,59 +20,40 @@ from aamperf.errors import UserError
 LONG = ["trainer.max_steps=40", "trainer.val_every=8", "trainer.resume=auto"]
 
 
-def start(cmd, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **kwargs)
-
-
-def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen) -> None:
-    """Until the run has logged `n` steps: it is in its training loop."""
-    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        assert time.time() < deadline, "the run logged no steps"
-        time.sleep(0.01)
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
-
-
-def test_sigterm_finishes_the_step_keeps_a_checkpoint_and_the_run_goes_on_from_it(tmp_path, cache_dir):
-    whole = tmp_path / "whole"
-    subprocess.run(command(cache_dir, whole, *LONG), check=True, capture_output=True, timeout=300)
-    stopped = tmp_path / "stopped"
-    proc = start(command(cache_dir, stopped, *LONG))  # trainer.checkpoint_every=0: SIGTERM writes one anyway
-    wait_for_steps(stopped, 3, proc)
+def test_sigterm_finishes_the_step_keeps_a_checkpoint_and_the_run_goes_on_from_it(launch):
+    proc, whole = launch(*LONG, name="whole")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # trainer.checkpoint_every=0: SIGTERM writes one anyway
+    proc, stopped = launch(*LONG, name="stopped", wait=False)
+    wait_for_steps(proc, stopped, 3)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted: SIGTERM received")
-    done = summary(stopped)
+    done = read_summary(stopped)
     assert done["status"] == "interrupted" and 3 <= done["steps"] < 40
     assert checkpoint.checkpoints(stopped)[-1].name == f"step_{done['steps']:08d}.pt"
 
-    resumed = subprocess.run(command(cache_dir, stopped, *LONG), capture_output=True, text=True, timeout=300)
+    resumed, _ = launch(*LONG, name="stopped")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert summary(stopped)["resumed_from_step"] == done["steps"]
+    assert read_summary(stopped)["resumed_from_step"] == done["steps"]
     assert losses(stopped) == losses(whole)  # every step once, bitwise (CPU fp32)
 
 
-def test_sigint_stops_after_the_step_in_one_line_without_a_checkpoint_when_none_is_asked(tmp_path, cache_dir):
-    run_dir = tmp_path / "run"
-    proc = start(command(cache_dir, run_dir, *LONG))
-    wait_for_steps(run_dir, 2, proc)
+def test_sigint_stops_after_the_step_in_one_line_without_a_checkpoint_when_none_is_asked(launch):
+    proc, run_dir = launch(*LONG, wait=False)
+    wait_for_steps(proc, run_dir, 2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert "no checkpoint (trainer.checkpoint_every=0" in err.strip().splitlines()[-1]
-    assert summary(run_dir)["status"] == "interrupted" and not checkpoint.checkpoints(run_dir)
+    assert read_summary(run_dir)["status"] == "interrupted" and not checkpoint.checkpoints(run_dir)
 
 
-def test_a_second_signal_ends_the_process_at_once(tmp_path, cache_dir):
-    run_dir = tmp_path / "run"
-    proc = start(command(cache_dir, run_dir, *LONG))
-    wait_for_steps(run_dir, 2, proc)
+def test_a_second_signal_ends_the_process_at_once(launch):
+    proc, run_dir = launch(*LONG, wait=False)
+    wait_for_steps(proc, run_dir, 2)
     # two different signals at once (two of one kind pending together would be delivered as one)
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGTERM)
@@ -85,18 +64,16 @@ def test_a_second_signal_ends_the_process_at_once(tmp_path, cache_dir):
 
 
 @pytest.mark.slow  # about 40 s: submitit's runner, a requeue and a resumed run (the suite stays under 10 min)
-def test_a_preempted_submitit_job_checkpoints_is_requeued_and_goes_on_to_the_end(tmp_path, cache_dir):
+def test_a_preempted_submitit_job_checkpoints_is_requeued_and_goes_on_to_the_end(launch):
     """hydra/launcher=submitit_local: submitit's own job runner, as under SLURM. Its preemption signal
     (SIGUSR2) to the job: aamperf finishes the step and checkpoints, submitit requeues the job, and the
     requeued job goes on from the checkpoint (trainer.resume=auto) in the same directory to the end."""
     import psutil
 
-    sweep = tmp_path / "sweep"
-    settings = [f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=job", "hydra.launcher.timeout_min=10"]
-    cmd = command(cache_dir, tmp_path / "unused", *LONG, *settings)[:-1]  # hydra.run.dir: not in a sweep
-    proc = start([*cmd[:3], "-m", "hydra/launcher=submitit_local", *cmd[3:]])
+    settings = ["hydra/launcher=submitit_local", "hydra.sweep.subdir=job", "hydra.launcher.timeout_min=10"]
+    proc, sweep = launch(*LONG, *settings, name="sweep", multirun=True, wait=False)
     run_dir = sweep / "job"
-    wait_for_steps(run_dir, 3, proc)
+    wait_for_steps(proc, run_dir, 3)
     [job] = [
         p
         for p in psutil.Process(proc.pid).children(recursive=True)
@@ -107,7 +84,7 @@ def test_a_preempted_submitit_job_checkpoints_is_requeued_and_goes_on_to_the_end
     assert proc.returncode == 0, err[-3000:]
     logs = "".join(f.read_text() for f in (sweep / ".submitit").rglob("*_log.*"))
     assert "SIGUSR2" in logs and "Requeued job" in logs, logs[-3000:]
-    done = summary(run_dir)
+    done = read_summary(run_dir)
     assert done["status"] == "completed" and done["steps"] == 40
     assert 3 <= done["resumed_from_step"] < 40
     assert [step for step, _, _ in losses(run_dir)] == list(range(1, 41))  # every step once
@@ -127,7 +104,7 @@ class Payload:
 
 
 @pytest.mark.parametrize("fmt", ["pt", "sharded"])
-def test_a_checkpoint_with_a_pickle_payload_is_refused_and_runs_nothing(tmp_path, cache_dir, fmt):
+def test_a_checkpoint_with_a_pickle_payload_is_refused_and_runs_nothing(launch, tmp_path, fmt):
     """A run with trainer.resume=auto finds a crafted newest checkpoint: a file, or a sharded directory
     whose `.metadata` (a pickle, read by torch.distributed.checkpoint) is the payload."""
     run_dir, marker = tmp_path / "run", tmp_path / "payload_ran"
@@ -138,9 +115,7 @@ def test_a_checkpoint_with_a_pickle_payload_is_refused_and_runs_nothing(tmp_path
     else:
         step.mkdir(parents=True)
         (step / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-    run = subprocess.run(
-        command(cache_dir, run_dir, "trainer.resume=auto"), capture_output=True, text=True, timeout=300
-    )
+    run, _ = launch("trainer.resume=auto")
     assert not marker.exists(), "code from the checkpoint ran"
     assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith(
         "error: cannot resume from"
@@ -230,13 +205,12 @@ def _put_payload_in_a_bytes_item(path: Path, marker: Path) -> None:
 # ---- run directories, full disks, damaged caches and records ------------------------------------------
 
 
-def test_two_runs_started_together_get_a_directory_each(tmp_path, cache_dir):
+def test_two_runs_started_together_get_a_directory_each(launch, tmp_path):
     """The default run directory: two launches in the same second (both started at once here) used to
     share outputs/runs/<date>/<time> and interleave their metrics."""
-    cmd = [sys.executable, "-m", "aamperf.train", *command(cache_dir, tmp_path, "seed=0")[3:-1]]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL) for _ in range(2)]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    procs = [launch("seed=0", name=None, cwd=tmp_path, wait=False).proc for _ in range(2)]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
     runs = sorted((tmp_path / "outputs" / "runs").glob("*/*"))
     assert len(runs) == 2
     for run in runs:
@@ -278,7 +252,7 @@ def test_a_resume_refuses_a_new_batch_and_applies_a_new_lr(make_cfg, tmp_path):
         train(make_cfg("trainer.max_steps=6", "trainer.resume=auto", "trainer.batch_size=8"), tmp_path)
     summary = train(make_cfg("trainer.max_steps=6", "trainer.resume=auto", "trainer.lr=1e-2"), tmp_path)
     assert summary["resume_changes"]["trainer.lr"] == [1e-4, 1e-2]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     assert rows[4]["step"] == 5 and rows[4]["lr"] > 1e-3  # the new lr's schedule, not the old one's
 
 
@@ -311,59 +285,49 @@ def test_a_damaged_cache_is_rebuilt_with_a_warning(make_cfg, tmp_path, cache_dir
     assert "simulated data set" in warned and "damaged" in warned and "UniFrac cache" in warned
 
 
-def on_tmpfs(size: int, mount: Path, cmd: list[str], copy: Path) -> list[str]:
-    """`cmd` in a private mount namespace where `mount` is a tmpfs of `size` bytes (as root, or in a user
-    namespace); what it left there is copied to `copy` (the tmpfs goes with the namespace)."""
-    script = f"mount -t tmpfs -o size={size} tmpfs {mount} || exit 99; {shlex.join(cmd)}; rc=$?; "
-    script += f"mkdir -p {copy} && cp -a {mount}/. {copy}/; exit $rc"
-    return ["unshare", "-rm" if os.geteuid() else "-m", "sh", "-c", script]
-
-
 def tmpfs_works(tmp_path) -> bool:
     probe = tmp_path / "probe_mount"
     probe.mkdir()
     try:
-        run = subprocess.run(on_tmpfs(1 << 20, probe, ["true"], tmp_path / "probe_copy"), capture_output=True)
+        run = subprocess.run(
+            [*on_tmpfs(1 << 20, probe, tmp_path / "probe_copy"), "true"], capture_output=True
+        )
     except FileNotFoundError:  # no unshare
         return False
     return run.returncode == 0
 
 
-def test_a_full_disk_during_a_checkpoint_says_so_in_one_line_and_keeps_the_last_good_one(tmp_path, cache_dir):
+def test_a_full_disk_during_a_checkpoint_says_so_in_one_line_and_keeps_the_last_good_one(launch, tmp_path):
     if not tmpfs_works(tmp_path):
         pytest.skip("no tmpfs can be mounted here (unshare or mount refused): a full disk needs one")
-    sized = tmp_path / "sized"  # how large one checkpoint of this run is
     overrides = ["trainer.checkpoint_every=1", "trainer.keep_last=1"]
-    subprocess.run(
-        command(cache_dir, sized, *overrides, "trainer.max_steps=1"), check=True, capture_output=True
-    )
+    sizing, sized = launch(*overrides, "trainer.max_steps=1", name="sized")  # one checkpoint's size
+    assert sizing.returncode == 0, sizing.stderr[-3000:]
     one = next((sized / "checkpoints").iterdir()).stat().st_size
     run_dir, kept = tmp_path / "full", tmp_path / "kept"
     run_dir.mkdir()
-    cmd = command(cache_dir, run_dir, *overrides, "trainer.max_steps=3")
     # room for the run's own files and one checkpoint, not for the next one beside it
-    run = subprocess.run(on_tmpfs(one * 3 // 2 + 300_000, run_dir, cmd, kept), capture_output=True, text=True)
+    tmpfs = on_tmpfs(one * 3 // 2 + 300_000, run_dir, kept)
+    run, _ = launch(*overrides, "trainer.max_steps=3", name="full", launcher=[*tmpfs, *PYTHON])
     assert run.returncode == 2, run.stderr[-3000:]
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: no space left on the file system of {run_dir}"), run.stderr[-3000:]
     assert "Traceback" not in run.stderr and "step_00000001.pt, is kept" in last
-    assert json.loads((kept / "summary.json").read_text())["status"] == "failed", run.stderr[-3000:]
+    assert read_summary(kept)["status"] == "failed", run.stderr[-3000:]
     assert [p.name for p in (kept / "checkpoints").iterdir()] == ["step_00000001.pt"]  # no partial file
     assert not [p for p in kept.rglob("*") if p.name.endswith(".tmp")]
 
 
 @pytest.mark.slow  # about a minute: two ranks, a 10 s timeout, a resumed launch
-def test_a_stopped_rank_ends_the_job_within_the_timeout_and_it_resumes(tmp_path, cache_dir):
+def test_a_stopped_rank_ends_the_job_within_the_timeout_and_it_resumes(launch):
     """2 ranks, one stopped with SIGSTOP (a hung node): the other ends within distributed.timeout_s, in one
     line; a new launch goes on from the last checkpoint."""
     import psutil
 
     settings = [*LONG, "trainer.checkpoint_every=2", "trainer.batch_size=8", "distributed=ddp"]
     settings += ["distributed.timeout_s=10", "data.val_fraction=0.31"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    run_dir = tmp_path / "run"
-    proc = start(command(cache_dir, run_dir, *settings, ranks=2), env=env)
-    wait_for_steps(run_dir, 3, proc)
+    proc, run_dir = launch(*settings, launcher=torchrun(2), wait=False)
+    wait_for_steps(proc, run_dir, 3)
     ranks = [
         p
         for p in psutil.Process(proc.pid).children(recursive=True)
@@ -381,13 +345,8 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_and_it_resumes(tmp_path,
     assert time.time() - began < 10 + 60, "the job outlived the timeout by more than a minute"
     assert proc.returncode != 0
     assert "another rank stopped, died or did not answer within distributed.timeout_s=10" in err
-    done = summary(run_dir)
+    done = read_summary(run_dir)
     assert done["status"] == "aborted"
-    resumed = subprocess.run(
-        command(cache_dir, run_dir, *settings, "trainer.max_steps=12", ranks=2),
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    resumed, _ = launch(*settings, "trainer.max_steps=12", launcher=torchrun(2))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert summary(run_dir)["resumed_from_step"] >= 2
+    assert read_summary(run_dir)["resumed_from_step"] >= 2

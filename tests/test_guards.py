@@ -1,8 +1,6 @@
 """The run's guards: a non-finite step changes nothing and too many in a row stop the run (status
 aborted, the last good state checkpointed); memory over memory.max_fraction stops the run too."""
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,13 +8,12 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import TINY
+from conftest import read_metrics, read_summary
 from omegaconf import OmegaConf
 
 from aamperf.guards import MemoryGuard, NonfiniteGuard
 from aamperf.run import train
 
-TESTS = Path(__file__).resolve().parent
 EVERY_STEP = ["trainer.checkpoint_every=1", "trainer.keep_last=50", "trainer.max_steps=6"]
 
 
@@ -39,17 +36,8 @@ def same_state(a: dict, b: dict) -> bool:
     return all(torch.equal(x[k], y[k]) for x, y in flat for k in x)
 
 
-def run_plugged(run_dir: Path, cache_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    """`python -m aamperf.train` as a user runs it, with tests/plugin_model.py importable."""
-    cmd = [sys.executable, "-m", "aamperf.train", *TINY, f"data.cache_dir={cache_dir}", *overrides]
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
-    return subprocess.run(
-        [*cmd, f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300, env=env
-    )
-
-
 def rows(run_dir: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    return {r["step"]: r for r in read_metrics(run_dir)}
 
 
 # the host reads the flag (for_loop) or the fused kernel skips the step (found_inf)
@@ -65,20 +53,19 @@ def test_a_nonfinite_step_is_skipped_and_counted(make_cfg, tmp_path, optimizer, 
     logged = rows(tmp_path)
     assert [logged[s]["nonfinite_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 0, 0]
     assert logged[3]["loss"] is None and logged[5]["loss"] is not None  # no finite step to average
-    assert all(p is not None for p in summary["val"].values())
+    assert summary["val"]["val_loss"] is not None and all(p is not None for p in summary["val"].values())
 
 
-def test_nonfinite_steps_in_a_row_abort_with_the_last_good_state(tmp_path, cache_dir):
-    run_dir = tmp_path / "run"
+def test_nonfinite_steps_in_a_row_abort_with_the_last_good_state(launch):
     overrides = [*EVERY_STEP, "trainer.max_steps=12", "trainer.max_nonfinite=3", "metrics.log_every=2"]
-    proc = run_plugged(run_dir, cache_dir, *overrides, *poisoned("batch", from_step=5))
+    proc, run_dir = launch(*overrides, *poisoned("batch", from_step=5))
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     # steps 5, 6, 7 in a row; seen at the log line of step 8 (metrics.log_every=2)
     assert last.startswith("aborted: 3 non-finite steps in a row from step 5 (trainer.max_nonfinite=3)")
     assert "stopped at step 8" in last and "loss_unifrac=nan" in last and "step_00000008.pt" in last
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     assert summary["status"] == "aborted" and summary["nonfinite_steps"] == 4 and summary["steps"] == 8
     assert summary["error"] == last.removeprefix("aborted: ")
     assert same_state(saved(run_dir, 4), saved(run_dir, 8))  # the last good state
@@ -101,14 +88,11 @@ def test_grad_scaler_backs_off_on_a_nonfinite_step():
     assert scaler.get_scale() == 512.0
 
 
-def test_memory_over_max_fraction_checkpoints_and_stops(tmp_path, cache_dir):
+def test_memory_over_max_fraction_checkpoints_and_stops(launch):
     total = psutil.virtual_memory().total  # the limit: no cgroup limit here (else, adjust)
     used = 0.6 * 2**30 / total  # the run's own memory: ~0.5 GiB at its start
     limit = round(used + 1.5 * 2**30 / total, 4)  # 1.5 GiB more; the loss keeps 256 MiB more each step
-    run_dir = tmp_path / "run"
-    proc = run_plugged(
-        run_dir,
-        cache_dir,
+    proc, run_dir = launch(
         "trainer.max_steps=60",
         "loss._target_=plugin_model.LeakyLoss",
         "+loss.mb_per_step=256",
@@ -118,14 +102,14 @@ def test_memory_over_max_fraction_checkpoints_and_stops(tmp_path, cache_dir):
     assert proc.returncode == 3, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("aborted: memory at ") and f"memory.max_fraction={limit:g}" in last
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     assert summary["status"] == "aborted" and 2 <= summary["steps"] < 60
     assert summary["memory_cleanups"] == 1  # warn_fraction was crossed first: gc and a warning
     assert "memory.warn_fraction" in (run_dir / "train.log").read_text()
     assert (run_dir / "checkpoints" / f"step_{summary['steps']:08d}.pt").exists()
 
 
-def test_another_programs_memory_warns_but_does_not_stop_the_run(tmp_path, cache_dir):
+def test_another_programs_memory_warns_but_does_not_stop_the_run(launch):
     """The guard measures the run's own memory: a program beside it holding 3 GiB pushes the machine
     over memory.max_fraction, which is a warning, not a stop."""
     hog = subprocess.Popen(
@@ -143,12 +127,11 @@ def test_another_programs_memory_warns_but_does_not_stop_the_run(tmp_path, cache
         vm = psutil.virtual_memory()
         machine = 1 - vm.available / vm.total
         limit = machine - 2 * 2**30 / vm.total  # the machine is over it (the 3 GiB); the run far below
-        run_dir = tmp_path / "run"
-        proc = run_plugged(run_dir, cache_dir, f"memory.max_fraction={limit:.4f}", "memory.warn_fraction=1.0")
+        proc, run_dir = launch(f"memory.max_fraction={limit:.4f}", "memory.warn_fraction=1.0")
     finally:
         hog.kill()
     assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     assert summary["status"] == "completed" and summary["memory_limit_source"] in ("machine", "cgroup")
     assert "by other processes too" in (run_dir / "train.log").read_text()
 

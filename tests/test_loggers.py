@@ -1,12 +1,7 @@
 """Logger sinks: TensorBoard read back, W&B falling back to offline, a broken sink never stops a run."""
 
-import json
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import read_metrics, read_wandb
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from aamperf.errors import UserError
@@ -46,7 +41,7 @@ def test_tensorboard_events_hold_the_logged_scalars(make_cfg, tmp_path):
     assert summary["status"] == "completed" and summary["logger"][0]["backend"] == "tensorboard"
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     loss = events.Scalars("train/loss")
     assert [e.step for e in loss] == [r["step"] for r in rows] == [1, 2, 3]
     assert [e.value for e in loss] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
@@ -87,7 +82,7 @@ def test_a_failing_sink_is_dropped_and_the_files_stay_complete(tmp_path):
     record.log({"step": 2, "loss": 1.5})
     record.write_summary({"status": "completed"})
     record.close()
-    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     assert record.sinks == []
 
 
@@ -96,13 +91,6 @@ def test_a_failed_job_still_finishes_its_wandb_run(make_cfg, tmp_path, monkeypat
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     with pytest.raises(UserError):
         train(make_cfg("logger=wandb", "trainer.batch_size=1"), tmp_path)
-    wandb_cli = shutil.which("wandb") or str(Path(sys.executable).with_name("wandb"))
-    out = subprocess.run(
-        [wandb_cli, "leet", "inspect", "--summary", "--json", str(tmp_path / "wandb" / "latest-run")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    state = json.loads(out)
+    [state] = read_wandb(tmp_path / "wandb" / "latest-run", "--summary")
     assert state["exit_code"] == 1 and state["summary"]["status"] == "failed"
     assert "trainer.batch_size=1" in state["summary"]["error"]

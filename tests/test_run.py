@@ -1,7 +1,6 @@
 """A whole run through train(cfg, run_dir): the run record is complete and honest."""
 
 import itertools
-import json
 import re
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import TINY
+from conftest import read_metrics, read_summary
 
 from aamperf.data import build_data
 from aamperf.distributed import World
@@ -56,13 +55,9 @@ SUMMARY_KEYS = {
 MAY_BE_NULL = {"peak_device_bytes", "error"}
 
 
-def read_metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_three_step_run_writes_a_complete_summary(make_cfg, tmp_path):
     train(make_cfg(), tmp_path)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = read_summary(tmp_path)
     assert SUMMARY_KEYS <= summary.keys()
     assert [k for k in SUMMARY_KEYS - MAY_BE_NULL if summary[k] is None] == []
     assert summary["status"] == "completed" and summary["steps"] == 3 and summary["device"] == "cpu"
@@ -107,7 +102,9 @@ def test_gradient_accumulation_splits_the_batch_into_micro_batches(make_cfg, tmp
     one = train(make_cfg("trainer.batch_size=4", "trainer.max_steps=4"), tmp_path / "one")
     # two micro-batches of 4: the FLOPs of two forward + backward passes of batch 4 (same batches first)
     assert summary["flops_per_step"] == pytest.approx(2 * one["flops_per_step"], rel=0.25)
-    for row in read_metrics(tmp_path):  # every optimizer step saw the whole batch of 8
+    rows = read_metrics(tmp_path)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]  # the loop below checks these, not no line
+    for row in rows:  # every optimizer step saw the whole batch of 8
         assert row["samples_per_s"] * row["step_time_s"] == pytest.approx(8)
     assert summary["steps"] == 4
 
@@ -148,7 +145,7 @@ def test_a_target_in_thousands_is_standardized_for_the_loss_and_reported_in_its_
 def test_failed_run_still_writes_summary_with_error(make_cfg, tmp_path):
     with pytest.raises(UserError, match="trainer.batch_size"):
         train(make_cfg("trainer.batch_size=1"), tmp_path)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = read_summary(tmp_path)
     assert summary["status"] == "failed" and "trainer.batch_size" in summary["error"]
 
 
@@ -221,17 +218,10 @@ def test_an_mfu_above_one_is_null_with_a_reason(make_cfg, tmp_path, monkeypatch)
     assert summary["mfu"] is None and summary["hfu"] is None
     assert "peak_flops=1e+03" in summary["hfu_error"] and "this_run_under_load" in summary["hfu_error"]
     assert summary["mfu_error"].startswith("mfu=") and "peak_flops" in summary["mfu_error"]
-    assert json.loads((tmp_path / "summary.json").read_text())["mfu_error"] == summary["mfu_error"]
+    assert read_summary(tmp_path)["mfu_error"] == summary["mfu_error"]
 
 
-def launch(cache_dir: Path, run_dir: Path, *overrides: str) -> subprocess.Popen:
-    """`/usr/bin/time -v python -m aamperf.train` on the tiny config, as a user starts it."""
-    cmd = [sys.executable, "-m", "aamperf.train", *TINY, f"data.cache_dir={cache_dir}", *overrides]
-    return subprocess.Popen(
-        ["/usr/bin/time", "-v", *cmd, f"hydra.run.dir={run_dir}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+GNU_TIME = ["/usr/bin/time", "-v", sys.executable]  # `/usr/bin/time -v python -m aamperf.train`
 
 
 def first_line_seen(proc: subprocess.Popen, metrics: Path, on_poll=lambda: None) -> float:
@@ -241,23 +231,22 @@ def first_line_seen(proc: subprocess.Popen, metrics: Path, on_poll=lambda: None)
         if metrics.exists() and metrics.read_text().endswith("\n"):
             return time.time()
         time.sleep(0.01)
-    raise AssertionError(proc.stderr.read().decode())
+    raise AssertionError(proc.stderr.read())
 
 
 @pytest.mark.skipif(not Path("/usr/bin/time").exists(), reason="needs GNU time (/usr/bin/time -v)")
-def test_times_and_peak_memory_agree_with_an_outside_clock_and_gnu_time(cache_dir, tmp_path):
-    run_dir = tmp_path / "run"
+def test_times_and_peak_memory_agree_with_an_outside_clock_and_gnu_time(launch):
     launched = time.time()
-    proc = launch(cache_dir, run_dir, "trainer.max_steps=4", "metrics.skip_steps=1")
+    proc, run_dir = launch("trainer.max_steps=4", "metrics.skip_steps=1", launcher=GNU_TIME, wait=False)
     first_line = first_line_seen(proc, run_dir / "metrics.jsonl") - launched
     _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr.decode()
-    summary = json.loads((run_dir / "summary.json").read_text())
+    assert proc.returncode == 0, stderr
+    summary = read_summary(run_dir)
     written = (run_dir / "summary.json").stat().st_mtime - launched
     # From the process's start (imports and Hydra's composition included), as the outside clock sees it.
     assert written - 0.5 < summary["duration_s"] <= written + 0.05
     assert first_line - 0.5 < summary["time_to_first_step_s"] <= first_line + 0.05
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert rows[0]["elapsed_s"] == pytest.approx(summary["time_to_first_step_s"], abs=0.3)
     assert all("elapsed_s" in r for r in rows) and rows[-1]["elapsed_s"] < summary["duration_s"]
     # Throughput over the timed steps (4 - 1 warm-up) of 4 samples each, by one statistic.
@@ -265,7 +254,7 @@ def test_times_and_peak_memory_agree_with_an_outside_clock_and_gnu_time(cache_di
     assert summary["samples_per_s"] * summary["timed_s"] == pytest.approx(3 * 4)
     assert summary["samples_per_s"] * summary["step_time_s"] == pytest.approx(4)
     # peak_rss_bytes is this process's VmHWM: GNU time's "Maximum resident set size" (no children here)
-    gnu = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", stderr.decode()).group(1)) * 1024
+    gnu = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", stderr).group(1)) * 1024
     assert summary["peak_rss_bytes"] == pytest.approx(gnu, rel=0.03)
 
 
@@ -277,11 +266,10 @@ def tree_pss(pid: int) -> int:
         return 0
 
 
-def test_peak_tree_pss_agrees_with_the_tree_polled_from_outside(cache_dir, tmp_path):
+def test_peak_tree_pss_agrees_with_the_tree_polled_from_outside(launch):
     """With a loader worker (dataloader=tuned): the sampled peak of the tree's summed PSS, as a poller
     outside the run (this test, reading /proc/<pid>/smaps_rollup like `smem`) sees it over the loop."""
-    run_dir = tmp_path / "run"
-    proc = launch(cache_dir, run_dir, "trainer.max_steps=5", "dataloader=tuned")
+    proc, run_dir = launch("trainer.max_steps=5", "dataloader=tuned", launcher=GNU_TIME, wait=False)
     python = lambda: next(iter(psutil.Process(proc.pid).children()), None)  # noqa: E731 (under time)
     first_line_seen(proc, run_dir / "metrics.jsonl")
     child = python()
@@ -291,7 +279,7 @@ def test_peak_tree_pss_agrees_with_the_tree_polled_from_outside(cache_dir, tmp_p
         workers = max(workers, len(child.children(recursive=True)))
         time.sleep(0.1)  # the run's own sampling period is 0.2 s (metrics.monitor_interval_s)
     _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr.decode()
-    summary = json.loads((run_dir / "summary.json").read_text())
+    assert proc.returncode == 0, stderr
+    summary = read_summary(run_dir)
     assert workers >= 1  # the worker was there and in both figures
     assert 0.85 * outside < summary["peak_tree_pss_bytes"] < 1.15 * outside

@@ -1,12 +1,10 @@
 """hparams_search=fastest: the Optuna search end to end on aam_tiny, and its quality bar."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import yaml
-from conftest import CONF_DIR, TINY
+from conftest import CONF_DIR, read_summary
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -25,23 +23,16 @@ def test_a_trial_that_loses_quality_scores_zero(tmp_path):
     assert objective(cfg, {"samples_per_s": 50.0, "val_loss": None}) == 0.0  # no validation: not counted
 
 
-def test_search_runs_trials_and_writes_a_ready_optim_level(tmp_path, cache_dir):
-    sweep_dir = tmp_path / "search"
-    cmd = [
-        sys.executable,
-        "-m",
-        "aamperf.train",
-        "-m",
+def test_search_runs_trials_and_writes_a_ready_optim_level(launch):
+    proc, sweep_dir = launch(
         "hparams_search=fastest",
-        *TINY,
-        f"data.cache_dir={cache_dir}",
         "hydra.sweeper.n_trials=3",
         "hydra.sweeper.params.compile=disabled",  # compiling each trial would take minutes here
-        f"hydra.sweep.dir={sweep_dir}",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        name="search",
+        multirun=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    reference = json.loads((sweep_dir / "reference" / "summary.json").read_text())
+    reference = read_summary(sweep_dir / "reference")
     assert reference["optim"] == "baseline" and reference["status"] == "completed"
     trials = [r for r in find_runs([sweep_dir]) if r.path.name != "reference"]
     assert len(trials) == 3

@@ -2,47 +2,31 @@
 
 import json
 import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from conftest import TINY
+from conftest import launch_run, read_metrics, read_wandb
 
 from aamperf.compare import main
 from aamperf.loggers import sweep_group
+from aamperf.report import find_runs
 from aamperf.report.wandb_report import make_report
-
-
-def wandb_records(path: Path) -> list[dict]:
-    """The records of one offline W&B run, read back by W&B's own tool."""
-    wandb_cli = shutil.which("wandb") or str(Path(sys.executable).with_name("wandb"))
-    out = subprocess.run(
-        [wandb_cli, "leet", "inspect", "--json", str(path)], capture_output=True, text=True, check=True
-    ).stdout
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("sweep")
-    sweep_dir = root / "multirun" / "study"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env["HOME"] = str(root)  # no ~/.netrc: W&B has no key and must go offline by itself
-    cmd = [
-        sys.executable,
-        "-m",
-        "aamperf.train",
-        "-m",
-        *TINY,
-        f"data.cache_dir={cache_dir}",
+    proc, sweep_dir = launch_run(
         "optim=baseline,ultra",
         "seed=0,1",
         "logger=wandb",
-        f"hydra.sweep.dir={sweep_dir}",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        cache_dir=cache_dir,
+        run_dir=root / "multirun" / "study",
+        multirun=True,
+        env=env,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return sweep_dir, proc
 
@@ -53,7 +37,7 @@ def test_sweep_ends_with_the_report_of_its_own_runs(sweep):
         assert (sweep_dir / name).stat().st_size > 0
     assert "| `optim=ultra` |" in proc.stdout  # the table is printed at the end of the sweep
     result = json.loads((sweep_dir / "comparison.json").read_text())
-    summaries = [json.loads(p.read_text()) for p in sweep_dir.glob("*/summary.json")]
+    summaries = [run.summary for run in find_runs([sweep_dir])]
     speed = {(s["optim"], s["seed"]): s["samples_per_s"] for s in summaries}
     rows = {r["config"]: r for r in result["rows"]}
     assert result["baseline"] == "optim=baseline" and set(rows) == {"optim=baseline", "optim=ultra"}
@@ -69,12 +53,12 @@ def test_sweep_ends_with_the_report_of_its_own_runs(sweep):
 
 def test_each_job_is_an_offline_wandb_run_with_group_job_type_config_and_metrics(sweep):
     sweep_dir, _ = sweep
-    job_dirs = sorted(p.parent for p in sweep_dir.glob("*/summary.json"))
-    assert len(job_dirs) == 4
-    for job in job_dirs:
-        summary = json.loads((job / "summary.json").read_text())
+    jobs = find_runs([sweep_dir])
+    assert len(jobs) == 4
+    for run in jobs:
+        job, summary = run.path, run.summary
         assert summary["logger"][0]["mode"] == "offline"
-        records = wandb_records(job / "wandb" / "latest-run")
+        records = read_wandb(job / "wandb" / "latest-run")
         run = next(r["run"] for r in records if r["type"] == "run")
         assert run["run_group"] == sweep_group(sweep_dir) == "study"
         assert run["job_type"] == summary["optim"]
@@ -82,7 +66,7 @@ def test_each_job_is_an_offline_wandb_run_with_group_job_type_config_and_metrics
         config = run["config"]["update"]
         assert config["trainer"]["max_steps"] == 3 and config["optim"] == summary["optim"]
         history = [r["history"]["item"] for r in records if r["type"] == "history"]
-        steps = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+        steps = read_metrics(job)
         assert [h["train/loss"] for h in history] == pytest.approx([s["loss"] for s in steps])
         assert {"perf/samples_per_s", "mem/rss_bytes", "sys/cpu_percent", "train/lr"} <= set(history[-1])
         final = {}
@@ -95,7 +79,7 @@ def test_each_job_is_an_offline_wandb_run_with_group_job_type_config_and_metrics
 
 def test_the_comparison_is_a_wandb_table_in_the_same_group(sweep):
     sweep_dir, _ = sweep
-    records = wandb_records(sweep_dir / "wandb" / "latest-run")
+    records = read_wandb(sweep_dir / "wandb" / "latest-run")
     run = next(r["run"] for r in records if r["type"] == "run")
     assert run["job_type"] == "comparison" and run["run_group"] == "study"
     logged = {}

@@ -2,6 +2,7 @@ import json
 import math
 
 import pytest
+from conftest import read_summary
 
 from aamperf.metrics import RunRecord, StepMeter
 
@@ -11,6 +12,7 @@ def test_metrics_lines_are_flushed_and_nonfinite_becomes_null(tmp_path):
     record.log({"step": 1, "loss": 2.5})
     record.log({"step": 2, "loss": math.nan, "parts": [math.inf, 1.0]})
     # Read before close: each line must already be on disk.
+    # The file's own lines (not read_metrics, which skips blank ones as the report does).
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": None, "parts": [None, 1.0]}]
     record.close()
@@ -20,7 +22,7 @@ def test_summary_is_replaced_whole_and_leaves_no_temp_file(tmp_path):
     record = RunRecord(tmp_path)
     record.write_summary({"status": "running"})
     record.write_summary({"status": "completed", "mfu": 0.25})
-    assert json.loads((tmp_path / "summary.json").read_text()) == {"status": "completed", "mfu": 0.25}
+    assert read_summary(tmp_path) == {"status": "completed", "mfu": 0.25}
     record.close()  # and the run's lock on the directory goes with it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
 

@@ -1,9 +1,8 @@
 """The four levels compose, explicit choices win, bad combinations fail before the run."""
 
-import json
-
 import pytest
 import torch
+from conftest import read_summary
 
 from aamperf.errors import UserError
 from aamperf.phases import check_phases
@@ -59,7 +58,7 @@ def test_all_phase_problems_are_reported_at_once(make_cfg):
 
 def test_every_phase_is_recorded_in_the_run(make_cfg, tmp_path):
     train(make_cfg("optim=advanced"), tmp_path)
-    phases = json.loads((tmp_path / "summary.json").read_text())["phases"]
+    phases = read_summary(tmp_path)["phases"]
     expected = {
         "threads",
         "cpu_affinity",
