@@ -25,6 +25,7 @@ from aamperf.metrics import (
 from aamperf.phases.compile import compiled_graphs
 from aamperf.summary import Summary, resolved_config
 from aamperf.trainer import fit
+from aamperf.weights import save_model
 
 
 def per_rank(summary: dict[str, Any], keys: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -70,6 +71,8 @@ def train(cfg: DictConfig, run_dir: Path, interrupts: Interrupts | None = None) 
                 job.non_blocking, run_dir, interrupts,
             )  # fmt: skip
         summary["recompiles"] = compiled_graphs() - graphs  # graphs compiled for new shapes while training
+        kept = save_model(run_dir, job.plan.model, resolved_config(cfg), summary.get("target"))
+        summary["model_file"] = kept and kept.name  # python -m aamperf.predict run=<run dir> uses it
         result.val.update(target_r2(result.val, job.data, job.loss_fn))
         summary.trained(result, job.plan, monitor)
         if job.world.world_size > 1:  # each rank's own figures, and the job's total memory
