@@ -46,7 +46,11 @@ CONFIG_CASES = {
     "unknown resume mode": (["trainer.resume=maybe"], "trainer.resume=maybe is not one of disabled, auto"),
     "memory fraction above 1": (["memory.warn_fraction=1.5"], "memory.warn_fraction=1.5 must be in (0, 1]"),
     "attention kernel missing on CPU": (["attention=sdpa_efficient"], "use attention=sdpa"),
-    "unknown compile mode": (["compile.mode=fastest"], "compile.mode=fastest is not one of"),
+    "unknown compile mode": (
+        ["compile.mode=fastest"],
+        "compile.mode=fastest is not one of disabled, default, reduce-overhead, max-autotune, auto; set "
+        "compile.mode=<one of them>, or compile=<option> of conf/compile/",
+    ),
     "a model without max_asvs": (
         ["~model", "+model._target_=collections.OrderedDict"],
         "data.max_asvs follows model.max_asvs, which model collections.OrderedDict has not",
@@ -252,6 +256,16 @@ def test_a_bad_job_of_a_sweep_is_recorded_and_the_sweep_goes_on(cache_dir, tmp_p
     assert by_batch[4]["status"] == "completed" and len(summaries) == 2
     assert "error: trainer.batch_size=1 must be >= 2" in err and "Traceback" not in err
     assert (tmp_path / "comparison.json").exists()
+
+
+def test_a_sweep_with_a_value_outside_a_choice_is_one_line(tmp_path, monkeypatch, capfd):
+    sweep = ["-m", "compile.mode=fastest,default", f"hydra.sweep.dir={tmp_path}"]
+    code, out, err = invoke(monkeypatch, capfd, *sweep)
+    assert code == 2 and "Traceback" not in err, err
+    assert [line.split(";")[0] for line in err.strip().splitlines()] == [
+        "error: compile.mode=fastest is not one of disabled, default, reduce-overhead, max-autotune, auto"
+    ]
+    assert not list(tmp_path.glob("*/summary.json"))  # refused as it composes: no job ran
 
 
 def test_a_bug_keeps_its_traceback(cache_dir, tmp_path, monkeypatch, capfd):
