@@ -302,7 +302,7 @@ class Config:
     search: SearchConfig = field(default_factory=SearchConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
-    optim: str = "baseline"  # the level's name, set by conf/optim/*.yaml
+    optim: str = MISSING  # the level's name: each conf/optim/*.yaml sets its own (config.yaml: baseline)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0
 

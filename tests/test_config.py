@@ -106,6 +106,31 @@ def test_every_choice_is_accepted_and_reads_as_its_string():
             assert plain == expected and type(plain[0] if is_list else plain) is str
 
 
+def default_valued_keys(node: dict, schema: type, prefix: str = "") -> Iterator[str]:
+    """The keys of an option file's `node` that set the default of `schema` (a dataclass) again."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key, value in node.items():
+        f = fields.get(key)
+        if f is None:  # `defaults`, `hydra`, or a key the schema refuses (test_every_option_composes)
+            continue
+        if dataclasses.is_dataclass(f.type):
+            yield from default_valued_keys(value or {}, f.type, f"{prefix}{key}.")
+        elif value == (f.default_factory() if f.default is dataclasses.MISSING else f.default):
+            yield f"{prefix}{key}"
+
+
+def test_option_files_hold_only_what_differs_from_the_schema_defaults():
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    repeated = []
+    for path in [CONF_DIR / "config.yaml", *(CONF_DIR / g / f"{o}.yaml" for g, o in OPTIONS)]:
+        package_global = path.name == "config.yaml" or "# @package _global_" in path.read_text()
+        schema = Config if package_global else sections.get(path.parent.name)
+        if dataclasses.is_dataclass(schema):  # model and loss are open: their _target_'s arguments
+            node = OmegaConf.to_container(OmegaConf.load(path)) or {}
+            repeated += [f"{path.relative_to(CONF_DIR)}: {key}" for key in default_valued_keys(node, schema)]
+    assert repeated == []  # each default lives in aamperf/config.py only
+
+
 def test_conf_dir_is_the_one_the_entry_point_uses():
     import aamperf.train
 
