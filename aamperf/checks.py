@@ -9,6 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from aamperf.alerts import check_alerts
 from aamperf.config import Config
+from aamperf.data.tables import check_data
 from aamperf.distributed import check_distributed
 from aamperf.errors import UserError
 
@@ -65,12 +66,14 @@ def check_config(cfg: DictConfig) -> None:
             f"data.max_asvs follows model.max_asvs, which model {cfg.model.get('_target_')} has not; "
             "set data.max_asvs=<ASVs kept per sample>"
         )
-    if model_asvs is not None and cfg.data.max_asvs > model_asvs:
+    elif cfg.data.max_asvs < 1:
+        problems.append(f"data.max_asvs={cfg.data.max_asvs} must be >= 1 (the ASVs kept per sample)")
+    elif model_asvs is not None and cfg.data.max_asvs > model_asvs:
         problems.append(
             f"data.max_asvs={cfg.data.max_asvs} exceeds model.max_asvs={model_asvs}: the model has no "
             "position for the extra ASVs; lower data.max_asvs or raise model.max_asvs"
         )
-    problems += unread_keys(cfg, Config) + check_alerts(cfg)
+    problems += unread_keys(cfg, Config) + check_alerts(cfg) + check_data(cfg)
     cache_problem = (
         unwritable(cfg.data.cache_dir, "data.cache_dir", "the cache") if "cache_dir" in cfg.data else None
     )

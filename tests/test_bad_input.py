@@ -76,6 +76,7 @@ CONFIG_CASES = {
         ["data=biom", "data.table={inputs}/nope.biom", "data.tree={inputs}/tips.nwk"],
         "data.table: no such file: {inputs}/nope.biom",
     ),
+    "validation set too small": (["data.val_fraction=0.01"], "leaves 0 validation samples"),
     "run directory under a file": (["hydra.run.dir={inputs}/afile/run"], "choose another hydra.run.dir"),
     "run directory in /proc": (["hydra.run.dir=/proc/x"], "(/proc is not a writable directory)"),
     "run directory in /sys": (["hydra.run.dir=/sys/x"], "(/sys is not a writable directory)"),
@@ -105,7 +106,6 @@ RUN_CASES = {
     ),
     "empty after rarefaction": (["data.rarefy_depth=1000000"], "lower data.rarefy_depth"),
     "missing metadata column": (["data.target=bmi"], "data.target: no column 'bmi'"),
-    "validation set too small": (["data.val_fraction=0.01"], "raise data.val_fraction"),
     "unknown model argument": (["+model.x=1"], "fix the model.* overrides or conf/model/"),
     "a model that is not an nn.Module": (
         ["~model", "+model._target_=collections.OrderedDict", "data.max_asvs=16"],
@@ -213,6 +213,23 @@ def assert_refused_and_kept(before: dict[str, bytes], after: dict[str, bytes], f
 @pytest.mark.parametrize(("overrides", "fix"), RUN_CASES.values(), ids=RUN_CASES.keys())
 def test_refused_start_keeps_the_earlier_run(overrides, fix, rerun, inputs):
     assert_refused_and_kept(*rerun(overrides, fix), fix.format(**inputs))
+
+
+def test_every_data_problem_is_listed_in_one_line(cache_dir, tmp_path, monkeypatch, capfd):
+    data = ["data=biom", "data.tree=x.nwk", "data.unifrac=y.npy", "data.target=age", "data.val_fraction=1.5"]
+    args = [*TINY, f"data.cache_dir={cache_dir}", f"hydra.run.dir={tmp_path / 'run'}", *data]
+    code, _, err = invoke(monkeypatch, capfd, *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    problems = [
+        "data.val_fraction=1.5 must be between 0 and 1",
+        "data.source=biom needs data.table=<file.biom>",
+        "data=biom needs exactly one of data.tree=<tree.nwk> (UniFrac computed from it) or data.unifrac=",
+        "data.target=age needs data.metadata=<samples.tsv>",
+        "data.tree: no such file: x.nwk",
+        "data.unifrac: no such file: y.npy",
+    ]
+    assert err.startswith("error: ") and all(problem in err for problem in problems), err
+    assert not (tmp_path / "run").exists()  # found before Hydra writes anything
 
 
 def test_corrupt_checkpoint_is_refused_and_the_run_kept(rerun):
