@@ -92,6 +92,14 @@ def test_a_value_outside_a_choice_is_refused_at_compose_time(make_cfg, key, choi
     assert f" is not one of {', '.join(choice)}; set {key}=" in message
 
 
+def test_choices_with_a_torch_counterpart_have_one_each():
+    from aamperf.config import Dtype, SdpaBackend
+    from aamperf.metrics.flops import DTYPES
+    from aamperf.phases.attention import BACKENDS
+
+    assert set(BACKENDS) == set(SdpaBackend) and set(DTYPES) == set(Dtype) - {"auto"}
+
+
 def test_every_choice_is_accepted_and_reads_as_its_string():
     cfg = OmegaConf.structured(Config)
     for key, choice, is_list in CHOICES:
