@@ -13,7 +13,6 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from aamperf.checks import check_config, unwritable
-from aamperf.data.tables import resolve_files
 from aamperf.device import resolve_device
 from aamperf.errors import RunAborted, UserError, exit_aborted, exit_bad_input, no_such_option
 from aamperf.files import write_atomic
@@ -23,12 +22,10 @@ from aamperf.report import find_runs, make_report, to_markdown
 
 
 def check_start(config: DictConfig) -> None:
-    """What can be checked without data and without writing: the values, the phases on this device,
-    the user's files, the run directory and the chosen options."""
+    """What can be checked without reading data and without writing: the values and the user's files
+    (check_config), the phases on this device, the run directory and the chosen options."""
     check_config(config)
     check_phases(config, resolve_device(config.device))
-    if config.data.source != "simulated":  # simulated data would be generated here: train() does that
-        resolve_files(config.data)
     problem = unwritable(config.hydra.run.dir, "hydra.run.dir", "the run directory")
     if problem:
         raise UserError(problem)

@@ -9,9 +9,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from aamperf.alerts import check_alerts
 from aamperf.config import Config
+from aamperf.data.tables import check_data
 from aamperf.distributed import check_distributed
 from aamperf.errors import UserError
-from aamperf.trainer import LR_SCHEDULES
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -43,8 +43,6 @@ def check_config(cfg: DictConfig) -> None:
         problems.append(f"trainer.lr={t.lr} must be > 0")
     if t.weight_decay < 0:
         problems.append(f"trainer.weight_decay={t.weight_decay} must be >= 0")
-    if t.lr_schedule not in LR_SCHEDULES:
-        problems.append(f"trainer.lr_schedule={t.lr_schedule} is not one of {', '.join(LR_SCHEDULES)}")
     if not 0 <= t.min_lr_ratio <= 1:
         problems.append(f"trainer.min_lr_ratio={t.min_lr_ratio} must be between 0 and 1")
     if t.warmup_steps < 0:
@@ -53,8 +51,6 @@ def check_config(cfg: DictConfig) -> None:
         problems.append("trainer.val_every and trainer.val_batches must be >= 1")
     if t.checkpoint_every < 0 or t.keep_last < 1:
         problems.append("trainer.checkpoint_every must be >= 0 (0: none) and trainer.keep_last >= 1")
-    if t.resume not in ("disabled", "auto"):
-        problems.append(f"trainer.resume={t.resume} is not one of disabled, auto")
     for key, seed in (("seed", cfg.seed), ("data.seed", cfg.data.get("seed"))):
         if seed is not None and not 0 <= seed < 2**32:  # numpy's and torch's seeds are 32-bit
             problems.append(f"{key}={seed} must be an integer from 0 to 4294967295 (2**32 - 1)")
@@ -64,22 +60,20 @@ def check_config(cfg: DictConfig) -> None:
         problems.append(f"metrics.skip_steps={m.skip_steps} must be >= 0")
     if cfg.device not in ("auto", "cpu") and not str(cfg.device).startswith("cuda"):
         problems.append(f"device={cfg.device} is not one of auto, cpu, cuda, cuda:N")
-    if cfg.logger.backend not in ("none", "wandb", "tensorboard"):
-        problems.append(f"logger.backend={cfg.logger.backend} is not one of none, wandb, tensorboard")
-    if cfg.logger.mode not in ("auto", "online", "offline", "disabled"):
-        problems.append(f"logger.mode={cfg.logger.mode} is not one of auto, online, offline, disabled")
     model_asvs = cfg.model.get("max_asvs")
     if model_asvs is None and OmegaConf.is_interpolation(cfg.data, "max_asvs"):
         problems.append(
             f"data.max_asvs follows model.max_asvs, which model {cfg.model.get('_target_')} has not; "
             "set data.max_asvs=<ASVs kept per sample>"
         )
-    if model_asvs is not None and cfg.data.max_asvs > model_asvs:
+    elif cfg.data.max_asvs < 1:
+        problems.append(f"data.max_asvs={cfg.data.max_asvs} must be >= 1 (the ASVs kept per sample)")
+    elif model_asvs is not None and cfg.data.max_asvs > model_asvs:
         problems.append(
             f"data.max_asvs={cfg.data.max_asvs} exceeds model.max_asvs={model_asvs}: the model has no "
             "position for the extra ASVs; lower data.max_asvs or raise model.max_asvs"
         )
-    problems += unread_keys(cfg, Config) + check_alerts(cfg)
+    problems += unread_keys(cfg, Config) + check_alerts(cfg) + check_data(cfg)
     cache_problem = (
         unwritable(cfg.data.cache_dir, "data.cache_dir", "the cache") if "cache_dir" in cfg.data else None
     )

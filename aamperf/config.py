@@ -1,22 +1,51 @@
-"""Config schemas: dataclasses in Hydra's ConfigStore, so a misspelled key is refused at compose time."""
+"""Config schemas: dataclasses in Hydra's ConfigStore, so a misspelled key, a wrong type or a choice
+that is not one of its enum's members is refused at compose time."""
 
 import datetime
 import hashlib
 import os
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 import psutil
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # absolute: found from any working directory
+
+
+def choices(name: str, *values: str) -> type[StrEnum]:
+    """A closed choice. OmegaConf looks a value up by member name, so each name is its value (which
+    may hold a '-'); a member compares equal to its string and formats as it."""
+    return StrEnum(name, {value: value for value in values}, module=__name__)
+
+
+DataSource = choices("DataSource", "simulated", "biom")
+Dtype = choices("Dtype", "fp32", "bf16", "fp16", "auto")
+MatmulPrecision = choices("MatmulPrecision", "highest", "high", "medium")
+CompileMode = choices("CompileMode", "disabled", "default", "reduce-overhead", "max-autotune", "auto")
+AttentionImpl = choices("AttentionImpl", "math", "sdpa", "auto")
+SdpaBackend = choices("SdpaBackend", "flash", "efficient", "cudnn", "math")
+DropoutImpl = choices("DropoutImpl", "standard", "fast")
+Checkpointing = choices("Checkpointing", "none", "full", "selective", "auto")
+OptimizerImpl = choices("OptimizerImpl", "for_loop", "foreach", "fused")
+LrSchedule = choices("LrSchedule", "warmup_cosine", "warmup_linear", "constant", "onecycle")
+Resume = choices("Resume", "disabled", "auto")
+Strategy = choices("Strategy", "none", "ddp", "fsdp")
+DistBackend = choices("DistBackend", "auto", "gloo", "nccl")
+CommHook = choices("CommHook", "none", "fp16", "bf16")
+LoggerBackend = choices("LoggerBackend", "none", "wandb", "tensorboard")
+WandbMode = choices("WandbMode", "auto", "online", "offline", "disabled")
+
 
 @dataclass
 class DataConfig:
     """Where samples come from and how they become batches (`conf/data/`)."""
 
-    source: str = "simulated"  # simulated | biom
+    source: DataSource = DataSource.simulated
     cache_dir: str = "${oc.env:AAMPERF_CACHE,${oc.env:HOME}/.cache/aamperf}"  # simulated data, UniFrac
     # the data's randomness (simulated data set, rarefaction, train/validation split), apart from `seed`
     # (initialization, batch order, dropout, masks): fixed across a sweep, so every configuration is
@@ -56,15 +85,16 @@ class DataloaderConfig:
 class PrecisionConfig:
     """Mixed precision (`aamperf/phases/precision.py`)."""
 
-    dtype: str = "fp32"  # fp32 | bf16 | fp16 (fp16 needs CUDA: its GradScaler has no CPU use here) | auto
-    matmul_precision: str = "highest"  # torch.set_float32_matmul_precision: highest | high (TF32) | medium
+    dtype: Dtype = Dtype.fp32  # fp16 needs CUDA (its GradScaler has no CPU use here); auto: measured
+    # torch.set_float32_matmul_precision; high lets CUDA use TF32 for fp32 matmuls
+    matmul_precision: MatmulPrecision = MatmulPrecision.highest
 
 
 @dataclass
 class CompileConfig:
     """torch.compile (`aamperf/phases/compile.py`)."""
 
-    mode: str = "disabled"  # disabled | default | reduce-overhead | max-autotune | auto (measured)
+    mode: CompileMode = CompileMode.disabled  # auto: measured (aamperf/phases/compile.py)
     backend: str = "inductor"
     dynamic: bool | None = None  # None: torch decides; True for shapes that change per batch
     fullgraph: bool = False
@@ -75,22 +105,23 @@ class CompileConfig:
 class AttentionConfig:
     """Attention implementation (`aamperf/phases/attention.py`)."""
 
-    impl: str = "math"  # math (matmul + softmax, written out) | sdpa (F.scaled_dot_product_attention) | auto
-    backends: list[str] = field(default_factory=list)  # sdpa kernels to allow: flash, efficient, cudnn, math
+    # math: matmul + softmax, written out; sdpa: F.scaled_dot_product_attention; auto: measured
+    impl: AttentionImpl = AttentionImpl.math
+    backends: list[SdpaBackend] = field(default_factory=list)  # the sdpa kernels to allow; []: torch chooses
 
 
 @dataclass
 class DropoutConfig:
     """How dropout masks are drawn (`aamperf/phases/dropout.py`)."""
 
-    impl: str = "standard"  # standard (torch's Bernoulli) | fast (16 random bits per element, CPU)
+    impl: DropoutImpl = DropoutImpl.standard  # torch's Bernoulli; fast: 16 random bits per element (CPU)
 
 
 @dataclass
 class MemoryConfig:
     """Activation checkpointing (`aamperf/phases/memory.py`), the memory guard (`aamperf/guards/`)."""
 
-    checkpointing: str = "none"  # none | full (every transformer layer) | selective (every k-th layer) | auto
+    checkpointing: Checkpointing = Checkpointing.none  # full: every transformer layer; selective: every k-th
     recompute_every: int = 2  # selective (and auto in fp32): recompute layers 0, k, 2k, ...
     warn_fraction: float = 0.90  # of system RAM (CPU) or device memory: gc + cache clearing, warning
     max_fraction: float = 0.97  # ... checkpoint and stop (status aborted) before the system's OOM killer
@@ -102,7 +133,7 @@ class MemoryConfig:
 class OptimizerConfig:
     """AdamW implementation (`aamperf/phases/optimizer.py`); lr and weight decay are trainer.*."""
 
-    impl: str = "for_loop"  # for_loop | foreach | fused
+    impl: OptimizerImpl = OptimizerImpl.for_loop
 
 
 @dataclass
@@ -149,8 +180,7 @@ class TrainerConfig:
     grad_accum_steps: int = 1  # micro-batches per optimizer step; each has batch_size / grad_accum_steps
     lr: float = 1e-4
     weight_decay: float = 0.01
-    # warmup_cosine | warmup_linear | constant | onecycle: torch's schedulers (aamperf/trainer/schedule.py)
-    lr_schedule: str = "warmup_cosine"
+    lr_schedule: LrSchedule = LrSchedule.warmup_cosine  # torch's schedulers (aamperf/trainer/schedule.py)
     warmup_steps: int = 10  # linear warm-up (onecycle: its rise)
     min_lr_ratio: float = 0.1  # warmup_cosine / warmup_linear decay to lr * min_lr_ratio at max_steps
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
@@ -159,7 +189,7 @@ class TrainerConfig:
     val_batches: int = 4  # batches per validation, so validation cost does not grow with data
     checkpoint_every: int = 0  # steps between checkpoints in <run dir>/checkpoints; 0: none
     keep_last: int = 2  # checkpoints kept, newest first
-    resume: str = "disabled"  # disabled | auto: go on from the newest checkpoint of this run directory
+    resume: Resume = Resume.disabled  # auto: go on from the newest checkpoint of this run directory
     progress: bool = True  # tqdm bar with loss and samples/s
 
 
@@ -180,13 +210,13 @@ class MetricsConfig:
 class DistributedConfig:
     """torch.distributed via torchrun (`aamperf/distributed.py`); trainer.batch_size is the global batch."""
 
-    strategy: str = "none"  # none (one process) | ddp | fsdp (FSDP2: fully_shard per layer + root)
-    backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
+    strategy: Strategy = Strategy.none  # none: one process; fsdp: FSDP2, fully_shard per layer + root
+    backend: DistBackend = DistBackend.auto  # auto: nccl on GPU, gloo on CPU
     timeout_s: int = 600  # a collective waiting longer than this fails instead of hanging
     # ddp
     bucket_cap_mb: float = 25.0  # gradients all-reduced in buckets of this size, overlapping backward
     static_graph: bool = False  # the same used parameters every step: lets DDP skip per-step bookkeeping
-    comm_hook: str = "none"  # none | fp16 | bf16: compress gradients for the all-reduce (half the bytes)
+    comm_hook: CommHook = CommHook.none  # fp16 | bf16: compress gradients for the all-reduce (half the bytes)
     find_unused_parameters: bool = False  # a model with parameters some steps do not use
     # fsdp
     reshard_after_forward: bool = True  # free gathered parameters after forward: less memory, 1 more gather
@@ -196,11 +226,11 @@ class DistributedConfig:
 class LoggerConfig:
     """Where metrics go beside metrics.jsonl (`aamperf/loggers.py`)."""
 
-    backend: str = "none"  # none | wandb | tensorboard
+    backend: LoggerBackend = LoggerBackend.none
     project: str = "aamperf"  # W&B project
     entity: str | None = None  # W&B team or user; None: the key's default
     group: str | None = None  # W&B group; None: the sweep's directory name in a multirun
-    mode: str = "auto"  # W&B: auto (online with an API key, else offline) | online | offline | disabled
+    mode: WandbMode = WandbMode.auto  # W&B; auto: online with an API key, else offline
     tags: list[str] = field(default_factory=list)
 
 
@@ -272,7 +302,7 @@ class Config:
     search: SearchConfig = field(default_factory=SearchConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
-    optim: str = "baseline"  # the level's name, set by conf/optim/*.yaml
+    optim: str = MISSING  # the level's name: each conf/optim/*.yaml sets its own (config.yaml: baseline)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0
 

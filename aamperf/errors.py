@@ -9,13 +9,18 @@ import os
 import shutil
 import sys
 import time
+import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import Any, NoReturn
 
 from hydra.errors import CompactHydraException, MissingConfigException, OverrideParseException
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+from aamperf.config import CONF_DIR, Config
 
 EXIT_BAD_INPUT = 2  # 0: done; 1: a bug, or a failed job of a sweep; 2: bad input; 3: aborted by a guard
 EXIT_ABORTED = 3
@@ -133,6 +138,9 @@ def hydra_error_message(exc: CompactHydraException) -> str:
     if isinstance(cause, ConfigAttributeError | ConfigKeyError) and cause.full_key:
         return unknown_key_message(cause.full_key, list(cause.parent_node or []))
     if isinstance(cause, ValidationError) and cause.full_key:
+        choice = choice_type(cause.full_key)
+        if choice is not None:
+            return not_a_choice(cause.full_key, cause.value, choice)
         return f"{cause.full_key}={cause.value}: {expected_type(cause)}{str(cause.msg).splitlines()[0]}"
     return str(exc)  # Hydra's own words name the fix (e.g. "Either remove + prefix: ...")
 
@@ -152,6 +160,36 @@ def unknown_key_message(full_key: str, siblings: list[str]) -> str:
     if full_key.split(".")[0] in ("model", "loss"):  # open nodes: their keys are the _target_'s arguments
         hint += f" (+{full_key}=<value> passes a new argument)"
     return f"{full_key} is not a config key; {hint}"
+
+
+def choice_type(full_key: str) -> type[Enum] | None:
+    """The enum the Config schema gives `full_key` (its elements' for `key[i]`), or None."""
+    annotation: Any = Config
+    for name in full_key.split("."):
+        name, _, index = name.partition("[")
+        if not dataclasses.is_dataclass(annotation):
+            return None  # within an open node (model, loss)
+        annotation = {f.name: f.type for f in dataclasses.fields(annotation)}.get(name)
+        if index:
+            annotation = next(iter(typing.get_args(annotation)), None)
+    return annotation if isinstance(annotation, type) and issubclass(annotation, Enum) else None
+
+
+def not_a_choice(full_key: str, value: object, choice: type[Enum]) -> str:
+    """`compile.mode=fastest` -> its choices, and the options of conf/compile/ that set compile.mode."""
+    key = full_key.partition("[")[0]
+    group, _, inner = key.partition(".")
+    options = [
+        p.stem
+        for p in sorted((CONF_DIR / group).glob("*.yaml"))
+        if OmegaConf.select(OmegaConf.load(p), inner) is not None
+    ]
+    if "[" in full_key:  # an element of a list
+        shown, setting = f"{key}: {value}", f"{key}=[<some of them>]"
+    else:
+        shown, setting = f"{key}={value}", f"{key}=<one of them>"
+    by_option = f", or {group}=<option> of conf/{group}/: {', '.join(options)}" if options else ""
+    return f"{shown} is not one of {', '.join(choice)}; set {setting}{by_option}"
 
 
 def expected_type(cause: ValidationError) -> str:

@@ -16,7 +16,6 @@ from omegaconf import DictConfig
 
 from aamperf.errors import one_line
 
-BACKENDS = ("none", "wandb", "tensorboard")
 SECTIONS = {  # metrics.jsonl key -> the panel section it belongs to in W&B / TensorBoard
     "loss": "train",
     "lr": "train",
@@ -180,7 +179,7 @@ def open_sinks(cfg: DictConfig, run_dir: Path, config: dict[str, Any]) -> list[S
     """The sinks `logger.backend` asks for; one that cannot start is reported and left out."""
     backend = cfg.logger.backend
     if backend not in SINKS:
-        return []  # none, or a bad value that check_config reports
+        return []  # logger=none
     try:
         return [SINKS[backend](cfg, run_dir, config)]
     except Exception as exc:

@@ -30,7 +30,7 @@ class Summary(dict):
         super().__init__(
             status="running",
             optim=cfg.optim,
-            precision=cfg.precision.dtype,
+            precision=str(cfg.precision.dtype),  # a plain string, not the schema's enum
             device=None,
             world_size=1,
             seed=cfg.seed,

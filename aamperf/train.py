@@ -11,7 +11,7 @@ from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from aamperf.config import register_configs
+from aamperf.config import CONF_DIR, register_configs
 from aamperf.errors import (
     RunAborted,
     UserError,
@@ -27,7 +27,6 @@ from aamperf.run import print_result, train
 from aamperf.search import objective
 
 register_configs()
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # absolute: main() also works imported (tests)
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")

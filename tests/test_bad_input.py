@@ -45,7 +45,11 @@ CONFIG_CASES = {
     "unknown resume mode": (["trainer.resume=maybe"], "trainer.resume=maybe is not one of disabled, auto"),
     "memory fraction above 1": (["memory.warn_fraction=1.5"], "memory.warn_fraction=1.5 must be in (0, 1]"),
     "attention kernel missing on CPU": (["attention=sdpa_efficient"], "use attention=sdpa"),
-    "unknown compile mode": (["compile.mode=fastest"], "compile.mode=fastest is not one of"),
+    "unknown compile mode": (
+        ["compile.mode=fastest"],
+        "compile.mode=fastest is not one of disabled, default, reduce-overhead, max-autotune, auto; set "
+        "compile.mode=<one of them>, or compile=<option> of conf/compile/",
+    ),
     "a model without max_asvs": (
         ["~model", "+model._target_=collections.OrderedDict"],
         "data.max_asvs follows model.max_asvs, which model collections.OrderedDict has not",
@@ -71,6 +75,7 @@ CONFIG_CASES = {
         ["data=biom", "data.table={inputs}/nope.biom", "data.tree={inputs}/tips.nwk"],
         "data.table: no such file: {inputs}/nope.biom",
     ),
+    "validation set too small": (["data.val_fraction=0.01"], "leaves 0 validation samples"),
     "run directory under a file": (["hydra.run.dir={inputs}/afile/run"], "choose another hydra.run.dir"),
     "run directory in /proc": (["hydra.run.dir=/proc/x"], "(/proc is not a writable directory)"),
     "run directory in /sys": (["hydra.run.dir=/sys/x"], "(/sys is not a writable directory)"),
@@ -100,7 +105,6 @@ RUN_CASES = {
     ),
     "empty after rarefaction": (["data.rarefy_depth=1000000"], "lower data.rarefy_depth"),
     "missing metadata column": (["data.target=bmi"], "data.target: no column 'bmi'"),
-    "validation set too small": (["data.val_fraction=0.01"], "raise data.val_fraction"),
     "unknown model argument": (["+model.x=1"], "fix the model.* overrides or conf/model/"),
     "a model that is not an nn.Module": (
         ["~model", "+model._target_=collections.OrderedDict", "data.max_asvs=16"],
@@ -210,6 +214,23 @@ def test_refused_start_keeps_the_earlier_run(overrides, fix, rerun, inputs):
     assert_refused_and_kept(*rerun(overrides, fix), fix.format(**inputs))
 
 
+def test_every_data_problem_is_listed_in_one_line(cache_dir, tmp_path, monkeypatch, capfd):
+    data = ["data=biom", "data.tree=x.nwk", "data.unifrac=y.npy", "data.target=age", "data.val_fraction=1.5"]
+    args = [*TINY, f"data.cache_dir={cache_dir}", f"hydra.run.dir={tmp_path / 'run'}", *data]
+    code, _, err = invoke(monkeypatch, capfd, *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    problems = [
+        "data.val_fraction=1.5 must be between 0 and 1",
+        "data.source=biom needs data.table=<file.biom>",
+        "data=biom needs exactly one of data.tree=<tree.nwk> (UniFrac computed from it) or data.unifrac=",
+        "data.target=age needs data.metadata=<samples.tsv>",
+        "data.tree: no such file: x.nwk",
+        "data.unifrac: no such file: y.npy",
+    ]
+    assert err.startswith("error: ") and all(problem in err for problem in problems), err
+    assert not (tmp_path / "run").exists()  # found before Hydra writes anything
+
+
 def test_corrupt_checkpoint_is_refused_and_the_run_kept(rerun):
     def truncate_newest_checkpoint(run_dir: Path) -> None:
         newest = max((run_dir / "checkpoints").iterdir())
@@ -251,6 +272,16 @@ def test_a_bad_job_of_a_sweep_is_recorded_and_the_sweep_goes_on(cache_dir, tmp_p
     assert by_batch[4]["status"] == "completed" and len(summaries) == 2
     assert "error: trainer.batch_size=1 must be >= 2" in err and "Traceback" not in err
     assert (tmp_path / "comparison.json").exists()
+
+
+def test_a_sweep_with_a_value_outside_a_choice_is_one_line(tmp_path, monkeypatch, capfd):
+    sweep = ["-m", "compile.mode=fastest,default", f"hydra.sweep.dir={tmp_path}"]
+    code, out, err = invoke(monkeypatch, capfd, *sweep)
+    assert code == 2 and "Traceback" not in err, err
+    assert [line.split(";")[0] for line in err.strip().splitlines()] == [
+        "error: compile.mode=fastest is not one of disabled, default, reduce-overhead, max-autotune, auto"
+    ]
+    assert not list(tmp_path.glob("*/summary.json"))  # refused as it composes: no job ran
 
 
 def test_a_bug_keeps_its_traceback(cache_dir, tmp_path, monkeypatch, capfd):

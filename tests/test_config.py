@@ -1,6 +1,11 @@
 """Every option of every config group composes, and the schema refuses what it should."""
 
+import dataclasses
+import functools
 import re
+import typing
+from collections.abc import Iterator
+from enum import Enum
 from pathlib import Path
 
 import pytest
@@ -9,9 +14,27 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from aamperf.config import Config
+from aamperf.errors import hydra_error_message
+
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
 OPTIONS = [(g, o.stem) for g in GROUPS for o in sorted((CONF_DIR / g).glob("*.yaml"))]
+
+
+def choice_fields(schema: type = Config, prefix: str = "") -> Iterator[tuple[str, type[Enum], bool]]:
+    """Every closed choice of the schema: (key, its enum, whether the key holds a list of them)."""
+    for f in dataclasses.fields(schema):
+        element = next(iter(typing.get_args(f.type)), None)
+        if dataclasses.is_dataclass(f.type):
+            yield from choice_fields(f.type, f"{prefix}{f.name}.")
+        elif isinstance(f.type, type) and issubclass(f.type, Enum):
+            yield f"{prefix}{f.name}", f.type, False
+        elif isinstance(element, type) and issubclass(element, Enum):
+            yield f"{prefix}{f.name}", element, True
+
+
+CHOICES = list(choice_fields())
 
 
 def test_the_groups_and_options_the_readme_lists_exist():
@@ -59,6 +82,68 @@ def test_default_run_is_the_baseline_on_simulated_data():
 def test_schema_refuses_unknown_keys_and_wrong_types(make_cfg, override):
     with pytest.raises(ConfigCompositionException):
         make_cfg(override)
+
+
+def test_choices_are_enums_of_the_schema():
+    keys = {key for key, _, _ in CHOICES}
+    assert {"data.source", "precision.dtype", "compile.mode", "attention.backends", "logger.mode"} <= keys
+    assert {"device", "compile.backend", "trainer.batch_size", "dataloader.num_workers"}.isdisjoint(keys)
+
+
+@pytest.mark.parametrize(("key", "choice", "is_list"), CHOICES, ids=[key for key, _, _ in CHOICES])
+def test_a_value_outside_a_choice_is_refused_at_compose_time(make_cfg, key, choice, is_list):
+    with pytest.raises(ConfigCompositionException) as refused:
+        make_cfg(f"{key}=[no_such_choice]" if is_list else f"{key}=no_such_choice")
+    message = hydra_error_message(refused.value)
+    assert message.startswith(f"{key}: no_such_choice" if is_list else f"{key}=no_such_choice")
+    assert f" is not one of {', '.join(choice)}; set {key}=" in message
+
+
+def test_choices_with_a_torch_counterpart_have_one_each():
+    from aamperf.config import Dtype, SdpaBackend
+    from aamperf.metrics.flops import DTYPES
+    from aamperf.phases.attention import BACKENDS
+
+    assert set(BACKENDS) == set(SdpaBackend) and set(DTYPES) == set(Dtype) - {"auto"}
+
+
+def test_every_choice_is_accepted_and_reads_as_its_string():
+    cfg = OmegaConf.structured(Config)
+    for key, choice, is_list in CHOICES:
+        for member in choice:
+            expected = [member.value] if is_list else member.value
+            OmegaConf.update(cfg, key, expected)  # a string, as the command line and YAML give it
+            value = OmegaConf.select(cfg, key)
+            assert (list(value) if is_list else value) == expected and f"{member}" == member.value
+            # what goes to summary.json, W&B and checkpoints: plain strings, no enum class
+            container = OmegaConf.to_container(cfg, enum_to_str=True)
+            plain = functools.reduce(dict.__getitem__, key.split("."), container)
+            assert plain == expected and type(plain[0] if is_list else plain) is str
+
+
+def default_valued_keys(node: dict, schema: type, prefix: str = "") -> Iterator[str]:
+    """The keys of an option file's `node` that set the default of `schema` (a dataclass) again."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key, value in node.items():
+        f = fields.get(key)
+        if f is None:  # `defaults`, `hydra`, or a key the schema refuses (test_every_option_composes)
+            continue
+        if dataclasses.is_dataclass(f.type):
+            yield from default_valued_keys(value or {}, f.type, f"{prefix}{key}.")
+        elif value == (f.default_factory() if f.default is dataclasses.MISSING else f.default):
+            yield f"{prefix}{key}"
+
+
+def test_option_files_hold_only_what_differs_from_the_schema_defaults():
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    repeated = []
+    for path in [CONF_DIR / "config.yaml", *(CONF_DIR / g / f"{o}.yaml" for g, o in OPTIONS)]:
+        package_global = path.name == "config.yaml" or "# @package _global_" in path.read_text()
+        schema = Config if package_global else sections.get(path.parent.name)
+        if dataclasses.is_dataclass(schema):  # model and loss are open: their _target_'s arguments
+            node = OmegaConf.to_container(OmegaConf.load(path)) or {}
+            repeated += [f"{path.relative_to(CONF_DIR)}: {key}" for key in default_valued_keys(node, schema)]
+    assert repeated == []  # each default lives in aamperf/config.py only
 
 
 def test_conf_dir_is_the_one_the_entry_point_uses():

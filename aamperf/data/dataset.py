@@ -125,8 +125,6 @@ class Collate:
 
 def split_indices(n_samples: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Seeded random split of sample indices into (train, val), each sorted."""
-    if not 0.0 <= val_fraction < 1.0:
-        raise UserError(f"data.val_fraction must be in [0, 1) (got {val_fraction})")
     perm = torch.randperm(n_samples, generator=torch.Generator().manual_seed(seed)).tolist()
     n_val = round(n_samples * val_fraction)
     return sorted(perm[n_val:]), sorted(perm[:n_val])
@@ -243,8 +241,6 @@ def build_data(
     """
     if batch_size < 2:
         raise UserError("trainer.batch_size must be >= 2 (UniFrac compares pairs of samples)")
-    if cfg.max_asvs < 1:
-        raise UserError(f"data.max_asvs must be >= 1 (got {cfg.max_asvs})")
     bucket_cap = cfg.max_asvs if pad_to == "bucket" else None
     if pad_to == "max":
         pad_to = cfg.max_asvs

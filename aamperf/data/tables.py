@@ -18,13 +18,99 @@ from aamperf.errors import UserError
 if TYPE_CHECKING:  # scikit-bio costs ~2 s to import: the readers that need it import it
     from skbio import TreeNode
 
+BIOM_FILES = ("table", "tree", "unifrac", "metadata", "sequences")  # data.*: the user's files (data=biom)
+SIMULATED_SIZES = ("n_samples", "n_asvs", "n_envs", "mean_richness", "depth")  # data.* of data=simulated
+UNIFRAC_SUFFIXES = (".npy", ".h5", ".hdf5", ".csv", ".tsv", ".txt")
+
+
+def check_data(cfg: DictConfig) -> list[str]:
+    """Every problem of `data.*` that the config and the file system decide (the files are there and
+    can be opened; none is read), each naming its fix. What needs a file's content is found as
+    build_data reads it."""
+    d, problems = cfg.data, []
+    if not 0 < d.val_fraction < 1:
+        problems.append(f"data.val_fraction={d.val_fraction} must be between 0 and 1 (e.g. 0.2)")
+    if d.rarefy_depth < 1:
+        problems.append(f"data.rarefy_depth={d.rarefy_depth} must be >= 1 (the reads kept per sample)")
+    return problems + (check_simulated(cfg) if d.source == "simulated" else check_biom(d))
+
+
+def check_simulated(cfg: DictConfig) -> list[str]:
+    """No user file, sizes >= 1, and enough samples for a validation batch and a training batch
+    (rarefaction may drop a few more as the run starts)."""
+    d, t = cfg.data, cfg.trainer
+    ignored = [name for name in BIOM_FILES if d[name] is not None]
+    problems = [f"data.{name} is set but data.source=simulated ignores it; add data=biom" for name in ignored]
+    problems += [f"data.{name}={d[name]} must be >= 1" for name in SIMULATED_SIZES if d[name] < 1]
+    if problems or not 0 < d.val_fraction < 1:
+        return problems
+    n_val = round(d.n_samples * d.val_fraction)
+    if n_val < 2:
+        problems.append(
+            f"data.n_samples={d.n_samples} x data.val_fraction={d.val_fraction} leaves {n_val} validation "
+            "samples (UniFrac needs >= 2 per batch); raise data.val_fraction"
+        )
+    fixed = isinstance(t.batch_size, int) and not isinstance(t.batch_size, bool) and t.grad_accum_steps >= 1
+    batch = t.batch_size // t.grad_accum_steps if fixed else 2  # trainer.batch_size=auto: 2 at least
+    if d.n_samples - n_val < batch:
+        problems.append(
+            f"data.n_samples={d.n_samples} leaves at most {d.n_samples - n_val} training samples after "
+            f"data.val_fraction={d.val_fraction}, fewer than a batch of {batch} (trainer.batch_size / "
+            "grad_accum_steps); raise data.n_samples, or lower trainer.batch_size or data.val_fraction"
+        )
+    return problems
+
+
+def check_biom(d: DictConfig) -> list[str]:
+    """A table, exactly one of tree / unifrac, metadata for a target, and each file given there to
+    open (a .npy matrix with its ids beside it)."""
+    problems = [] if d.table is not None else ["data.source=biom needs data.table=<file.biom>"]
+    if (d.tree is None) == (d.unifrac is None):
+        problems.append(
+            "data=biom needs exactly one of data.tree=<tree.nwk> (UniFrac computed from it) "
+            "or data.unifrac=<matrix> (precomputed)"
+        )
+    if d.target is not None and d.metadata is None:
+        problems.append(f"data.target={d.target} needs data.metadata=<samples.tsv>")
+    for name in [name for name in BIOM_FILES if d[name] is not None]:
+        try:
+            path = existing_file(d[name], f"data.{name}")
+            if name == "unifrac":
+                unifrac_ids_file(path)
+        except UserError as exc:
+            problems.append(str(exc))
+    return problems
+
 
 def existing_file(value: str | Path, option: str) -> Path:
-    """`value` as an absolute path (relative to the launch directory); UserError if it is not a file."""
+    """`value` as an absolute path (relative to the launch directory); UserError if it is not a file
+    this process can open."""
     path = Path(to_absolute_path(str(Path(value).expanduser())))
     if not path.is_file():
         raise UserError(f"{option}: no such file: {value}")
+    try:
+        path.open("rb").close()  # the permission bits do not tell (root, ACLs): open it
+    except OSError as exc:
+        raise UserError(f"{option}: cannot open {value} ({exc.strerror}); give a file you can read") from exc
     return path
+
+
+def unifrac_ids_file(path: Path) -> Path | None:
+    """Where the sample ids of a precomputed matrix are: the file beside a .npy, or None for the types
+    that hold their own. UserError for a type aamperf does not read, or a .npy without its ids."""
+    suffix = path.suffix.lower()
+    if suffix not in UNIFRAC_SUFFIXES:
+        raise UserError(f"data.unifrac: unknown file type {suffix!r} of {path} (.npy, .h5, .csv, .tsv)")
+    if suffix != ".npy":
+        return None
+    sidecars = [path.with_suffix(".ids.txt"), path.with_name(path.name + ".ids.txt")]
+    ids_file = next((p for p in sidecars if p.is_file()), None)
+    if ids_file is None:
+        raise UserError(
+            f"data.unifrac: {path} needs its sample ids, one per line, in "
+            f"{sidecars[0].name} or {sidecars[1].name} beside it"
+        )
+    return ids_file
 
 
 def read_table(path: Path) -> biom.Table:
@@ -142,23 +228,16 @@ def read_unifrac(path: Path) -> tuple[np.ndarray, list[str]]:
     .h5/.hdf5: datasets `matrix` and `ids`; .csv/.tsv: square, sample ids as header row and first column
     (the layout of scikit-bio's DistanceMatrix.write and of QIIME 2's exported distance-matrix.tsv).
     """
-    suffix = path.suffix.lower()
+    suffix, ids_file = path.suffix.lower(), unifrac_ids_file(path)
     try:
-        if suffix == ".npy":
-            sidecars = [path.with_suffix(".ids.txt"), path.with_name(path.name + ".ids.txt")]
-            ids_file = next((p for p in sidecars if p.is_file()), None)
-            if ids_file is None:
-                raise UserError(
-                    f"data.unifrac: {path} needs its sample ids, one per line, in "
-                    f"{sidecars[0].name} or {sidecars[1].name} beside it"
-                )
+        if ids_file is not None:  # .npy
             matrix = np.load(path)
             ids = [line.strip() for line in ids_file.read_text().splitlines() if line.strip()]
         elif suffix in (".h5", ".hdf5"):
             with h5py.File(path, "r") as f:
                 matrix = f["matrix"][()]
                 ids = [i.decode() if isinstance(i, bytes) else str(i) for i in f["ids"][()]]
-        elif suffix in (".csv", ".tsv", ".txt"):
+        else:  # .csv, .tsv, .txt
             frame = pd.read_csv(path, sep="," if suffix == ".csv" else "\t", index_col=0, dtype={0: str})
             if list(frame.columns.astype(str)) != list(frame.index.astype(str)):
                 raise UserError(
@@ -166,8 +245,6 @@ def read_unifrac(path: Path) -> tuple[np.ndarray, list[str]]:
                     "in the same order, as its first column"
                 )
             matrix, ids = frame.to_numpy(dtype=np.float64), [str(i) for i in frame.index]
-        else:
-            raise UserError(f"data.unifrac: unknown file type {suffix!r} of {path} (.npy, .h5, .csv, .tsv)")
     except UserError:
         raise
     except Exception as e:
@@ -218,8 +295,6 @@ def not_a_distance_matrix(matrix: np.ndarray, ids: list[str]) -> str | None:
 
 def rarefy(table: biom.Table, depth: int, seed: int) -> biom.Table:
     """Subsample every sample to `depth` reads without replacement; shallower samples are dropped."""
-    if depth < 1:
-        raise UserError(f"data.rarefy_depth must be >= 1 (got {depth})")
     rarefied = table.subsample(depth, seed=seed)
     if rarefied.is_empty():
         deepest = int(table.sum(axis="sample").max())
@@ -231,32 +306,15 @@ def rarefy(table: biom.Table, depth: int, seed: int) -> biom.Table:
 
 
 def resolve_files(cfg: DictConfig) -> dict[str, Path | None]:
-    """The files the `data` config points at (simulating them first for data=simulated)."""
-    biom_options = ("table", "tree", "unifrac", "metadata", "sequences")
+    """The files the `data` config points at (simulating them first for data=simulated); the config
+    itself was checked up front (check_data)."""
     if cfg.source == "simulated":
-        stray = [name for name in biom_options if cfg[name] is not None]
-        if stray:
-            raise UserError(f"data.{stray[0]} is set but data.source=simulated ignores it; add data=biom")
-        for name in ("n_samples", "n_asvs", "n_envs", "mean_richness", "depth"):
-            if cfg[name] < 1:
-                raise UserError(f"data.{name} must be >= 1 (got {cfg[name]})")
         params = SimParams(cfg.n_samples, cfg.n_asvs, cfg.n_envs, cfg.mean_richness, cfg.depth, cfg.seed)
         return {
             **ensure_simulated(params, Path(cfg.cache_dir).expanduser()),
             "unifrac": None,
             "sequences": None,
         }
-    if cfg.source != "biom":
-        raise UserError(f"data.source must be simulated or biom (got {cfg.source!r})")
-    if cfg.table is None:
-        raise UserError("data.source=biom needs data.table=<file.biom>")
-    if (cfg.tree is None) == (cfg.unifrac is None):
-        raise UserError(
-            "data=biom needs exactly one of data.tree=<tree.nwk> (UniFrac computed from it) "
-            "or data.unifrac=<matrix> (precomputed)"
-        )
-    if cfg.target is not None and cfg.metadata is None:
-        raise UserError(f"data.target={cfg.target} needs data.metadata=<samples.tsv>")
     return {
-        name: None if cfg[name] is None else existing_file(cfg[name], f"data.{name}") for name in biom_options
+        name: None if cfg[name] is None else existing_file(cfg[name], f"data.{name}") for name in BIOM_FILES
     }

@@ -19,12 +19,12 @@ from aamperf.errors import UserError
 from aamperf.guards import MemoryGuard
 from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to
 from aamperf.phases.attention import apply_attention, check_attention
-from aamperf.phases.compile import apply_compile, auto_compile, check_compile, trial_context
+from aamperf.phases.compile import apply_compile, auto_compile, trial_context
 from aamperf.phases.dataloader import check_dataloader, resolve_dataloader
 from aamperf.phases.distributed import check_comm_hook, grad_sync, wrap_model
-from aamperf.phases.dropout import apply_dropout, check_dropout
+from aamperf.phases.dropout import apply_dropout
 from aamperf.phases.memory import apply_checkpointing, apply_cuda_memory, check_memory
-from aamperf.phases.optimizer import build_optimizer, check_optimizer
+from aamperf.phases.optimizer import build_optimizer
 from aamperf.phases.precision import DTYPES, apply_precision, check_precision
 from aamperf.phases.system import apply_channels_last, apply_system
 from aamperf.probe import Probe, compile_block
@@ -36,8 +36,7 @@ def check_phases(cfg: DictConfig, device: torch.device) -> None:
     """Every problem of the phase choices at once, before anything runs."""
     problems = check_precision(cfg.precision, device)
     problems += check_attention(cfg.attention, device, DTYPES.get(cfg.precision.dtype, torch.float32))
-    problems += check_compile(cfg.compile) + check_memory(cfg.memory) + check_optimizer(cfg.optimizer)
-    problems += check_dropout(cfg.dropout) + check_dataloader(cfg.dataloader)
+    problems += check_memory(cfg.memory) + check_dataloader(cfg.dataloader)
     problems += check_comm_hook(cfg.distributed, device)
     if problems:
         raise UserError("; ".join(problems))

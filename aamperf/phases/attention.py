@@ -40,11 +40,6 @@ class SDPAttention(nn.Module):
 
 def check_attention(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> list[str]:
     """A restricted backend must run on this device and dtype: try it once on a tiny masked input."""
-    if cfg.impl not in ("math", "sdpa", "auto"):
-        return [f"attention.impl={cfg.impl} is not one of math, sdpa, auto"]
-    unknown = [b for b in cfg.backends if b not in BACKENDS]
-    if unknown:
-        return [f"attention.backends: unknown {unknown}; choose from {', '.join(BACKENDS)}"]
     if cfg.impl == "math" or not cfg.backends:
         return []
     q = torch.randn(2, 2, 8, 16, device=device, dtype=dtype)
@@ -54,8 +49,8 @@ def check_attention(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0]
         return [
-            f"attention.backends={list(cfg.backends)} cannot run on {device.type} with {dtype} ({first}); "
-            "use attention=sdpa to let torch choose"
+            f"attention.backends={[str(b) for b in cfg.backends]} cannot run on {device.type} with {dtype} "
+            f"({first}); use attention=sdpa to let torch choose"
         ]
     return []
 

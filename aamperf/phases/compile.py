@@ -26,19 +26,12 @@ from aamperf.model.layers import Block
 from aamperf.phases.record import applied, fallback, skipped
 from aamperf.probe import Probe, timed
 
-MODES = ("disabled", "default", "reduce-overhead", "max-autotune", "auto")
 TRIAL_PASSES = 1  # timed passes over the trial batches, eager and compiled, after one that warms up
 
 
 def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far (recompiles for new shapes included)."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-
-def check_compile(cfg: DictConfig) -> list[str]:
-    if cfg.mode not in MODES:
-        return [f"compile.mode={cfg.mode} is not one of {', '.join(MODES)}"]
-    return []
 
 
 def _targets(model: nn.Module, cfg: DictConfig) -> list[nn.Module]:
@@ -125,7 +118,7 @@ def trial_context(cfg: DictConfig, micro_batch: int) -> str:
     """What a compile trial's figures depend on besides the device: the model, the phases that change
     its graph, the batch shape."""
     groups = ("model", "precision", "attention", "dropout", "memory", "aam_ops", "compile")
-    nodes = {g: OmegaConf.to_container(cfg[g], resolve=True) for g in groups}
+    nodes = {g: OmegaConf.to_container(cfg[g], resolve=True, enum_to_str=True) for g in groups}
     nodes["batch"] = [micro_batch, cfg.data.max_asvs, cfg.data.get("n_asvs"), cfg.data.get("mean_richness")]
     return hashlib.sha1(json.dumps(nodes, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

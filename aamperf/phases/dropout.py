@@ -9,8 +9,6 @@ from torch import Tensor, nn
 
 from aamperf.phases.record import applied, skipped
 
-IMPLS = ("standard", "fast")
-
 
 def keep_mask(shape: torch.Size, p: float, device: torch.device) -> Tensor:
     """Bool mask, each element True with probability 1 - p (rounded to a multiple of 1/65536)."""
@@ -30,12 +28,6 @@ class FastDropout(nn.Dropout):
         # One multiplier tensor in x's dtype, scaled in place: the cheapest of the forms measured.
         multiplier = keep_mask(x.shape, self.p, x.device).to(x.dtype).mul_(1.0 / (1.0 - self.p))
         return x * multiplier
-
-
-def check_dropout(cfg: DictConfig) -> list[str]:
-    if cfg.impl not in IMPLS:
-        return [f"dropout.impl={cfg.impl} is not one of {', '.join(IMPLS)}"]
-    return []
 
 
 def apply_dropout(model: nn.Module, cfg: DictConfig, device: torch.device) -> dict:

@@ -13,13 +13,10 @@ from aamperf.model.layers import Block
 from aamperf.phases.record import applied, skipped
 
 log = logging.getLogger(__name__)
-CHECKPOINTING = ("none", "full", "selective", "auto")  # auto: aamperf/phases/auto.py
 
 
 def check_memory(cfg: DictConfig) -> list[str]:
     problems = []
-    if cfg.checkpointing not in CHECKPOINTING:
-        problems.append(f"memory.checkpointing={cfg.checkpointing} is not one of {', '.join(CHECKPOINTING)}")
     if cfg.recompute_every < 1:
         problems.append(f"memory.recompute_every={cfg.recompute_every} must be >= 1")
     if not 0 < cfg.warn_fraction <= 1:

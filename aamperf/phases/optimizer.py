@@ -5,14 +5,6 @@ from omegaconf import DictConfig
 
 from aamperf.phases.record import applied, skipped
 
-IMPLS = ("for_loop", "foreach", "fused")
-
-
-def check_optimizer(cfg: DictConfig) -> list[str]:
-    if cfg.impl not in IMPLS:
-        return [f"optimizer.impl={cfg.impl} is not one of {', '.join(IMPLS)}"]
-    return []
-
 
 def build_optimizer(
     params: list[torch.nn.Parameter], trainer: DictConfig, cfg: DictConfig

@@ -12,10 +12,6 @@ from aamperf.phases.record import applied, skipped
 
 
 def check_precision(cfg: DictConfig, device: torch.device) -> list[str]:
-    if cfg.dtype == "auto":  # decided on the device by aamperf/phases/auto.py
-        return []
-    if cfg.dtype not in DTYPES:
-        return [f"precision.dtype={cfg.dtype} is not one of {', '.join(DTYPES)}, auto"]
     if cfg.dtype == "fp16" and device.type != "cuda":
         return [
             f"precision=fp16 needs a CUDA GPU (loss scaling for fp16 is a GPU technique, and {device.type} "

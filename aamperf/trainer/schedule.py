@@ -5,8 +5,6 @@ import warnings
 import torch
 from omegaconf import DictConfig
 
-LR_SCHEDULES = ("warmup_cosine", "warmup_linear", "constant", "onecycle")
-
 
 def build_scheduler(optimizer: torch.optim.Optimizer, tc: DictConfig, done_steps: int = 0):
     """torch's schedulers for `trainer.lr_schedule`, stepped once per optimizer step over `max_steps`:

@@ -223,25 +223,17 @@ def test_biom_source_with_fasta_and_precomputed_unifrac(cache_dir, tmp_path):
     ("overrides", "batch_size", "message"),
     [
         ({}, 1, r"^trainer\.batch_size must be >= 2 \(UniFrac compares pairs of samples\)$"),
-        ({"source": "biom"}, 4, r"^data\.source=biom needs data\.table"),
         (
             {"source": "biom", "table": "x.biom", "tree": "t.nwk", "target": None},
             4,
             r"^data\.table: no such file: x\.biom$",
         ),
-        ({"source": "biom", "table": "x.biom"}, 4, r"exactly one of data\.tree=.* or data\.unifrac="),
-        (
-            {"source": "biom", "table": "x.biom", "tree": "t.nwk"},
-            4,
-            r"^data\.target=target needs data\.metadata",
-        ),
-        ({"table": "x.biom"}, 4, r"^data\.table is set but data\.source=simulated"),
         ({"rarefy_depth": 10**6}, 4, r"^data\.rarefy_depth=1000000: no sample"),
         ({"val_fraction": 0.98}, 4, r"training samples, fewer than trainer\.batch_size=4"),
-        ({"source": "other"}, 4, r"^data\.source must be simulated or biom"),
     ],
 )
 def test_errors_name_the_fix(cache_dir, overrides, batch_size, message):
+    """What is found as the files are read; what the config alone decides: tests/data/test_tables.py."""
     with pytest.raises(UserError, match=message):
         build_data(data_cfg(cache_dir, **overrides), batch_size=batch_size, seed=0, loader=LOADER)
 

@@ -50,10 +50,13 @@ def test_fp16_on_cpu_is_refused_with_the_fix(make_cfg):
 
 
 def test_all_phase_problems_are_reported_at_once(make_cfg):
-    cfg = make_cfg("precision=fp16", "memory.recompute_every=0", "attention.backends=[warp]")
+    cfg = make_cfg(
+        "precision=fp16", "memory.recompute_every=0", "distributed=ddp", "distributed.comm_hook=bf16"
+    )
     with pytest.raises(UserError) as err:
         check_phases(cfg, torch.device("cpu"))
-    assert all(s in str(err.value) for s in ("precision=fp16", "memory.recompute_every=0", "warp"))
+    problems = ("precision=fp16", "memory.recompute_every=0", "distributed.comm_hook=bf16 needs CUDA")
+    assert all(s in str(err.value) for s in problems)
 
 
 def test_every_phase_is_recorded_in_the_run(make_cfg, tmp_path):
