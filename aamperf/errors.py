@@ -216,3 +216,18 @@ def hydra_errors_raised() -> Iterator[bool]:
         del os.environ[ours]
         if not users:
             del os.environ["HYDRA_FULL_ERROR"]
+
+
+@contextmanager
+def bad_input_exits() -> Iterator[None]:
+    """Within: a user mistake (UserError), or a config error of Hydra's, ends the process with its one
+    `error:` line and exit code 2; HYDRA_FULL_ERROR=1 keeps Hydra's own reports."""
+    with hydra_errors_raised() as hydra_reports:
+        try:
+            yield
+        except UserError as exc:
+            exit_bad_input(exc)
+        except CompactHydraException as exc:  # Hydra's class of errors it shows without a traceback
+            if hydra_reports:
+                raise
+            exit_bad_input(hydra_error_message(exc))

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
@@ -16,11 +15,10 @@ from aamperf.errors import (
     RunAborted,
     UserError,
     aborted_line,
+    bad_input_exits,
     error_line,
     exit_aborted,
     exit_bad_input,
-    hydra_error_message,
-    hydra_errors_raised,
 )
 from aamperf.interrupts import Interrupts, RunInterrupted, exit_interrupted
 from aamperf.run import print_result, train
@@ -63,19 +61,13 @@ def cli() -> None:
     `interrupted:` line and exit code 128 + the signal (143 for SIGTERM, 130 for SIGINT); a bug keeps its
     traceback and exit code 1. HYDRA_FULL_ERROR=1 keeps Hydra's own reports."""
     logging.raiseExceptions = False  # a log file on a full disk: no "--- Logging error ---" tracebacks
-    with hydra_errors_raised() as hydra_reports:
+    with bad_input_exits():
         try:
             main()
-        except UserError as exc:
-            exit_bad_input(exc)
         except RunInterrupted as exc:
             exit_interrupted(exc)
         except RunAborted as exc:
             exit_aborted(exc)
-        except CompactHydraException as exc:  # Hydra's class of errors it shows without a traceback
-            if hydra_reports:
-                raise
-            exit_bad_input(hydra_error_message(exc))
         except ValueError as exc:  # Hydra's own check of its flags, before any config exists
             if not str(exc).startswith("Only one of --run, --multirun, --cfg"):
                 raise

@@ -5,66 +5,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset
+from torch.utils.data import DataLoader, RandomSampler, Subset
 
-from aamperf.data.tables import (
-    observation_sequences,
-    rarefy,
-    read_table,
-    read_target,
-    read_unifrac,
-    resolve_files,
-)
-from aamperf.data.tokenize import count_real_tokens, tokenize_sequences
+from aamperf.data.samples import SampleDataset, read_samples
+from aamperf.data.tables import read_unifrac
 from aamperf.data.unifrac import cached_unifrac, select_unifrac
 from aamperf.errors import UserError
 from aamperf.model.aam import bucket_size
 from aamperf.tokens import TOKENS_PER_ASV
 
 log = logging.getLogger(__name__)
-
-
-class SampleDataset(Dataset):
-    """One item per sample: indices into the ASV token table, their counts, and the sample's index.
-
-    Items are not padded: `Collate(pad_to=...)` decides the padded length, so a padding-aware
-    batching phase can change it without touching the data.
-    """
-
-    def __init__(
-        self,
-        asv_idx: list[torch.Tensor],
-        counts: list[torch.Tensor],
-        n_tokens: list[int],
-        target: torch.Tensor | None = None,
-    ) -> None:
-        assert len(asv_idx) == len(counts) == len(n_tokens)
-        self.asv_idx, self.counts, self.n_tokens, self.target = asv_idx, counts, n_tokens, target
-
-    def __len__(self) -> int:
-        return len(self.asv_idx)
-
-    def __getitem__(self, i: int) -> dict:
-        item = {
-            "asv_idx": self.asv_idx[i],
-            "counts": self.counts[i],
-            "sample_idx": i,
-            "n_tokens": self.n_tokens[i],
-        }
-        if self.target is not None:
-            item["target"] = self.target[i]
-        return item
-
-
-def top_asvs(
-    column_rows: np.ndarray, column_counts: np.ndarray, max_asvs: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """The `max_asvs` most abundant ASVs of one sample, most abundant first; ties go to the lower row."""
-    order = np.lexsort((column_rows, -column_counts))[:max_asvs]
-    return column_rows[order], column_counts[order]
 
 
 @dataclass
@@ -80,7 +32,7 @@ class Collate:
     """
 
     tokens: torch.Tensor  # [n_asvs, 151] uint8, every distinct ASV tokenized once
-    unifrac: torch.Tensor  # [n_samples, n_samples] float32, the whole data set
+    unifrac: torch.Tensor | None  # [n_samples, n_samples] float32, the whole data set (None: prediction)
     pad_to: int | None
     rank: int = 0  # under torch.distributed: the items are the global batch, this rank takes its slice
     world_size: int = 1
@@ -111,13 +63,14 @@ class Collate:
         batch = {
             "tokens": tokens,
             "counts": counts,
-            "unifrac": self.unifrac[sample_idx][:, batch_idx],  # this rank's rows, every sample's column
             "sample_idx": sample_idx,
             "asv_ids": asv_ids,
             # counted here, on the host, so the trainer's samples/s and tokens/s need no device sync
             "n_samples": n_samples,
             "n_tokens": n_tokens,
         }
+        if self.unifrac is not None:  # this rank's rows, every sample's column
+            batch["unifrac"] = self.unifrac[sample_idx][:, batch_idx]
         if "target" in items[0]:
             batch["target"] = torch.stack([item["target"] for item in items]).float().unsqueeze(1)
         return batch
@@ -250,54 +203,15 @@ def build_data(
         raise ValueError(
             f"pad_to must be 'max', 'bucket', None or an int >= data.max_asvs={cfg.max_asvs} (got {pad_to!r})"
         )
-    files = resolve_files(cfg)
-    table = read_table(files["table"])
-    targets, without_target = None, 0
-    if cfg.target is not None:
-        targets = read_target(files["metadata"], cfg.target)
-        keep = [sid for sid in table.ids() if sid in targets]
-        if not keep:
-            raise UserError(f"data.metadata: no sample of data.table has a value of {cfg.target!r}")
-        without_target = len(table.ids()) - len(keep)
-        if without_target:
-            log.warning(
-                "%d of %d samples have no %r in data.metadata (%s): left out of training and validation",
-                without_target,
-                len(table.ids()),
-                cfg.target,
-                files["metadata"],
-            )
-            table = table.filter(keep, inplace=False)
-    sequences = observation_sequences(list(table.ids(axis="observation")), files["sequences"])
-    sequence_of = dict(zip(table.ids(axis="observation"), sequences, strict=True))
-    table = rarefy(table, cfg.rarefy_depth, cfg.seed)
-    sample_ids = [str(sid) for sid in table.ids()]
+    samples = read_samples(cfg)
+    files, sample_ids, dataset, target = samples.files, samples.ids, samples.dataset, samples.dataset.target
     if files["unifrac"] is not None:
         unifrac, cached = select_unifrac(*read_unifrac(files["unifrac"]), sample_ids), False
     else:
-        unifrac, cached = cached_unifrac(table, files["tree"], Path(cfg.cache_dir).expanduser())
-
-    # keep the most abundant max_asvs ASVs of each sample, then number the ASVs still in use
-    matrix = table.matrix_data.tocsc(copy=True)
-    matrix.eliminate_zeros()  # subsampling leaves explicit zeros: they are not ASVs of the sample
-    kept = [
-        top_asvs(matrix.indices[a:b], matrix.data[a:b], cfg.max_asvs)
-        for a, b in zip(matrix.indptr[:-1], matrix.indptr[1:], strict=True)
-    ]
-    used = np.unique(np.concatenate([rows for rows, _ in kept]))
-    new_index = np.full(matrix.shape[0], -1)
-    new_index[used] = np.arange(len(used))
-    obs_ids = table.ids(axis="observation")
-    tokens = tokenize_sequences([sequence_of[obs_ids[row]] for row in used])  # validated when read
-    real_per_asv = count_real_tokens(tokens)
-    asv_idx = [torch.from_numpy(new_index[rows]) for rows, _ in kept]
-    counts = [torch.from_numpy(vals.astype(np.float32)) for _, vals in kept]
-    n_tokens = [int(real_per_asv[idx].sum()) for idx in asv_idx]
-    target = None if targets is None else torch.tensor([targets[sid] for sid in sample_ids])
-    dataset = SampleDataset(asv_idx, counts, n_tokens, target)
+        unifrac, cached = cached_unifrac(samples.table, files["tree"], Path(cfg.cache_dir).expanduser())
 
     train_idx, val_idx = split_indices(len(sample_ids), cfg.val_fraction, cfg.seed)
-    collate = Collate(tokens, torch.from_numpy(unifrac).float(), pad_to, rank, world_size, bucket_cap)
+    collate = Collate(samples.tokens, torch.from_numpy(unifrac).float(), pad_to, rank, world_size, bucket_cap)
     train_loader, val_loader = make_loaders(
         dataset, collate, train_idx, val_idx, batch_size=batch_size, seed=seed, loader=loader
     )
@@ -308,13 +222,13 @@ def build_data(
         val_loader=val_loader,
         n_train=len(train_idx),
         n_val=len(val_idx),
-        n_asvs=len(used),
+        n_asvs=len(samples.tokens),
         max_asvs=cfg.max_asvs,
         has_target=target is not None,
         target_mean=None if train_target is None else float(train_target.mean()),
         target_std=None if train_target is None else float(train_target.std()),
         val_target_var=None if val_target is None else float(val_target.double().var(correction=0)),
-        samples_without_target=without_target,
+        samples_without_target=samples.without_target,
         unifrac_cached=cached,
         files={k: None if v is None else str(v) for k, v in files.items()},
         sample_ids=sample_ids,

@@ -98,15 +98,25 @@ class AAMLoss(nn.Module):
         return total, {name: value.detach() for name, value in {**parts, **metrics}.items()}
 
 
+def unifrac_of(distance: Tensor) -> Tensor:
+    """The UniFrac distance the model predicts for samples whose embeddings are `distance` apart."""
+    return torch.tanh(distance / 10.0)
+
+
+def predicted_unifrac(embedding: Tensor) -> Tensor:
+    """[n, n] predicted UniFrac between every pair of these sample embeddings [n, D] (0 on the diagonal)."""
+    return unifrac_of(torch.cdist(embedding.float(), embedding.float())).fill_diagonal_(0.0)
+
+
 def unifrac_loss(embedding: Tensor, unifrac: Tensor) -> Tensor:
-    """MSE between tanh(||e_i - e_j|| / 10) and the UniFrac distance, over all pairs i < j."""
+    """MSE between the predicted UniFrac (`unifrac_of`) and the true one, over all pairs i < j."""
     batch = embedding.size(0)
     if batch < 2:
         raise ValueError(f"the UniFrac loss needs pairs, got a batch of {batch}: set trainer.batch_size >= 2")
     i, j = torch.triu_indices(batch, batch, offset=1, device=embedding.device)
     # only i < j pairs: the norm's gradient at a zero distance (the diagonal) would be undefined
     distance = (embedding[i].float() - embedding[j].float()).norm(dim=-1)
-    return F.mse_loss(torch.tanh(distance / 10.0), unifrac[i, j].float())
+    return F.mse_loss(unifrac_of(distance), unifrac[i, j].float())
 
 
 def masked_nucleotide_sums(logits: Tensor, tokens: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:

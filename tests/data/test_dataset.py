@@ -9,7 +9,8 @@ from skbio import TreeNode
 
 from aamperf.config import DataConfig, DataloaderConfig
 from aamperf.data import build_data
-from aamperf.data.dataset import Collate, top_asvs
+from aamperf.data.dataset import Collate
+from aamperf.data.samples import top_asvs
 from aamperf.data.tables import rarefy, read_table, read_target
 from aamperf.data.unifrac import compute_unifrac
 from aamperf.errors import UserError

@@ -1,0 +1,140 @@
+"""Use what was trained: a completed run's model applied to samples (`python -m aamperf.predict`).
+
+Writes, into its own directory: `embeddings.tsv` (one row per sample: its id, then the sample
+embedding), `targets.tsv` (the predicted target in the target's own units, and the observed value where
+the metadata has one) when the model predicts one, `unifrac.npy` + `unifrac.ids.txt` (the predicted
+UniFrac between every pair of samples) with `pairwise=true`, and a `summary.json` of its own."""
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from aamperf.data.dataset import Collate
+from aamperf.data.samples import read_samples
+from aamperf.device import resolve_device, to_device
+from aamperf.errors import UserError
+from aamperf.files import write_atomic, write_json_atomic
+from aamperf.metrics.monitor import peak_rss, reset_peak_rss
+from aamperf.model.loss import predicted_unifrac
+from aamperf.weights import load_model
+
+log = logging.getLogger(__name__)
+
+
+def data_config(run_data: dict[str, Any], new: DictConfig) -> DictConfig:
+    """The run's data config (its samples), or a new table in its place; rarefaction, the ASV cut and
+    data.seed stay the run's, so the model reads samples as it was trained on them."""
+    cfg = OmegaConf.create(run_data)
+    if new.table is None:
+        if new.metadata is not None or new.sequences is not None:
+            raise UserError(
+                "data.metadata and data.sequences go with a new data.table; give data.table=<t.biom>"
+            )
+        return cfg
+    cfg.source, cfg.table, cfg.tree, cfg.unifrac = "biom", new.table, None, None
+    cfg.metadata, cfg.sequences = new.metadata, new.sequences
+    cfg.target = (new.target or cfg.target) if new.metadata is not None else None
+    return cfg
+
+
+def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+    """Apply the run's model to the samples; write the files; return the summary (also written)."""
+    start = time.perf_counter()
+    device = resolve_device(cfg.device)
+    if cfg.batch_size < 1:
+        raise UserError(f"batch_size={cfg.batch_size}: give batch_size >= 1")
+    model, payload = load_model(Path(cfg.run), device)
+    data_cfg = data_config(payload["config"]["data"], cfg.data)
+    samples = read_samples(data_cfg, keep_unlabelled=True)
+    if samples.too_shallow:
+        log.warning(
+            "%d samples have fewer reads than the run's data.rarefy_depth=%d and get no prediction: %s",
+            len(samples.too_shallow),
+            data_cfg.rarefy_depth,
+            ", ".join(samples.too_shallow[:10]),
+        )
+    collate = Collate(samples.tokens, None, pad_to=None)  # each batch as wide as its longest sample
+    loader = DataLoader(samples.dataset, batch_size=cfg.batch_size, shuffle=False, collate_fn=collate)
+    reset_peak_rss()
+    embeddings, predicted, latencies = [], [], []
+    with torch.inference_mode():
+        for batch in tqdm(loader, desc="predict", unit="batch", disable=not cfg.progress, dynamic_ncols=True):
+            begin = time.perf_counter()
+            batch = to_device(batch, device)
+            out = model(batch["tokens"], batch["counts"], asv_ids=batch["asv_ids"])
+            embeddings.append(out["sample_embedding"].float().cpu())  # host sync: the batch is done
+            if "target" in out:
+                predicted.append(out["target"].float().cpu().squeeze(1))
+            latencies.append(time.perf_counter() - begin)
+    embedding = torch.cat(embeddings)
+    targets = target_table(samples, torch.cat(predicted), payload.get("target")) if predicted else None
+    written = write_outputs(out_dir, samples.ids, embedding, targets, cfg.pairwise)
+    n = len(samples.ids)
+    summary = {
+        "status": "completed",
+        "run": str(cfg.run),
+        "device": str(device),
+        "n_samples": n,
+        "too_shallow": samples.too_shallow,
+        "files": written,
+        "samples_per_s": n / sum(latencies),
+        "batch_size": cfg.batch_size,
+        "batch_latency_s": {
+            "p50": float(np.percentile(latencies, 50)),
+            "p95": float(np.percentile(latencies, 95)),
+        },
+        "peak_rss_bytes": peak_rss(),
+        "duration_s": time.perf_counter() - start,
+        "target": payload.get("target"),  # the column and the scale the model was trained with
+        **target_quality(targets),
+    }
+    write_json_atomic(out_dir / "summary.json", summary)
+    return summary
+
+
+def target_table(samples, standard: torch.Tensor, target: dict | None) -> pd.DataFrame:
+    """The predicted target in its own units (the loss's standardization undone), and the observed
+    value where the metadata has one."""
+    scale = target or {"mean": 0.0, "std": 1.0}
+    values = standard * (scale["std"] or 1.0) + scale["mean"]
+    table = pd.DataFrame({"predicted": values.numpy()}, index=pd.Index(samples.ids, name="sample_id"))
+    if samples.dataset.target is not None:
+        table["observed"] = samples.dataset.target.numpy()
+    return table
+
+
+def write_outputs(
+    out_dir: Path, ids: list[str], embedding, targets: pd.DataFrame | None, pairwise: bool
+) -> dict:
+    """The files a biologist opens: TSVs with sample ids, .npy for the n x n matrix."""
+    columns = [f"dim_{i}" for i in range(embedding.shape[1])]
+    frame = pd.DataFrame(embedding.numpy(), index=pd.Index(ids, name="sample_id"), columns=columns)
+    write_atomic(out_dir / "embeddings.tsv", frame.to_csv(sep="\t", float_format="%.6g"))
+    written = {"embeddings.tsv": "sample embeddings, one row per sample"}
+    if targets is not None:
+        write_atomic(out_dir / "targets.tsv", targets.to_csv(sep="\t", float_format="%.6g"))
+        written["targets.tsv"] = "predicted target in its own units (and the observed value, where known)"
+    if pairwise:
+        write_atomic(out_dir / "unifrac.npy", lambda f: np.save(f, predicted_unifrac(embedding).numpy()))
+        write_atomic(out_dir / "unifrac.ids.txt", "".join(f"{sid}\n" for sid in ids))
+        written["unifrac.npy"] = "predicted UniFrac, n x n, rows and columns in unifrac.ids.txt's order"
+    return written
+
+
+def target_quality(table: pd.DataFrame | None) -> dict[str, Any]:
+    """MAE and R^2 of the predicted target against the observed values, where the metadata has some."""
+    if table is None or "observed" not in table or table["observed"].notna().sum() == 0:
+        return {}
+    known = table.dropna(subset=["observed"])
+    error = known["predicted"] - known["observed"]
+    variance = float(known["observed"].var(ddof=0))
+    r2 = 1.0 - float((error**2).mean()) / variance if variance > 0 else None
+    return {"target_mae": float(error.abs().mean()), "target_r2": r2, "target_observed": len(known)}

@@ -1,0 +1,36 @@
+"""Entry point: `python -m aamperf.predict run=<run dir> [data.table=... pairwise=true ...]`."""
+
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from aamperf.config import CONF_DIR
+from aamperf.errors import bad_input_exits
+from aamperf.predict import predict
+from aamperf.predict.config import register_predict_configs
+
+register_predict_configs()
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="predict")
+def main(cfg: DictConfig) -> None:
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    summary = predict(cfg, out_dir)
+    print(f"predictions: {out_dir}")
+    print(
+        f"  {summary['n_samples']} samples | {summary['samples_per_s']:.4g} samples/s | batch latency p50 "
+        f"{summary['batch_latency_s']['p50']:.3g} s | files: {', '.join(summary['files'])}"
+    )
+
+
+def cli() -> None:
+    """main() with bad input (a run without a model, files that cannot be read, Hydra's config errors)
+    as one `error:` line and exit code 2."""
+    with bad_input_exits():
+        main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,86 @@
+"""python -m aamperf.predict: a run's model applied to its own samples and to a new table with ASVs it
+never saw; one row per sample, the predicted UniFrac of the embeddings written, bad input one line."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import read_summary
+from omegaconf import OmegaConf
+
+from aamperf.data.dataset import Collate
+from aamperf.data.samples import read_samples
+from aamperf.data.simulate import SimParams, ensure_simulated
+from aamperf.model.loss import predicted_unifrac
+from aamperf.run import train
+from aamperf.weights import load_model
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, cache_dir):
+    """A tiny run trained to completion (it keeps model.pt), and its summary."""
+    from conftest import TINY
+    from hydra import compose, initialize_config_dir
+
+    from aamperf.config import CONF_DIR, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=[*TINY, f"data.cache_dir={cache_dir}"])
+    run_dir = tmp_path_factory.mktemp("trained")
+    return run_dir, train(cfg, run_dir)
+
+
+def predicted(launch, *args, name="predict"):
+    proc, out = launch(*args, name=name, module="aamperf.predict", tiny=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, read_summary(out)
+
+
+def test_the_runs_own_samples_one_row_each_with_the_pairwise_unifrac_of_their_embeddings(launch, trained_run):
+    run_dir, trained = trained_run
+    out, summary = predicted(launch, f"run={run_dir}", "pairwise=true", "batch_size=7")
+    embeddings = pd.read_csv(out / "embeddings.tsv", sep="\t", index_col=0)
+    n = trained["n_train"] + trained["n_val"]  # every sample of the run's data, in the table's order
+    assert summary["n_samples"] == len(embeddings) == n and embeddings.index.is_unique
+    assert embeddings.shape[1] == trained["config"]["model"]["embedding_dim"]
+    unifrac = np.load(out / "unifrac.npy")
+    ids = (out / "unifrac.ids.txt").read_text().split()
+    assert unifrac.shape == (n, n) and ids == list(embeddings.index)
+    assert np.allclose(unifrac, unifrac.T) and np.all(np.diag(unifrac) == 0) and unifrac.max() < 1
+    again = predicted_unifrac(torch.tensor(embeddings.to_numpy(), dtype=torch.float32)).numpy()
+    assert np.allclose(unifrac, again, atol=1e-4)  # the matrix is the one of the embeddings written
+    targets = pd.read_csv(out / "targets.tsv", sep="\t", index_col=0)
+    assert list(targets.index) == ids and targets["observed"].notna().all()  # every sample has its target
+    assert summary["target_observed"] == n and summary["target_mae"] > 0
+    # in the target's own units: the model's standardized output x std + mean, sample by sample
+    model, payload = load_model(run_dir)
+    samples = read_samples(OmegaConf.create(payload["config"]["data"]))
+    batch = Collate(samples.tokens, None, pad_to=None)([samples.dataset[i] for i in range(n)])
+    with torch.no_grad():
+        standard = model(batch["tokens"], batch["counts"], asv_ids=batch["asv_ids"])["target"].squeeze(1)
+    scale = trained["target"]
+    own_units = (standard * scale["std"] + scale["mean"]).numpy()
+    assert np.allclose(targets["predicted"].to_numpy(), own_units, rtol=1e-4, atol=1e-6)
+    latency = summary["batch_latency_s"]
+    assert summary["samples_per_s"] > 0 and latency["p95"] >= latency["p50"] > 0
+
+
+def test_a_new_table_with_new_asvs(launch, trained_run, cache_dir):
+    run_dir, trained = trained_run
+    # another simulated data set: another phylogeny, so sequences the model never saw
+    files = ensure_simulated(SimParams(30, 64, 4, 20, 600, seed=7), cache_dir)
+    out, summary = predicted(launch, f"run={run_dir}", f"data.table={files['table']}", name="new")
+    embeddings = pd.read_csv(out / "embeddings.tsv", sep="\t", index_col=0)
+    assert summary["n_samples"] == len(embeddings) == 30 - len(summary["too_shallow"]) > 0
+    targets = pd.read_csv(out / "targets.tsv", sep="\t", index_col=0)
+    assert "observed" not in targets and "target_mae" not in summary  # no metadata given: nothing to compare
+    table, metadata = f"data.table={files['table']}", f"data.metadata={files['metadata']}"
+    out, summary = predicted(launch, f"run={run_dir}", table, metadata, name="with_metadata")
+    assert summary["target_observed"] == summary["n_samples"]
+
+
+def test_a_run_without_a_model_is_one_line(launch, tmp_path):
+    proc, _ = launch(f"run={tmp_path}", name="p", module="aamperf.predict", tiny=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: run={tmp_path} has no model.pt")
