@@ -73,11 +73,15 @@ def init_world(cfg: DictConfig, device: torch.device) -> World:
     """Join the process group torchrun set up (a no-op for distributed=none)."""
     if cfg.distributed.strategy == "none":
         return World()
-    backend = cfg.distributed.backend
+    return join_world(cfg.distributed.backend, cfg.distributed.timeout_s, device)
+
+
+def join_world(backend: str, timeout_s: float, device: torch.device) -> World:
+    """Join torchrun's process group: `backend` auto is nccl on GPU, gloo on CPU."""
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=cfg.distributed.timeout_s)
+        timeout = datetime.timedelta(seconds=timeout_s)
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         # the timeout reaches every collective too: a stopped or dead peer ends the run, not hangs it
         dist.init_process_group(

@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import read_summary
+from conftest import read_summary, torchrun
 from omegaconf import OmegaConf
 
 from aamperf.data.dataset import Collate
@@ -84,3 +84,19 @@ def test_a_run_without_a_model_is_one_line(launch, tmp_path):
     proc, _ = launch(f"run={tmp_path}", name="p", module="aamperf.predict", tiny=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: run={tmp_path} has no model.pt")
+
+
+def test_two_ranks_write_what_one_process_writes(launch, trained_run):
+    run_dir, _ = trained_run
+    one, _ = predicted(launch, f"run={run_dir}", "pairwise=true", "batch_size=3", name="one")
+    proc, two = launch(
+        f"run={run_dir}", "pairwise=true", "batch_size=3", name="two", module="aamperf.predict", tiny=False,
+        launcher=torchrun(2),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_summary(two)
+    assert summary["world_size"] == 2 and summary["n_samples"] == read_summary(one)["n_samples"]
+    for name in ("embeddings.tsv", "targets.tsv", "unifrac.ids.txt"):
+        assert (two / name).read_text() == (one / name).read_text(), name  # the same rows, in the same order
+    assert np.array_equal(np.load(two / "unifrac.npy"), np.load(one / "unifrac.npy"))
+    assert not (two / "shares").exists()  # the ranks' shares were merged and removed

@@ -6,6 +6,7 @@ the metadata has one) when the model predicts one, `unifrac.npy` + `unifrac.ids.
 UniFrac between every pair of samples) with `pairwise=true`, and a `summary.json` of its own."""
 
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -14,12 +15,13 @@ import numpy as np
 import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 from aamperf.data.dataset import Collate
 from aamperf.data.samples import read_samples
 from aamperf.device import resolve_device, to_device
+from aamperf.distributed import World, close_world, join_world, torchrun_env
 from aamperf.errors import UserError
 from aamperf.files import write_atomic, write_json_atomic
 from aamperf.metrics.monitor import peak_rss, reset_peak_rss
@@ -46,27 +48,74 @@ def data_config(run_data: dict[str, Any], new: DictConfig) -> DictConfig:
 
 
 def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
-    """Apply the run's model to the samples; write the files; return the summary (also written)."""
+    """Apply the run's model to the samples; write the files; return the summary (also written). Under
+    torchrun each rank predicts a contiguous share of the samples and writes it; the first rank merges
+    the shares in the input order and writes the files, the same as one process would."""
     start = time.perf_counter()
     device = resolve_device(cfg.device)
-    if cfg.batch_size < 1:
-        raise UserError(f"batch_size={cfg.batch_size}: give batch_size >= 1")
-    model, payload = load_model(Path(cfg.run), device)
-    data_cfg = data_config(payload["config"]["data"], cfg.data)
-    samples = read_samples(data_cfg, keep_unlabelled=True)
-    if samples.too_shallow:
-        log.warning(
-            "%d samples have fewer reads than the run's data.rarefy_depth=%d and get no prediction: %s",
-            len(samples.too_shallow),
-            data_cfg.rarefy_depth,
-            ", ".join(samples.too_shallow[:10]),
-        )
+    world = join_world("auto", 600, device) if torchrun_env() else World()
+    try:
+        if cfg.batch_size < 1:
+            raise UserError(f"batch_size={cfg.batch_size}: give batch_size >= 1")
+        model, payload = load_model(Path(cfg.run), device)
+        data_cfg = data_config(payload["config"]["data"], cfg.data)
+        samples = read_samples(data_cfg, keep_unlabelled=True)
+        if samples.too_shallow and world.is_main:
+            log.warning(
+                "%d samples have fewer reads than the run's data.rarefy_depth=%d and get no prediction: %s",
+                len(samples.too_shallow),
+                data_cfg.rarefy_depth,
+                ", ".join(samples.too_shallow[:10]),
+            )
+        n = len(samples.ids)
+        # whole batches to each rank: the batches are those of one process (the same padding)
+        batches = -(-n // cfg.batch_size)
+        first, last = (batches * r // world.world_size * cfg.batch_size for r in (world.rank, world.rank + 1))
+        share = range(min(first, n), min(last, n))
+        reset_peak_rss()
+        mine = apply_model(model, samples, share, cfg, device, show=cfg.progress and world.is_main)
+        parts = gather_shares(out_dir, mine, world)
+        if not world.is_main:
+            return {}
+        embedding = torch.cat([part["embedding"] for part in parts])
+        predicted = torch.cat([part["predicted"] for part in parts]) if len(parts[0]["predicted"]) else None
+        latencies = [t for part in parts for t in part["latencies"].tolist()]
+        targets = None if predicted is None else target_table(samples, predicted, payload.get("target"))
+        written = write_outputs(out_dir, samples.ids, embedding, targets, cfg.pairwise)
+        busy_s = max(float(part["latencies"].sum()) for part in parts)  # the ranks work side by side
+        summary = {
+            "status": "completed",
+            "run": str(cfg.run),
+            "device": str(device),
+            "world_size": world.world_size,
+            "n_samples": n,
+            "too_shallow": samples.too_shallow,
+            "files": written,
+            "samples_per_s": n / busy_s,
+            "batch_size": cfg.batch_size,
+            "batch_latency_s": {
+                "p50": float(np.percentile(latencies, 50)),
+                "p95": float(np.percentile(latencies, 95)),
+            },
+            "peak_rss_bytes": peak_rss(),  # the first rank's
+            "duration_s": time.perf_counter() - start,
+            "target": payload.get("target"),  # the column and the scale the model was trained with
+            **target_quality(targets),
+        }
+        write_json_atomic(out_dir / "summary.json", summary)
+        return summary
+    finally:
+        close_world(completed=True)
+
+
+def apply_model(model, samples, share: range, cfg: DictConfig, device, show: bool) -> dict[str, torch.Tensor]:
+    """This process's share of the samples through the model: their embeddings, standardized targets
+    (empty without a target head) and each batch's seconds."""
     collate = Collate(samples.tokens, None, pad_to=None)  # each batch as wide as its longest sample
-    loader = DataLoader(samples.dataset, batch_size=cfg.batch_size, shuffle=False, collate_fn=collate)
-    reset_peak_rss()
-    embeddings, predicted, latencies = [], [], []
+    loader = DataLoader(Subset(samples.dataset, share), batch_size=cfg.batch_size, collate_fn=collate)
+    embeddings, predicted, latencies = [torch.zeros(0, 0)], [torch.zeros(0)], []
     with torch.inference_mode():
-        for batch in tqdm(loader, desc="predict", unit="batch", disable=not cfg.progress, dynamic_ncols=True):
+        for batch in tqdm(loader, desc="predict", unit="batch", disable=not show, dynamic_ncols=True):
             begin = time.perf_counter()
             batch = to_device(batch, device)
             out = model(batch["tokens"], batch["counts"], asv_ids=batch["asv_ids"])
@@ -74,30 +123,29 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             if "target" in out:
                 predicted.append(out["target"].float().cpu().squeeze(1))
             latencies.append(time.perf_counter() - begin)
-    embedding = torch.cat(embeddings)
-    targets = target_table(samples, torch.cat(predicted), payload.get("target")) if predicted else None
-    written = write_outputs(out_dir, samples.ids, embedding, targets, cfg.pairwise)
-    n = len(samples.ids)
-    summary = {
-        "status": "completed",
-        "run": str(cfg.run),
-        "device": str(device),
-        "n_samples": n,
-        "too_shallow": samples.too_shallow,
-        "files": written,
-        "samples_per_s": n / sum(latencies),
-        "batch_size": cfg.batch_size,
-        "batch_latency_s": {
-            "p50": float(np.percentile(latencies, 50)),
-            "p95": float(np.percentile(latencies, 95)),
-        },
-        "peak_rss_bytes": peak_rss(),
-        "duration_s": time.perf_counter() - start,
-        "target": payload.get("target"),  # the column and the scale the model was trained with
-        **target_quality(targets),
+    return {
+        "embedding": torch.cat(embeddings[1:]) if len(embeddings) > 1 else torch.zeros(0, 0),
+        "predicted": torch.cat(predicted),
+        "latencies": torch.tensor(latencies, dtype=torch.float64),
     }
-    write_json_atomic(out_dir / "summary.json", summary)
-    return summary
+
+
+def gather_shares(
+    out_dir: Path, mine: dict[str, torch.Tensor], world: World
+) -> list[dict[str, torch.Tensor]]:
+    """Every rank's share, in rank order (= the input order), on the first rank: each rank writes its
+    share to `<out_dir>/shares/`, the first reads them all after a barrier and removes them."""
+    if world.world_size == 1:
+        return [mine]
+    shares = out_dir / "shares"
+    path = shares / f"rank{world.rank}.pt"
+    write_atomic(path, lambda f: torch.save(mine, f))
+    torch.distributed.barrier()
+    if not world.is_main:
+        return []
+    parts = [torch.load(shares / f"rank{r}.pt", weights_only=True) for r in range(world.world_size)]
+    shutil.rmtree(shares)
+    return [part for part in parts if part["embedding"].numel()]
 
 
 def target_table(samples, standard: torch.Tensor, target: dict | None) -> pd.DataFrame:

@@ -18,6 +18,8 @@ register_predict_configs()
 def main(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     summary = predict(cfg, out_dir)
+    if not summary:  # a rank other than the first: its share is in the first rank's files
+        return
     print(f"predictions: {out_dir}")
     print(
         f"  {summary['n_samples']} samples | {summary['samples_per_s']:.4g} samples/s | batch latency p50 "
