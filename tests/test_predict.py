@@ -100,3 +100,20 @@ def test_two_ranks_write_what_one_process_writes(launch, trained_run):
         assert (two / name).read_text() == (one / name).read_text(), name  # the same rows, in the same order
     assert np.array_equal(np.load(two / "unifrac.npy"), np.load(one / "unifrac.npy"))
     assert not (two / "shares").exists()  # the ranks' shares were merged and removed
+
+
+def test_the_exported_program_gives_the_models_outputs_at_other_shapes(launch, trained_run):
+    run_dir, _ = trained_run
+    out, summary = predicted(launch, f"run={run_dir}", "export=true", "batch_size=4", name="export")
+    assert summary["export"]["file"] == "model.pt2" and "model.pt2" in summary["files"]
+    assert max(summary["export"]["max_abs_diff"].values()) < 1e-5
+    served = torch.export.load(out / "model.pt2").module()
+    model, payload = load_model(run_dir)
+    samples = read_samples(OmegaConf.create(payload["config"]["data"]))
+    for size in (1, 7):  # another batch size, other widths than the batch it was exported with
+        batch = Collate(samples.tokens, None, pad_to=None)([samples.dataset[i] for i in range(size)])
+        with torch.no_grad():
+            mine = served(batch["tokens"], batch["counts"])
+            eager = model(batch["tokens"], batch["counts"], asv_ids=batch["asv_ids"])
+        for key in ("sample_embedding", "target"):
+            assert torch.allclose(mine[key], eager[key], atol=1e-5), (size, key)

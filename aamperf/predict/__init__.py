@@ -26,6 +26,7 @@ from aamperf.errors import UserError
 from aamperf.files import write_atomic, write_json_atomic
 from aamperf.metrics.monitor import peak_rss, reset_peak_rss
 from aamperf.model.loss import predicted_unifrac
+from aamperf.predict.export import export_model
 from aamperf.weights import load_model
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,15 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         latencies = [t for part in parts for t in part["latencies"].tolist()]
         targets = None if predicted is None else target_table(samples, predicted, payload.get("target"))
         written = write_outputs(out_dir, samples.ids, embedding, targets, cfg.pairwise)
+        exported = None
+        if cfg.export:  # checked on the first batch of the samples
+            first = Collate(samples.tokens, None, pad_to=None)(
+                [samples.dataset[i] for i in range(min(n, cfg.batch_size))]
+            )
+            exported = export_model(model, to_device(first, device), out_dir)
+            written[exported["file"]] = (
+                "the model as a torch.export program: torch.export.load(path).module()"
+            )
         busy_s = max(float(part["latencies"].sum()) for part in parts)  # the ranks work side by side
         summary = {
             "status": "completed",
@@ -100,6 +110,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             "peak_rss_bytes": peak_rss(),  # the first rank's
             "duration_s": time.perf_counter() - start,
             "target": payload.get("target"),  # the column and the scale the model was trained with
+            "export": exported,
             **target_quality(targets),
         }
         write_json_atomic(out_dir / "summary.json", summary)

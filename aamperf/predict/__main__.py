@@ -7,7 +7,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from aamperf.config import CONF_DIR
-from aamperf.errors import bad_input_exits
+from aamperf.errors import UserError, bad_input_exits, exit_bad_input
 from aamperf.predict import predict
 from aamperf.predict.config import register_predict_configs
 
@@ -17,7 +17,10 @@ register_predict_configs()
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="predict")
 def main(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    summary = predict(cfg, out_dir)
+    try:
+        summary = predict(cfg, out_dir)
+    except UserError as exc:  # here, before Hydra adds its own line about the failed job
+        exit_bad_input(exc)
     if not summary:  # a rank other than the first: its share is in the first rank's files
         return
     print(f"predictions: {out_dir}")

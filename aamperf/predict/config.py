@@ -26,6 +26,7 @@ class PredictConfig:
     data: PredictData = field(default_factory=PredictData)
     batch_size: int = 32  # samples per forward pass
     pairwise: bool = False  # also the predicted UniFrac between every pair of samples (unifrac.npy, n x n)
+    export: bool = False  # also model.pt2: the model as a torch.export program (aamperf/predict/export.py)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     progress: bool = True  # tqdm bar with samples/s
 
