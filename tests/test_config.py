@@ -19,7 +19,10 @@ from aamperf.errors import hydra_error_message
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
-OPTIONS = [(g, o.stem) for g in GROUPS for o in sorted((CONF_DIR / g).glob("*.yaml"))]
+PREDICT_ONLY = ("inference", "quantize")  # groups of conf/predict.yaml (python -m aamperf.predict) alone
+ALL_OPTIONS = [(g, o.stem) for g in GROUPS for o in sorted((CONF_DIR / g).glob("*.yaml"))]
+OPTIONS = [(g, o) for g, o in ALL_OPTIONS if g not in PREDICT_ONLY]
+PREDICT_OPTIONS = [(g, o) for g, o in ALL_OPTIONS if g in PREDICT_ONLY]
 
 
 def choice_fields(schema: type = Config, prefix: str = "") -> Iterator[tuple[str, type[Enum], bool]]:
@@ -44,7 +47,7 @@ def test_the_groups_and_options_the_readme_lists_exist():
     assert {"data", "model", "loss", "optim"} <= table.keys() and "dataloader" in GROUPS
     for group, options in table.items():
         named = set(re.findall(r"`(\w+)`", options))
-        assert named == {o for g, o in OPTIONS if g == group}, group
+        assert named == {o for g, o in ALL_OPTIONS if g == group}, group
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
@@ -134,12 +137,32 @@ def default_valued_keys(node: dict, schema: type, prefix: str = "") -> Iterator[
             yield f"{prefix}{key}"
 
 
+@pytest.mark.parametrize(("group", "option"), PREDICT_OPTIONS, ids=[f"{g}={o}" for g, o in PREDICT_OPTIONS])
+def test_every_predict_option_composes(group, option):
+    from hydra import compose, initialize_config_dir
+
+    from aamperf.predict.config import register_predict_configs
+
+    register_predict_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("predict", overrides=["run=x", f"{group}={option}"])
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    assert cfg.inference == (option if group == "inference" else "baseline")
+    assert cfg.quantize.mode == ("int8_dynamic" if "int8" in option else "none")
+
+
 def test_option_files_hold_only_what_differs_from_the_schema_defaults():
+    from aamperf.predict.config import PredictConfig
+
     sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    sections.update({f.name: f.type for f in dataclasses.fields(PredictConfig)})
     repeated = []
-    for path in [CONF_DIR / "config.yaml", *(CONF_DIR / g / f"{o}.yaml" for g, o in OPTIONS)]:
+    for path in [CONF_DIR / "config.yaml", *(CONF_DIR / g / f"{o}.yaml" for g, o in ALL_OPTIONS)]:
         package_global = path.name == "config.yaml" or "# @package _global_" in path.read_text()
-        schema = Config if package_global else sections.get(path.parent.name)
+        predict_level = path.parent.name in PREDICT_ONLY
+        schema = (
+            (PredictConfig if predict_level else Config) if package_global else sections.get(path.parent.name)
+        )
         if dataclasses.is_dataclass(schema):  # model and loss are open: their _target_'s arguments
             node = OmegaConf.to_container(OmegaConf.load(path)) or {}
             repeated += [f"{path.relative_to(CONF_DIR)}: {key}" for key in default_valued_keys(node, schema)]

@@ -62,6 +62,11 @@ def test_the_runs_own_samples_one_row_each_with_the_pairwise_unifrac_of_their_em
     scale = trained["target"]
     own_units = (standard * scale["std"] + scale["mean"]).numpy()
     assert np.allclose(targets["predicted"].to_numpy(), own_units, rtol=1e-4, atol=1e-6)
+    # inference=baseline: every phase skipped, and the quality check's reference is the model itself
+    assert summary["inference"] == "baseline"
+    assert all(record["status"] == "skipped" for record in summary["phases"].values())
+    base = summary["quality"]
+    assert base["embedding_cosine_min"] == pytest.approx(1.0) and base["unifrac_mae"] == 0
     latency = summary["batch_latency_s"]
     assert summary["samples_per_s"] > 0 and latency["p95"] >= latency["p50"] > 0
 
@@ -117,3 +122,17 @@ def test_the_exported_program_gives_the_models_outputs_at_other_shapes(launch, t
             eager = model(batch["tokens"], batch["counts"], asv_ids=batch["asv_ids"])
         for key in ("sample_embedding", "target"):
             assert torch.allclose(mine[key], eager[key], atol=1e-5), (size, key)
+
+
+def test_each_inference_level_says_what_it_did_and_its_quality_against_fp32_eager(launch, trained_run):
+    run_dir, _ = trained_run
+    out, int8 = predicted(launch, f"run={run_dir}", "inference=int8", "attention=math", name="int8")
+    assert (
+        int8["phases"]["quantize"]["status"] == "applied" and int8["phases"]["quantize"]["linear_layers"] > 0
+    )
+    assert int8["phases"]["aam_ops"]["asv_rows"] == "unique"
+    quality = int8["quality"]
+    assert quality["samples"] == min(64, int8["n_samples"])
+    # int8 weights change the numbers a little, not the answers
+    assert 0.99 < quality["embedding_cosine_min"] < 1.0 and 0 < quality["unifrac_mae"] < 0.01
+    assert 0 < quality["target_mae"] < 0.1 * int8["target"]["std"]

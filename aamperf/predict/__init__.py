@@ -8,6 +8,7 @@ UniFrac between every pair of samples) with `pairwise=true`, and a `summary.json
 import logging
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from aamperf.files import write_atomic, write_json_atomic
 from aamperf.metrics.monitor import peak_rss, reset_peak_rss
 from aamperf.model.loss import predicted_unifrac
 from aamperf.predict.export import export_model
+from aamperf.predict.levels import apply_levels, forward, quality
 from aamperf.weights import load_model
 
 log = logging.getLogger(__name__)
@@ -49,53 +51,60 @@ def data_config(run_data: dict[str, Any], new: DictConfig) -> DictConfig:
 
 
 def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
-    """Apply the run's model to the samples; write the files; return the summary (also written). Under
-    torchrun each rank predicts a contiguous share of the samples and writes it; the first rank merges
-    the shares in the input order and writes the files, the same as one process would."""
+    """Apply the run's model, at the inference level `cfg` composes, to the samples; write the files;
+    return the summary (also written). Under torchrun each rank predicts whole batches of the samples,
+    in order, and writes its share; the first rank merges the shares into the files one process writes."""
     start = time.perf_counter()
     device = resolve_device(cfg.device)
     world = join_world("auto", 600, device) if torchrun_env() else World()
     try:
-        if cfg.batch_size < 1:
-            raise UserError(f"batch_size={cfg.batch_size}: give batch_size >= 1")
+        if cfg.batch_size < 1 or cfg.quality_samples < 0:
+            raise UserError("batch_size must be >= 1 and quality_samples >= 0")
         model, payload = load_model(Path(cfg.run), device)
-        data_cfg = data_config(payload["config"]["data"], cfg.data)
-        samples = read_samples(data_cfg, keep_unlabelled=True)
+        samples = read_samples(data_config(payload["config"]["data"], cfg.data), keep_unlabelled=True)
         if samples.too_shallow and world.is_main:
             log.warning(
-                "%d samples have fewer reads than the run's data.rarefy_depth=%d and get no prediction: %s",
+                "%d samples have fewer reads than the run's data.rarefy_depth and get no prediction: %s",
                 len(samples.too_shallow),
-                data_cfg.rarefy_depth,
                 ", ".join(samples.too_shallow[:10]),
             )
         n = len(samples.ids)
+        first_batch = to_device(collate_range(samples, range(min(n, cfg.batch_size))), device)
+        # the serving program from the trained model as it is, before any level changes it
+        exported = export_model(model, first_batch, out_dir) if cfg.export and world.is_main else None
+        model_cfg = OmegaConf.create(payload["config"]["model"])
+        autocast, phases = apply_levels(model, cfg, device, model_cfg, first_batch)
         # whole batches to each rank: the batches are those of one process (the same padding)
         batches = -(-n // cfg.batch_size)
         first, last = (batches * r // world.world_size * cfg.batch_size for r in (world.rank, world.rank + 1))
-        share = range(min(first, n), min(last, n))
         reset_peak_rss()
-        mine = apply_model(model, samples, share, cfg, device, show=cfg.progress and world.is_main)
+        show = cfg.progress and world.is_main
+        mine = apply_model(model, autocast, samples, range(min(first, n), min(last, n)), cfg, device, show)
+        checked = None
+        if world.is_main and cfg.quality_samples:  # the same first samples through the fp32 eager model
+            reference, _ = load_model(Path(cfg.run), device)
+            rows = range(min(cfg.quality_samples, len(mine["embedding"])))
+            plain = apply_model(reference, nullcontext, samples, rows, cfg, device, False)
+            level = {key: mine[key][: len(rows)] for key in ("embedding", "predicted")}
+            checked = quality(plain, level, (payload.get("target") or {}).get("std"))
         parts = gather_shares(out_dir, mine, world)
         if not world.is_main:
             return {}
         embedding = torch.cat([part["embedding"] for part in parts])
         predicted = torch.cat([part["predicted"] for part in parts]) if len(parts[0]["predicted"]) else None
-        latencies = [t for part in parts for t in part["latencies"].tolist()]
         targets = None if predicted is None else target_table(samples, predicted, payload.get("target"))
         written = write_outputs(out_dir, samples.ids, embedding, targets, cfg.pairwise)
-        exported = None
-        if cfg.export:  # checked on the first batch of the samples
-            first = Collate(samples.tokens, None, pad_to=None)(
-                [samples.dataset[i] for i in range(min(n, cfg.batch_size))]
-            )
-            exported = export_model(model, to_device(first, device), out_dir)
+        if exported is not None:
             written[exported["file"]] = (
                 "the model as a torch.export program: torch.export.load(path).module()"
             )
+        latencies = torch.cat([part["latencies"] for part in parts]).tolist()
         busy_s = max(float(part["latencies"].sum()) for part in parts)  # the ranks work side by side
         summary = {
             "status": "completed",
             "run": str(cfg.run),
+            "inference": cfg.inference,
+            "phases": phases,
             "device": str(device),
             "world_size": world.world_size,
             "n_samples": n,
@@ -109,6 +118,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             },
             "peak_rss_bytes": peak_rss(),  # the first rank's
             "duration_s": time.perf_counter() - start,
+            "quality": checked,  # against the fp32 eager model on the first quality_samples samples
             "target": payload.get("target"),  # the column and the scale the model was trained with
             "export": exported,
             **target_quality(targets),
@@ -119,21 +129,24 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         close_world(completed=True)
 
 
-def apply_model(model, samples, share: range, cfg: DictConfig, device, show: bool) -> dict[str, torch.Tensor]:
-    """This process's share of the samples through the model: their embeddings, standardized targets
-    (empty without a target head) and each batch's seconds."""
+def collate_range(samples, rows: range) -> dict[str, Any]:
+    """These samples as one batch, padded to the longest of them."""
+    return Collate(samples.tokens, None, pad_to=None)([samples.dataset[i] for i in rows])
+
+
+def apply_model(model, autocast, samples, share: range, cfg: DictConfig, device, show: bool) -> dict:
+    """These samples through the model: their embeddings, standardized targets (empty without a target
+    head) and each batch's seconds."""
     collate = Collate(samples.tokens, None, pad_to=None)  # each batch as wide as its longest sample
     loader = DataLoader(Subset(samples.dataset, share), batch_size=cfg.batch_size, collate_fn=collate)
     embeddings, predicted, latencies = [torch.zeros(0, 0)], [torch.zeros(0)], []
-    with torch.inference_mode():
-        for batch in tqdm(loader, desc="predict", unit="batch", disable=not show, dynamic_ncols=True):
-            begin = time.perf_counter()
-            batch = to_device(batch, device)
-            out = model(batch["tokens"], batch["counts"], asv_ids=batch["asv_ids"])
-            embeddings.append(out["sample_embedding"].float().cpu())  # host sync: the batch is done
-            if "target" in out:
-                predicted.append(out["target"].float().cpu().squeeze(1))
-            latencies.append(time.perf_counter() - begin)
+    for batch in tqdm(loader, desc="predict", unit="batch", disable=not show, dynamic_ncols=True):
+        begin = time.perf_counter()
+        out = forward(model, to_device(batch, device), autocast)
+        embeddings.append(out["sample_embedding"].float().cpu())  # host sync: the batch is done
+        if "target" in out:
+            predicted.append(out["target"].float().cpu().squeeze(1))
+        latencies.append(time.perf_counter() - begin)
     return {
         "embedding": torch.cat(embeddings[1:]) if len(embeddings) > 1 else torch.zeros(0, 0),
         "predicted": torch.cat(predicted),

@@ -5,7 +5,24 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from aamperf.config import register_configs
+from aamperf.config import (
+    AAMOpsConfig,
+    AttentionConfig,
+    CompileConfig,
+    PrecisionConfig,
+    ProbeConfig,
+    choices,
+    register_configs,
+)
+
+Quantize = choices("Quantize", "none", "int8_dynamic")
+
+
+@dataclass
+class QuantizeConfig:
+    """Inference-time quantization (`aamperf/predict/levels.py`, conf/quantize/)."""
+
+    mode: Quantize = Quantize.none  # int8_dynamic: nn.Linear weights in int8 (CPU, with precision=fp32)
 
 
 @dataclass
@@ -20,12 +37,24 @@ class PredictData:
     sequences: str | None = None  # FASTA id -> sequence, when observation ids are not sequences
 
 
+DEFAULT_PROBE_CACHE = "${oc.env:AAMPERF_CACHE,${oc.env:HOME}/.cache/aamperf}/device_probe.json"
+
+
 @dataclass
 class PredictConfig:
     run: str = MISSING  # a completed run's directory: it holds model.pt
+    inference: str = MISSING  # the level's name, set by conf/inference/*.yaml
     data: PredictData = field(default_factory=PredictData)
     batch_size: int = 32  # samples per forward pass
     pairwise: bool = False  # also the predicted UniFrac between every pair of samples (unifrac.npy, n x n)
+    # the inference level: the training groups that apply to a forward pass, plus quantize (conf/inference/)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    aam_ops: AAMOpsConfig = field(default_factory=AAMOpsConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
+    probe: ProbeConfig = field(default_factory=lambda: ProbeConfig(cache=DEFAULT_PROBE_CACHE))
+    quality_samples: int = 64  # the first samples, also through the fp32 eager model: the level's quality
     export: bool = False  # also model.pt2: the model as a torch.export program (aamperf/predict/export.py)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     progress: bool = True  # tqdm bar with samples/s

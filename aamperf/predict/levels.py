@@ -1,0 +1,100 @@
+"""Inference levels: the training phases that apply to a forward pass (precision, attention, aam_ops,
+compile, each with `auto` where the device decides) plus `quantize`, applied in a fixed order to the
+loaded model; and the quality check of a level against the fp32 eager model on the same samples."""
+
+import warnings
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from aamperf.model.loss import predicted_unifrac
+from aamperf.phases.aam_ops import apply_aam_ops
+from aamperf.phases.attention import apply_attention
+from aamperf.phases.auto import apply_decisions, choose_attention, choose_precision
+from aamperf.phases.compile import apply_compile
+from aamperf.phases.precision import DTYPES, apply_precision
+from aamperf.phases.record import applied, skipped
+from aamperf.probe import Probe, model_shapes
+
+
+def apply_levels(
+    model: nn.Module, cfg: DictConfig, device: torch.device, model_cfg: Any, batch: dict[str, Any]
+) -> tuple[Callable, dict[str, dict]]:
+    """(autocast factory, {group: record}); `batch`, a real one on the device: compile's warm-up."""
+    records: dict[str, dict] = {}
+    decisions = decide_auto(cfg, device, model_cfg)
+    autocast, _, records["precision"] = apply_precision(cfg.precision, device)
+    records["attention"] = apply_attention(model, cfg.attention)
+    records["aam_ops"] = apply_aam_ops(model, cfg.aam_ops)
+    records["quantize"] = apply_quantize(model, cfg.quantize.mode, autocast)
+    records["compile"] = apply_compile(model, cfg.compile, lambda: forward(model, batch, autocast))
+    for group, decision in decisions.items():  # each `auto` beside what its phase then did
+        records[group]["auto"] = decision
+    return autocast, records
+
+
+def decide_auto(cfg: DictConfig, device: torch.device, model_cfg: Any) -> dict[str, dict]:
+    """precision=auto and attention=auto from the device probe, at the model's shapes for this batch."""
+    if "auto" not in (cfg.precision.dtype, cfg.attention.impl):
+        return {}
+    probe = Probe(device, cfg.probe.cache, cfg.probe.refresh)
+    matmuls, attention = model_shapes(model_cfg, cfg.batch_size, model_cfg.get("max_asvs", 1))
+    decisions = {}
+    if cfg.precision.dtype == "auto":
+        decisions["precision"] = choose_precision(device, probe, matmuls)
+    dtype = decisions.get("precision", {}).get("chose", cfg.precision.dtype)
+    if cfg.attention.impl == "auto":  # measured forward + backward: the probe's one attention answer
+        decisions["attention"] = choose_attention(device, probe, DTYPES[dtype], attention)
+    apply_decisions(cfg, decisions)
+    return decisions
+
+
+def apply_quantize(model: nn.Module, mode: str, autocast: Callable) -> dict:
+    """int8_dynamic: every nn.Linear's weights stored in int8, activations quantized per batch at run
+    time (torch.ao.quantization.quantize_dynamic, the x86 / fbgemm kernels: it runs on any x86 CPU;
+    torchao, its successor, is not a dependency here). In place, CPU only, fp32 only."""
+    if mode == "none":
+        return skipped("quantize=none")
+    if next(model.parameters()).device.type != "cpu":
+        return skipped("quantize=int8_dynamic runs on CPU only: left in float", mode=mode)
+    if autocast is not nullcontext:
+        return skipped("quantize=int8_dynamic with an autocast precision: left in float (precision=fp32)")
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():  # "torch.ao.quantization is deprecated": still the one that runs here
+        warnings.simplefilter("ignore")
+        linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+        quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+    return applied(mode=mode, linear_layers=linears, engine=torch.backends.quantized.engine)
+
+
+def quality(
+    reference: dict[str, torch.Tensor], level: dict[str, torch.Tensor], target_std: float | None
+) -> dict:
+    """A level's outputs against the fp32 eager model's on the same samples: cosine similarity of the
+    sample embeddings (mean, worst), the predicted target's mean absolute difference (in its own units)
+    and the predicted UniFrac's (over every pair)."""
+    mine, theirs = level["embedding"].double(), reference["embedding"].double()
+    cosine = torch.nn.functional.cosine_similarity(mine, theirs, dim=1)
+    result = {
+        "samples": len(mine),
+        "embedding_cosine_mean": cosine.mean().item(),
+        "embedding_cosine_min": cosine.min().item(),
+        "unifrac_mae": (predicted_unifrac(mine.float()) - predicted_unifrac(theirs.float()))
+        .abs()
+        .mean()
+        .item(),
+    }
+    if len(level["predicted"]) and len(reference["predicted"]):
+        diff = (level["predicted"].double() - reference["predicted"].double()).abs().mean().item()
+        result["target_mae"] = diff * (target_std or 1.0)
+    return result
+
+
+def forward(model: nn.Module, batch: dict[str, Any], autocast: Callable) -> dict[str, torch.Tensor]:
+    with torch.inference_mode(), autocast():
+        return model(batch["tokens"], batch["counts"], asv_ids=batch["asv_ids"])
