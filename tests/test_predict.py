@@ -1,6 +1,8 @@
 """python -m aamperf.predict: a run's model applied to its own samples and to a new table with ASVs it
 never saw; one row per sample, the predicted UniFrac of the embeddings written, bad input one line."""
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -136,3 +138,31 @@ def test_each_inference_level_says_what_it_did_and_its_quality_against_fp32_eage
     # int8 weights change the numbers a little, not the answers
     assert 0.99 < quality["embedding_cosine_min"] < 1.0 and 0 < quality["unifrac_mae"] < 0.01
     assert 0 < quality["target_mae"] < 0.1 * int8["target"]["std"]
+
+
+def test_a_benchmark_sweep_ends_in_a_report_naming_the_fastest_level_that_keeps_quality(launch, trained_run):
+    run_dir, _ = trained_run
+    bench = ["bench.enabled=true", "bench.batch_sizes=[1,4]", "bench.warmup=1", "bench.calls=3"]
+    proc, sweep = launch(
+        f"run={run_dir}", "inference=baseline,int8", *bench, name="bench", module="aamperf.predict",
+        tiny=False, multirun=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((sweep / "comparison.json").read_text())
+    rows = {row["inference"]: row for row in result["rows"]}
+    assert rows.keys() == {"baseline", "int8"} and rows["baseline"]["1"]["speedup"] == 1.0
+    for row in rows.values():
+        for size in ("1", "4"):
+            figures = row[size]
+            assert (
+                0 < figures["p50_s"] <= figures["p95_s"]
+                and figures["samples_per_s"] == int(size) / figures["p50_s"]
+            )
+    fastest = result["fastest_keeping_quality"]
+    assert rows[fastest]["keeps_quality"] and all(
+        rows[fastest]["4"]["p50_s"] <= row["4"]["p50_s"] for row in rows.values() if row["keeps_quality"]
+    )
+    assert (
+        "| int8 |" in (sweep / "comparison.md").read_text() and (sweep / "comparison.png").stat().st_size > 0
+    )
+    assert not list(sweep.glob("*/embeddings.tsv"))  # a benchmark writes its figures, not predictions

@@ -139,6 +139,12 @@ def _cpuinfo() -> tuple[str, list[str]]:
     return name, sorted(set(flags) & set(_MATMUL_FLAGS))
 
 
+def cpu_description() -> str:
+    """The CPU's model name and its matmul-relevant flags, to name beside a figure measured on it."""
+    name, flags = _cpuinfo()
+    return f"{name} ({', '.join(flags) or 'no AVX-512 / AMX'})"
+
+
 def _machine_id() -> str:
     try:
         return Path("/etc/machine-id").read_text().strip()

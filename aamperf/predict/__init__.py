@@ -25,8 +25,10 @@ from aamperf.device import resolve_device, to_device
 from aamperf.distributed import World, close_world, join_world, torchrun_env
 from aamperf.errors import UserError
 from aamperf.files import write_atomic, write_json_atomic
+from aamperf.metrics.flops import cpu_description
 from aamperf.metrics.monitor import peak_rss, reset_peak_rss
 from aamperf.model.loss import predicted_unifrac
+from aamperf.predict.bench import latencies
 from aamperf.predict.export import export_model
 from aamperf.predict.levels import apply_levels, forward, quality
 from aamperf.weights import load_model
@@ -53,13 +55,16 @@ def data_config(run_data: dict[str, Any], new: DictConfig) -> DictConfig:
 def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """Apply the run's model, at the inference level `cfg` composes, to the samples; write the files;
     return the summary (also written). Under torchrun each rank predicts whole batches of the samples,
-    in order, and writes its share; the first rank merges the shares into the files one process writes."""
+    in order, and writes its share; the first rank merges the shares into the files one process writes.
+    bench.enabled=true: the latencies of the level instead of the files (aamperf/predict/bench.py)."""
     start = time.perf_counter()
     device = resolve_device(cfg.device)
     world = join_world("auto", 600, device) if torchrun_env() else World()
     try:
         if cfg.batch_size < 1 or cfg.quality_samples < 0:
             raise UserError("batch_size must be >= 1 and quality_samples >= 0")
+        if cfg.bench.enabled and world.world_size > 1:
+            raise UserError("bench.enabled=true measures one process: run it without torchrun")
         model, payload = load_model(Path(cfg.run), device)
         samples = read_samples(data_config(payload["config"]["data"], cfg.data), keep_unlabelled=True)
         if samples.too_shallow and world.is_main:
@@ -74,59 +79,81 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         exported = export_model(model, first_batch, out_dir) if cfg.export and world.is_main else None
         model_cfg = OmegaConf.create(payload["config"]["model"])
         autocast, phases = apply_levels(model, cfg, device, model_cfg, first_batch)
-        # whole batches to each rank: the batches are those of one process (the same padding)
-        batches = -(-n // cfg.batch_size)
-        first, last = (batches * r // world.world_size * cfg.batch_size for r in (world.rank, world.rank + 1))
-        reset_peak_rss()
-        show = cfg.progress and world.is_main
-        mine = apply_model(model, autocast, samples, range(min(first, n), min(last, n)), cfg, device, show)
-        checked = None
-        if world.is_main and cfg.quality_samples:  # the same first samples through the fp32 eager model
-            reference, _ = load_model(Path(cfg.run), device)
-            rows = range(min(cfg.quality_samples, len(mine["embedding"])))
-            plain = apply_model(reference, nullcontext, samples, rows, cfg, device, False)
-            level = {key: mine[key][: len(rows)] for key in ("embedding", "predicted")}
-            checked = quality(plain, level, (payload.get("target") or {}).get("std"))
-        parts = gather_shares(out_dir, mine, world)
-        if not world.is_main:
-            return {}
-        embedding = torch.cat([part["embedding"] for part in parts])
-        predicted = torch.cat([part["predicted"] for part in parts]) if len(parts[0]["predicted"]) else None
-        targets = None if predicted is None else target_table(samples, predicted, payload.get("target"))
-        written = write_outputs(out_dir, samples.ids, embedding, targets, cfg.pairwise)
-        if exported is not None:
-            written[exported["file"]] = (
-                "the model as a torch.export program: torch.export.load(path).module()"
-            )
-        latencies = torch.cat([part["latencies"] for part in parts]).tolist()
-        busy_s = max(float(part["latencies"].sum()) for part in parts)  # the ranks work side by side
         summary = {
             "status": "completed",
             "run": str(cfg.run),
             "inference": cfg.inference,
             "phases": phases,
             "device": str(device),
+            "cpu": cpu_description() if device.type == "cpu" else None,
             "world_size": world.world_size,
             "n_samples": n,
             "too_shallow": samples.too_shallow,
-            "files": written,
-            "samples_per_s": n / busy_s,
             "batch_size": cfg.batch_size,
-            "batch_latency_s": {
-                "p50": float(np.percentile(latencies, 50)),
-                "p95": float(np.percentile(latencies, 95)),
-            },
-            "peak_rss_bytes": peak_rss(),  # the first rank's
-            "duration_s": time.perf_counter() - start,
-            "quality": checked,  # against the fp32 eager model on the first quality_samples samples
             "target": payload.get("target"),  # the column and the scale the model was trained with
             "export": exported,
-            **target_quality(targets),
         }
+        if cfg.bench.enabled:  # the level's latencies, and its quality on the first samples
+            sizes = {
+                size: to_device(collate_range(samples, range(min(size, n))), device)
+                for size in cfg.bench.batch_sizes
+            }
+            summary["bench"] = latencies(model, autocast, sizes, cfg)
+            share = range(min(n, cfg.quality_samples))
+        else:  # whole batches to each rank: the batches are those of one process (the same padding)
+            batches = -(-n // cfg.batch_size)
+            first, last = (
+                batches * r // world.world_size * cfg.batch_size for r in (world.rank, world.rank + 1)
+            )
+            share = range(min(first, n), min(last, n))
+        reset_peak_rss()
+        mine = apply_model(model, autocast, samples, share, cfg, device, cfg.progress and world.is_main)
+        if world.is_main:  # the same first samples through the fp32 eager model
+            summary["quality"] = check_quality(mine, samples, cfg, device, payload)
+        parts = gather_shares(out_dir, mine, world)
+        if not world.is_main:
+            return {}
+        if not cfg.bench.enabled:
+            summary.update(write_predictions(out_dir, samples, parts, cfg.pairwise, payload.get("target")))
+            if exported is not None:
+                summary["files"][exported["file"]] = (
+                    "the model as a torch.export program: torch.export.load(path).module()"
+                )
+        summary.update(peak_rss_bytes=peak_rss(), duration_s=time.perf_counter() - start)  # the first rank's
         write_json_atomic(out_dir / "summary.json", summary)
         return summary
     finally:
         close_world(completed=True)
+
+
+def check_quality(mine: dict, samples, cfg: DictConfig, device, payload: dict) -> dict | None:
+    """The level against the fp32 eager model on the first `quality_samples` samples (None: none asked)."""
+    rows = range(min(cfg.quality_samples, len(mine["embedding"])))
+    if not len(rows):
+        return None
+    reference, _ = load_model(Path(cfg.run), device)
+    plain = apply_model(reference, nullcontext, samples, rows, cfg, device, False)
+    level = {key: mine[key][: len(rows)] for key in ("embedding", "predicted")}
+    return quality(plain, level, (payload.get("target") or {}).get("std"))
+
+
+def write_predictions(out_dir: Path, samples, parts: list[dict], pairwise: bool, target: dict | None) -> dict:
+    """The ranks' shares, in order, into the files; the summary's figures of them."""
+    embedding = torch.cat([part["embedding"] for part in parts])
+    predicted = torch.cat([part["predicted"] for part in parts]) if len(parts[0]["predicted"]) else None
+    targets = None if predicted is None else target_table(samples, predicted, target)
+    written = write_outputs(out_dir, samples.ids, embedding, targets, pairwise)
+    seconds = torch.cat([part["latencies"] for part in parts]).tolist()
+    busy_s = max(float(part["latencies"].sum()) for part in parts)  # the ranks work side by side
+    return {
+        "files": written,
+        "samples_per_s": len(samples.ids) / busy_s,
+        "batch_latency_s": {
+            "p50": float(np.percentile(seconds, 50)),
+            "p95": float(np.percentile(seconds, 95)),
+        },
+        **target_quality(targets),
+    }
 
 
 def collate_range(samples, rows: range) -> dict[str, Any]:

@@ -23,6 +23,13 @@ def main(cfg: DictConfig) -> None:
         exit_bad_input(exc)
     if not summary:  # a rank other than the first: its share is in the first rank's files
         return
+    if "bench" in summary:
+        figures = ", ".join(
+            f"batch {size}: p50 {1e3 * f['p50_s']:.3g} ms, p95 {1e3 * f['p95_s']:.3g} ms"
+            for size, f in summary["bench"].items()
+        )
+        print(f"benchmark of inference={summary['inference']}: {out_dir}\n  {figures}")
+        return
     print(f"predictions: {out_dir}")
     print(
         f"  {summary['n_samples']} samples | {summary['samples_per_s']:.4g} samples/s | batch latency p50 "

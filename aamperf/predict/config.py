@@ -37,6 +37,18 @@ class PredictData:
     sequences: str | None = None  # FASTA id -> sequence, when observation ids are not sequences
 
 
+@dataclass
+class BenchConfig:
+    """bench.enabled=true: latency per batch size instead of prediction files (`aamperf/predict/bench.py`)."""
+
+    enabled: bool = False
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 32])  # each: the first samples, one batch
+    warmup: int = 5  # calls before timing
+    calls: int = 50  # timed calls per batch size: p50 and p95 over them
+    min_cosine: float = 0.999  # a level keeps quality: its embeddings' worst cosine to fp32 eager's ...
+    max_target_mae_std: float = 0.01  # ... and its target within this many target standard deviations
+
+
 DEFAULT_PROBE_CACHE = "${oc.env:AAMPERF_CACHE,${oc.env:HOME}/.cache/aamperf}/device_probe.json"
 
 
@@ -55,6 +67,7 @@ class PredictConfig:
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     probe: ProbeConfig = field(default_factory=lambda: ProbeConfig(cache=DEFAULT_PROBE_CACHE))
     quality_samples: int = 64  # the first samples, also through the fp32 eager model: the level's quality
+    bench: BenchConfig = field(default_factory=BenchConfig)
     export: bool = False  # also model.pt2: the model as a torch.export program (aamperf/predict/export.py)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     progress: bool = True  # tqdm bar with samples/s

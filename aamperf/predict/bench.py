@@ -1,0 +1,158 @@
+"""`bench.enabled=true`: inference latency per batch size (p50 / p95 over `bench.calls` calls after
+`bench.warmup`), throughput and peak memory, at the composed level; and after a sweep of levels
+(`python -m aamperf.predict -m inference=baseline,fast,int8 bench.enabled=true`) the comparison report:
+comparison.{json,md,png} in the sweep directory, with the fastest level that keeps quality named."""
+
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from aamperf.files import write_atomic, write_json_atomic
+from aamperf.metrics.monitor import peak_rss, release_freed_memory, reset_peak_rss
+from aamperf.predict.levels import forward
+
+log = logging.getLogger(__name__)
+
+
+def latencies(model, autocast, batches: dict[int, dict], cfg: DictConfig) -> dict[str, dict[str, float]]:
+    """{batch size: p50 / p95 seconds a call, samples/s at the p50, peak RSS while it ran}."""
+    result = {}
+    for size, batch in batches.items():
+        release_freed_memory()
+        reset_peak_rss()
+        for _ in range(cfg.bench.warmup):
+            forward(model, batch, autocast)
+        times = []
+        for _ in range(cfg.bench.calls):
+            start = time.perf_counter()
+            forward(model, batch, autocast)  # the outputs are on the host: the call is done (CPU)
+            times.append(time.perf_counter() - start)
+        p50, p95 = statistics.median(times), statistics.quantiles(times, n=20)[-1]
+        result[str(size)] = {
+            "p50_s": p50,
+            "p95_s": p95,
+            "samples_per_s": size / p50,
+            "peak_rss_bytes": peak_rss(),
+        }
+    return result
+
+
+def keeps_quality(summary: dict[str, Any], min_cosine: float, max_target_mae_std: float) -> bool:
+    """The level's embeddings and target agree with the fp32 eager model's within the bench's bounds."""
+    q = summary.get("quality") or {}
+    std = (summary.get("target") or {}).get("std") or 1.0
+    return (
+        q.get("embedding_cosine_min", 0) >= min_cosine and q.get("target_mae", 0) <= max_target_mae_std * std
+    )
+
+
+def report(sweep_dir: Path, cfg: DictConfig) -> dict[str, Any]:
+    """The levels of a benchmark sweep side by side: latency and speed-up over inference=baseline per
+    batch size, peak memory, quality; the fastest level at the largest batch that keeps quality."""
+    runs = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/summary.json"))]
+    runs = [r for r in runs if r.get("bench")]
+    if not runs:
+        raise ValueError(f"no benchmark summary under {sweep_dir} (bench.enabled=true)")
+    base = next((r for r in runs if r["inference"] == "baseline"), None)
+    rows = []
+    for run in runs:
+        row = {
+            "inference": run["inference"],
+            "keeps_quality": keeps_quality(run, cfg.bench.min_cosine, cfg.bench.max_target_mae_std),
+        }
+        row["quality"] = run.get("quality")
+        for size, figures in run["bench"].items():
+            row[size] = dict(figures)
+            if base is not None:
+                row[size]["speedup"] = base["bench"][size]["p50_s"] / figures["p50_s"]
+        rows.append(row)
+    largest = max(runs[0]["bench"], key=int)
+    good = [r for r in rows if r["keeps_quality"]]
+    fastest = min(good, key=lambda r: r[largest]["p50_s"])["inference"] if good else None
+    return {
+        "device": runs[0].get("cpu") or runs[0]["device"],
+        "rows": rows,
+        "fastest_keeping_quality": fastest,
+        "quality_bounds": {
+            "min_cosine": cfg.bench.min_cosine,
+            "max_target_mae_std": cfg.bench.max_target_mae_std,
+        },
+    }
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    sizes = [k for k in result["rows"][0] if k.isdigit()]
+    head = (
+        ["level"]
+        + [f"batch {s}: p50 / p95 ms (x baseline)" for s in sizes]
+        + ["peak RSS MiB", "cosine min", "target MAE", "keeps quality"]
+    )
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in result["rows"]:
+        cells = [row["inference"]]
+        for s in sizes:
+            f = row[s]
+            cells.append(
+                f"{1e3 * f['p50_s']:.3g} / {1e3 * f['p95_s']:.3g} ({f.get('speedup', float('nan')):.2f}x)"
+            )
+        q = row["quality"] or {}
+        cells += [
+            f"{max(row[s]['peak_rss_bytes'] for s in sizes) / 2**20:.0f}",
+            f"{q.get('embedding_cosine_min', float('nan')):.6f}",
+            f"{q.get('target_mae', float('nan')):.3g}",
+            "yes" if row["keeps_quality"] else "no",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    largest, fastest = max(sizes, key=int), result["fastest_keeping_quality"]
+    lines.append(f"Fastest level that keeps quality (at batch {largest}): {fastest}; on {result['device']}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [k for k in result["rows"][0] if k.isdigit()]
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4.5 * len(sizes), 3.2), squeeze=False)
+    for ax, size in zip(axes[0], sizes, strict=True):
+        names = [r["inference"] for r in result["rows"]]
+        p50 = [1e3 * r[size]["p50_s"] for r in result["rows"]]
+        p95 = [1e3 * r[size]["p95_s"] for r in result["rows"]]
+        colors = ["tab:green" if r["keeps_quality"] else "tab:red" for r in result["rows"]]
+        ax.bar(names, p50, color=colors, label="p50")
+        ax.scatter(names, p95, color="black", marker="_", s=200, label="p95", zorder=3)
+        ax.set_title(f"batch {size}: latency per call (ms)")
+        ax.legend()
+    fig.suptitle(f"inference levels on {result['device']} (green: keeps quality)")
+    fig.tight_layout()
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
+    plt.close(fig)
+
+
+class BenchReport(Callback):
+    """After a predict sweep with bench.enabled=true: comparison.{json,md,png} in the sweep directory."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if not config.bench.enabled or not sweep_dir.is_dir():
+            return
+        try:
+            result = report(sweep_dir, config)
+        except ValueError as exc:
+            print(f"error: no benchmark report: {exc}", file=sys.stderr)
+            sys.exit(1)
+        write_json_atomic(sweep_dir / "comparison.json", result)
+        write_atomic(sweep_dir / "comparison.md", to_markdown(result))
+        plot(result, sweep_dir / "comparison.png")
+        print(to_markdown(result))
+        print(f"report: {sweep_dir / 'comparison.md'}, {sweep_dir / 'comparison.png'}")
