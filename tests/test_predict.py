@@ -166,3 +166,17 @@ def test_a_benchmark_sweep_ends_in_a_report_naming_the_fastest_level_that_keeps_
         "| int8 |" in (sweep / "comparison.md").read_text() and (sweep / "comparison.png").stat().st_size > 0
     )
     assert not list(sweep.glob("*/embeddings.tsv"))  # a benchmark writes its figures, not predictions
+
+
+def test_a_table_whose_asvs_cannot_be_read_as_sequences_is_one_line(launch, trained_run, tmp_path):
+    import biom
+
+    run_dir, _ = trained_run
+    table = biom.Table(np.array([[5, 0], [3, 9]]), ["feature_1", "feature_2"], ["A", "B"])
+    path = tmp_path / "hashed.biom"
+    path.write_text(table.to_json("test"))
+    proc, _ = launch(f"run={run_dir}", f"data.table={path}", name="p", module="aamperf.predict", tiny=False)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: data.sequences: 2 observation ids of data.table are not DNA sequences")
+    assert "data.sequences=<FASTA id -> sequence>" in last
