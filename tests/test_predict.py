@@ -180,3 +180,15 @@ def test_a_table_whose_asvs_cannot_be_read_as_sequences_is_one_line(launch, trai
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: data.sequences: 2 observation ids of data.table are not DNA sequences")
     assert "data.sequences=<FASTA id -> sequence>" in last
+
+
+@pytest.mark.parametrize("rows_a_block", [1, 5, 37])
+def test_the_pairwise_matrix_written_a_block_of_rows_at_a_time_is_the_whole_one(tmp_path, rows_a_block):
+    from aamperf.predict import write_pairwise
+
+    embedding = torch.randn(37, 8, generator=torch.Generator().manual_seed(0))
+    with open(tmp_path / "u.npy", "wb") as f:
+        write_pairwise(f, embedding, block_bytes=4 * 37 * rows_a_block)
+    matrix = np.load(tmp_path / "u.npy")
+    assert matrix.shape == (37, 37) and matrix.dtype == np.float32 and np.all(np.diag(matrix) == 0)
+    assert np.allclose(matrix, predicted_unifrac(embedding).numpy(), atol=1e-6)

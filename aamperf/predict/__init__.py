@@ -27,7 +27,7 @@ from aamperf.errors import UserError
 from aamperf.files import write_atomic, write_json_atomic
 from aamperf.metrics.flops import cpu_description
 from aamperf.metrics.monitor import peak_rss, reset_peak_rss
-from aamperf.model.loss import predicted_unifrac
+from aamperf.model.loss import unifrac_of
 from aamperf.predict.bench import latencies
 from aamperf.predict.export import export_model
 from aamperf.predict.levels import apply_levels, forward, quality
@@ -222,10 +222,24 @@ def write_outputs(
         write_atomic(out_dir / "targets.tsv", targets.to_csv(sep="\t", float_format="%.6g"))
         written["targets.tsv"] = "predicted target in its own units (and the observed value, where known)"
     if pairwise:
-        write_atomic(out_dir / "unifrac.npy", lambda f: np.save(f, predicted_unifrac(embedding).numpy()))
+        write_atomic(out_dir / "unifrac.npy", lambda f: write_pairwise(f, embedding))
         write_atomic(out_dir / "unifrac.ids.txt", "".join(f"{sid}\n" for sid in ids))
         written["unifrac.npy"] = "predicted UniFrac, n x n, rows and columns in unifrac.ids.txt's order"
     return written
+
+
+def write_pairwise(f, embedding: torch.Tensor, block_bytes: int = 1 << 26) -> None:
+    """The predicted UniFrac between every pair of samples, as a float32 .npy written a block of rows at
+    a time: its memory stays at `block_bytes` whatever n (100,000 samples: a 40 GB file, 64 MB here)."""
+    n = len(embedding)
+    np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (n, n)})
+    rows = max(1, block_bytes // (4 * max(n, 1)))
+    for start in range(0, n, rows):
+        block = unifrac_of(torch.cdist(embedding[start : start + rows].float(), embedding.float()))
+        block[torch.arange(len(block)), torch.arange(start, start + len(block))] = (
+            0.0  # each sample to itself
+        )
+        f.write(block.numpy().astype("<f4").tobytes())
 
 
 def target_quality(table: pd.DataFrame | None) -> dict[str, Any]:
