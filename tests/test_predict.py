@@ -95,14 +95,17 @@ def test_a_run_without_a_model_is_one_line(launch, tmp_path):
 
 def test_two_ranks_write_what_one_process_writes(launch, trained_run):
     run_dir, _ = trained_run
-    one, _ = predicted(launch, f"run={run_dir}", "pairwise=true", "batch_size=3", name="one")
+    # in chunks of 9 samples (7 rounded up to whole batches of 3): each rank its batches of each chunk
+    options = ["pairwise=true", "batch_size=3", "chunk_samples=7"]
+    one, _ = predicted(launch, f"run={run_dir}", *options, name="one")
     proc, two = launch(
-        f"run={run_dir}", "pairwise=true", "batch_size=3", name="two", module="aamperf.predict", tiny=False,
-        launcher=torchrun(2),
-    )  # fmt: skip
+        f"run={run_dir}", *options, name="two", module="aamperf.predict", tiny=False, launcher=torchrun(2)
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_summary(two)
     assert summary["world_size"] == 2 and summary["n_samples"] == read_summary(one)["n_samples"]
+    table_samples = summary["n_samples"] + len(summary["too_shallow"])  # chunks of the table's samples
+    assert summary["chunks"] == -(-table_samples // 9) > 1
     for name in ("embeddings.tsv", "targets.tsv", "unifrac.ids.txt"):
         assert (two / name).read_text() == (one / name).read_text(), name  # the same rows, in the same order
     assert np.array_equal(np.load(two / "unifrac.npy"), np.load(one / "unifrac.npy"))
@@ -192,3 +195,27 @@ def test_the_pairwise_matrix_written_a_block_of_rows_at_a_time_is_the_whole_one(
     matrix = np.load(tmp_path / "u.npy")
     assert matrix.shape == (37, 37) and matrix.dtype == np.float32 and np.all(np.diag(matrix) == 0)
     assert np.allclose(matrix, predicted_unifrac(embedding).numpy(), atol=1e-6)
+
+
+def test_a_table_read_a_chunk_at_a_time_gives_what_the_whole_table_gives(
+    launch, trained_run, cache_dir, tmp_path
+):
+    import biom
+    import h5py
+
+    run_dir, trained = trained_run
+    depth = trained["config"]["data"]["rarefy_depth"]
+    files = ensure_simulated(SimParams(30, 64, 4, 20, 600, seed=7), cache_dir)
+    # every sample at exactly the run's depth: rarefaction keeps each as it is, in chunks or whole
+    table = biom.load_table(str(files["table"])).subsample(depth, seed=1)
+    path = tmp_path / "at_depth.biom"
+    with h5py.File(path, "w") as f:  # HDF5: a chunk reads only its samples' counts
+        table.to_hdf5(f, "test")
+    common = [f"run={run_dir}", f"data.table={path}", "batch_size=4"]
+    whole, one = predicted(launch, *common, "chunk_samples=0", name="whole")
+    chunked, many = predicted(launch, *common, "chunk_samples=7", name="chunks")  # 8: two whole batches
+    assert (one["chunks"], many["chunks"]) == (1, -(-table.shape[1] // 8)) and many[
+        "n_samples"
+    ] == table.shape[1]
+    for name in ("embeddings.tsv", "targets.tsv"):
+        assert (chunked / name).read_text() == (whole / name).read_text(), name

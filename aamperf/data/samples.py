@@ -68,11 +68,13 @@ class Samples:
     too_shallow: list[str]  # samples with fewer reads than data.rarefy_depth: left out
 
 
-def read_samples(cfg: DictConfig, keep_unlabelled: bool = False) -> Samples:
-    """The `data` config's samples. With `data.target`, samples without a value are left out of training
-    (`keep_unlabelled`: kept, their target NaN: prediction)."""
+def read_samples(
+    cfg: DictConfig, keep_unlabelled: bool = False, sample_ids: list[str] | None = None
+) -> Samples:
+    """The `data` config's samples (`sample_ids`: only these). With `data.target`, samples without a
+    value are left out of training (`keep_unlabelled`: kept, their target NaN: prediction)."""
     files = resolve_files(cfg)
-    table = read_table(files["table"])
+    table = read_table(files["table"], sample_ids)
     targets, without_target = None, 0
     if cfg.target is not None:
         targets = read_target(files["metadata"], cfg.target)

@@ -113,10 +113,25 @@ def unifrac_ids_file(path: Path) -> Path | None:
     return ids_file
 
 
-def read_table(path: Path) -> biom.Table:
-    """BIOM table (HDF5 or JSON) with integer counts."""
+def table_sample_ids(path: Path) -> list[str]:
+    """A BIOM table's sample ids, in its order, without reading its counts where it is HDF5."""
+    if h5py.is_hdf5(path):
+        with h5py.File(path, "r") as f:
+            return [i.decode() if isinstance(i, bytes) else str(i) for i in f["sample/ids"][()]]
+    return [str(sid) for sid in read_table(path).ids()]
+
+
+def read_table(path: Path, sample_ids: list[str] | None = None) -> biom.Table:
+    """BIOM table (HDF5 or JSON) with integer counts; `sample_ids`: only these samples, in this order
+    (HDF5: only their counts are read)."""
     try:
-        table = biom.load_table(str(path))
+        if sample_ids is not None and h5py.is_hdf5(path):
+            with h5py.File(path, "r") as f:
+                table = biom.Table.from_hdf5(f, ids=sample_ids)
+        else:
+            table = biom.load_table(str(path))
+        if sample_ids is not None:
+            table = table.sort_order(sample_ids)  # a JSON table's other samples go here too
     except Exception as e:  # biom raises many types (OSError, ValueError, KeyError, TypeError)
         raise UserError(f"data.table: cannot read {path} as a BIOM table ({type(e).__name__}: {e})") from e
     if table.is_empty():

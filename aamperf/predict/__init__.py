@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from aamperf.data.dataset import Collate
 from aamperf.data.samples import read_samples
+from aamperf.data.tables import resolve_files, table_sample_ids
 from aamperf.device import resolve_device, to_device
 from aamperf.distributed import World, close_world, join_world, torchrun_env
 from aamperf.errors import UserError
@@ -54,27 +55,23 @@ def data_config(run_data: dict[str, Any], new: DictConfig) -> DictConfig:
 
 def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """Apply the run's model, at the inference level `cfg` composes, to the samples; write the files;
-    return the summary (also written). Under torchrun each rank predicts whole batches of the samples,
-    in order, and writes its share; the first rank merges the shares into the files one process writes.
+    return the summary (also written). A table of more than `chunk_samples` samples is read, rarefied
+    and predicted a chunk at a time. Under torchrun each rank predicts whole batches of each chunk and
+    writes its share; the first rank merges the shares into the files one process writes.
     bench.enabled=true: the latencies of the level instead of the files (aamperf/predict/bench.py)."""
     start = time.perf_counter()
     device = resolve_device(cfg.device)
     world = join_world("auto", 600, device) if torchrun_env() else World()
     try:
-        if cfg.batch_size < 1 or cfg.quality_samples < 0:
-            raise UserError("batch_size must be >= 1 and quality_samples >= 0")
+        if cfg.batch_size < 1 or cfg.quality_samples < 0 or cfg.chunk_samples < 0:
+            raise UserError("batch_size must be >= 1, quality_samples and chunk_samples >= 0")
         if cfg.bench.enabled and world.world_size > 1:
             raise UserError("bench.enabled=true measures one process: run it without torchrun")
         model, payload = load_model(Path(cfg.run), device)
-        samples = read_samples(data_config(payload["config"]["data"], cfg.data), keep_unlabelled=True)
-        if samples.too_shallow and world.is_main:
-            log.warning(
-                "%d samples have fewer reads than the run's data.rarefy_depth and get no prediction: %s",
-                len(samples.too_shallow),
-                ", ".join(samples.too_shallow[:10]),
-            )
-        n = len(samples.ids)
-        first_batch = to_device(collate_range(samples, range(min(n, cfg.batch_size))), device)
+        data_cfg = data_config(payload["config"]["data"], cfg.data)
+        chunks = sample_chunks(data_cfg, cfg.chunk_samples, cfg.batch_size)
+        samples = read_samples(data_cfg, keep_unlabelled=True, sample_ids=chunks[0])
+        first_batch = to_device(collate_range(samples, range(min(len(samples.ids), cfg.batch_size))), device)
         # the serving program from the trained model as it is, before any level changes it
         exported = export_model(model, first_batch, out_dir) if cfg.export and world.is_main else None
         model_cfg = OmegaConf.create(payload["config"]["model"])
@@ -87,34 +84,32 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             "device": str(device),
             "cpu": cpu_description() if device.type == "cpu" else None,
             "world_size": world.world_size,
-            "n_samples": n,
-            "too_shallow": samples.too_shallow,
+            "chunks": len(chunks),
             "batch_size": cfg.batch_size,
             "target": payload.get("target"),  # the column and the scale the model was trained with
             "export": exported,
         }
+        reset_peak_rss()
         if cfg.bench.enabled:  # the level's latencies, and its quality on the first samples
+            n = len(samples.ids)
             sizes = {
                 size: to_device(collate_range(samples, range(min(size, n))), device)
                 for size in cfg.bench.batch_sizes
             }
             summary["bench"] = latencies(model, autocast, sizes, cfg)
-            share = range(min(n, cfg.quality_samples))
-        else:  # whole batches to each rank: the batches are those of one process (the same padding)
-            batches = -(-n // cfg.batch_size)
-            first, last = (
-                batches * r // world.world_size * cfg.batch_size for r in (world.rank, world.rank + 1)
+            mine = apply_model(
+                model, autocast, samples, range(min(n, cfg.quality_samples)), cfg, device, False
             )
-            share = range(min(first, n), min(last, n))
-        reset_peak_rss()
-        mine = apply_model(model, autocast, samples, share, cfg, device, cfg.progress and world.is_main)
-        if world.is_main:  # the same first samples through the fp32 eager model
-            summary["quality"] = check_quality(mine, samples, cfg, device, payload)
-        parts = gather_shares(out_dir, mine, world)
-        if not world.is_main:
-            return {}
-        if not cfg.bench.enabled:
-            summary.update(write_predictions(out_dir, samples, parts, cfg.pairwise, payload.get("target")))
+            summary.update(n_samples=n, quality=check_quality(mine, samples, cfg, device, payload))
+        else:
+            mine, read = predict_chunks(model, autocast, data_cfg, chunks, samples, cfg, device, world)
+            summary.update(n_samples=len(read["ids"]), too_shallow=read["too_shallow"])
+            if world.is_main:  # the first samples through the fp32 eager model too
+                summary["quality"] = check_quality(mine, samples, cfg, device, payload)
+            parts = gather_shares(out_dir, mine, world)
+            if not world.is_main:
+                return {}
+            summary.update(write_predictions(out_dir, read, parts, cfg.pairwise, payload.get("target")))
             if exported is not None:
                 summary["files"][exported["file"]] = (
                     "the model as a torch.export program: torch.export.load(path).module()"
@@ -126,9 +121,64 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         close_world(completed=True)
 
 
+def sample_chunks(data_cfg: DictConfig, chunk_samples: int, batch_size: int) -> list[list[str] | None]:
+    """The table's sample ids in chunks of `chunk_samples` (rounded up to whole batches: the batches are
+    those of the whole table), each read (HDF5: only its samples' counts), rarefied and predicted in
+    turn; [None]: the whole table at once (it has no more samples, or chunk_samples=0). A chunk is
+    rarefied on its own (data.seed): other draws than the whole table's, where a sample has more reads
+    than data.rarefy_depth."""
+    if chunk_samples == 0:
+        return [None]
+    ids = table_sample_ids(resolve_files(data_cfg)["table"])
+    size = -(-chunk_samples // batch_size) * batch_size
+    if len(ids) <= size:
+        return [None]
+    return [ids[i : i + size] for i in range(0, len(ids), size)]
+
+
+def batch_share(n: int, batch_size: int, world: World) -> range:
+    """This rank's whole batches of n samples: the batches are those of one process (the same padding)."""
+    batches = -(-n // batch_size)
+    first, last = (batches * r // world.world_size * batch_size for r in (world.rank, world.rank + 1))
+    return range(min(first, n), min(last, n))
+
+
+def predict_chunks(model, autocast, data_cfg, chunks, first, cfg: DictConfig, device, world: World):
+    """Every chunk through the model, this rank's batches of each: (its share, with each row's place in
+    the output; what was read: every sample's id and observed target, the samples too shallow)."""
+    shares: list[dict] = []
+    read: dict[str, list] = {"ids": [], "observed": [], "too_shallow": []}
+    for k, chunk in enumerate(chunks):
+        samples = first if k == 0 else read_samples(data_cfg, keep_unlabelled=True, sample_ids=chunk)
+        share = batch_share(len(samples.ids), cfg.batch_size, world)
+        part = apply_model(model, autocast, samples, share, cfg, device, cfg.progress and world.is_main)
+        part["rows"] = torch.arange(share.start, share.stop) + len(read["ids"])
+        shares.append(part)
+        read["ids"] += samples.ids
+        read["too_shallow"] += samples.too_shallow
+        read["observed"].append(samples.dataset.target)
+        del samples  # the chunk's table and tokens go before the next is read
+    if read["too_shallow"] and world.is_main:
+        log.warning(
+            "%d samples have fewer reads than the run's data.rarefy_depth and get no prediction: %s",
+            len(read["too_shallow"]),
+            ", ".join(read["too_shallow"][:10]),
+        )
+    mine = {
+        key: concat([part[key] for part in shares]) for key in ("embedding", "predicted", "latencies", "rows")
+    }
+    return mine, read
+
+
+def concat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat of the non-empty ones (a rank may have no batch of a chunk)."""
+    kept = [t for t in tensors if t.numel()]
+    return torch.cat(kept) if kept else tensors[0]
+
+
 def check_quality(mine: dict, samples, cfg: DictConfig, device, payload: dict) -> dict | None:
     """The level against the fp32 eager model on the first `quality_samples` samples (None: none asked)."""
-    rows = range(min(cfg.quality_samples, len(mine["embedding"])))
+    rows = range(min(cfg.quality_samples, len(mine["embedding"]), len(samples.ids)))
     if not len(rows):
         return None
     reference, _ = load_model(Path(cfg.run), device)
@@ -137,17 +187,22 @@ def check_quality(mine: dict, samples, cfg: DictConfig, device, payload: dict) -
     return quality(plain, level, (payload.get("target") or {}).get("std"))
 
 
-def write_predictions(out_dir: Path, samples, parts: list[dict], pairwise: bool, target: dict | None) -> dict:
-    """The ranks' shares, in order, into the files; the summary's figures of them."""
-    embedding = torch.cat([part["embedding"] for part in parts])
-    predicted = torch.cat([part["predicted"] for part in parts]) if len(parts[0]["predicted"]) else None
-    targets = None if predicted is None else target_table(samples, predicted, target)
-    written = write_outputs(out_dir, samples.ids, embedding, targets, pairwise)
+def write_predictions(
+    out_dir: Path, read: dict, parts: list[dict], pairwise: bool, target: dict | None
+) -> dict:
+    """The ranks' shares, in input order, into the files; the summary's figures of them."""
+    order = torch.argsort(torch.cat([part["rows"] for part in parts]))
+    embedding = torch.cat([part["embedding"] for part in parts])[order]
+    predicted = torch.cat([part["predicted"] for part in parts])
+    predicted = predicted[order] if len(predicted) else None
+    observed = None if read["observed"][0] is None else torch.cat(read["observed"])
+    targets = None if predicted is None else target_table(read["ids"], observed, predicted, target)
+    written = write_outputs(out_dir, read["ids"], embedding, targets, pairwise)
     seconds = torch.cat([part["latencies"] for part in parts]).tolist()
     busy_s = max(float(part["latencies"].sum()) for part in parts)  # the ranks work side by side
     return {
         "files": written,
-        "samples_per_s": len(samples.ids) / busy_s,
+        "samples_per_s": len(read["ids"]) / busy_s,
         "batch_latency_s": {
             "p50": float(np.percentile(seconds, 50)),
             "p95": float(np.percentile(seconds, 95)),
@@ -199,14 +254,14 @@ def gather_shares(
     return [part for part in parts if part["embedding"].numel()]
 
 
-def target_table(samples, standard: torch.Tensor, target: dict | None) -> pd.DataFrame:
+def target_table(ids: list[str], observed, standard: torch.Tensor, target: dict | None) -> pd.DataFrame:
     """The predicted target in its own units (the loss's standardization undone), and the observed
     value where the metadata has one."""
     scale = target or {"mean": 0.0, "std": 1.0}
     values = standard * (scale["std"] or 1.0) + scale["mean"]
-    table = pd.DataFrame({"predicted": values.numpy()}, index=pd.Index(samples.ids, name="sample_id"))
-    if samples.dataset.target is not None:
-        table["observed"] = samples.dataset.target.numpy()
+    table = pd.DataFrame({"predicted": values.numpy()}, index=pd.Index(ids, name="sample_id"))
+    if observed is not None:
+        table["observed"] = observed.numpy()
     return table
 
 

@@ -58,6 +58,9 @@ class PredictConfig:
     inference: str = MISSING  # the level's name, set by conf/inference/*.yaml
     data: PredictData = field(default_factory=PredictData)
     batch_size: int = 32  # samples per forward pass
+    # a table of more samples is read (HDF5: only these samples' counts), rarefied and predicted a chunk
+    # at a time, so memory does not grow with it; 0: the whole table at once
+    chunk_samples: int = 10000
     pairwise: bool = False  # also the predicted UniFrac between every pair of samples (unifrac.npy, n x n)
     # the inference level: the training groups that apply to a forward pass, plus quantize (conf/inference/)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
