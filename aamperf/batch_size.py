@@ -53,7 +53,7 @@ def memory_budget(fraction: float, device: torch.device) -> int:
     return int(fraction * usable / int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
-def _peak_after(run: Callable[[], None], device: torch.device) -> float:
+def peak_after(run: Callable[[], None], device: torch.device) -> float:
     """Peak bytes while `run()` runs; inf when the GPU runs out of memory."""
     release_freed_memory()
     if device.type == "cuda":
@@ -76,6 +76,23 @@ def _largest_of_all_ranks(peak: float, device: torch.device) -> float:
     value = torch.tensor([peak], device=device, dtype=torch.float64)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return value.item()
+
+
+def largest_fitting(
+    fits: Callable[[int], bool], grid: int, cap: int, tolerance: float
+) -> tuple[int, int | None]:
+    """The largest multiple of `grid` up to `cap` that `fits`, `grid` itself known to: doubling, then a
+    bisection of the gap to within `tolerance`. (lo: fits; hi: the smallest tried that does not, or None.)"""
+    lo, hi = grid, None
+    while hi is None and lo < cap:
+        m = min(2 * lo, cap)
+        lo, hi = (m, None) if fits(m) else (lo, m)
+    while hi is not None and hi - lo > max(grid, tolerance * lo):
+        m = (lo + hi) // 2 // grid * grid
+        if m == lo:
+            break
+        lo, hi = (m, hi) if fits(m) else (lo, m)
+    return lo, hi
 
 
 def find_batch_size(
@@ -111,7 +128,7 @@ def find_batch_size(
         optimizer.zero_grad(set_to_none=True)
 
     def fits(m: int) -> bool:
-        peak = _largest_of_all_ranks(_peak_after(lambda: step(m), device), device)
+        peak = _largest_of_all_ranks(peak_after(lambda: step(m), device), device)
         probes.append(
             {"batch": m, "peak_bytes": None if math.isinf(peak) else int(peak), "fits": peak <= budget}
         )
@@ -140,21 +157,7 @@ def find_batch_size(
                 f"with {len(train_idx)} training samples; raise the budget, use memory=full or "
                 "precision=bf16, or give trainer.batch_size"
             )
-        lo, hi = grid, None  # lo fits; hi (when known) does not, or is predicted not to
-        while hi is None and lo < cap:
-            m = min(2 * lo, cap)
-            if predicted_over(m) or not fits(m):
-                hi = m
-            else:
-                lo = m
-        while hi is not None and hi - lo > max(grid, ac.tolerance * lo):
-            m = (lo + hi) // 2 // grid * grid
-            if m == lo:
-                break
-            if predicted_over(m) or not fits(m):
-                hi = m
-            else:
-                lo = m
+        lo, hi = largest_fitting(lambda m: not predicted_over(m) and fits(m), grid, cap, ac.tolerance)
     finally:  # the run starts from the state it had before the probes
         with torch.no_grad():
             for p, saved in zip(model.parameters(), params, strict=True):
@@ -186,3 +189,47 @@ def find_batch_size(
         "budget_bytes": budget,
         "probes": probes,
     }
+
+
+def find_forward_batch(
+    forward: Callable[[dict], Any], dataset, collate, device: torch.device, ac: DictConfig
+) -> dict:
+    """Inference (`python -m aamperf.predict batch_size=auto`): the largest batch whose forward pass on
+    the samples with the most ASVs fits `ac`'s budget (budget_fraction of the memory this process can
+    have, or budget_gib); the ranks agree on the smallest. On a CPU a batch predicted (linearly, from the
+    last two probes that fit) to exceed 0.97 of what this process can have is not tried."""
+    heaviest = sorted(range(len(dataset)), key=lambda i: -len(dataset[i]["asv_idx"]))
+    budget = (
+        int(ac.budget_gib * 2**30) if ac.budget_gib is not None else memory_budget(ac.budget_fraction, device)
+    )
+    unsafe = memory_budget(0.97, device)
+    probes: list[dict[str, Any]] = []
+
+    def fits(m: int) -> bool:
+        done = [(p["batch"], p["peak_bytes"]) for p in probes if p["fits"]][-2:]
+        if device.type != "cuda" and len(done) == 2:
+            (m0, p0), (m1, p1) = done
+            if p1 + (p1 - p0) / (m1 - m0) * (m - m1) > unsafe:
+                probes.append({"batch": m, "fits": False, "predicted_over": True})
+                return False
+        batch = to_device(collate([dataset[i] for i in heaviest[:m]]), device)
+        peak = _largest_of_all_ranks(peak_after(lambda: forward(batch), device), device)
+        probes.append(
+            {"batch": m, "peak_bytes": None if math.isinf(peak) else int(peak), "fits": peak <= budget}
+        )
+        return peak <= budget
+
+    cap = min(ac.max_batch, len(dataset))
+    if cap < 1 or not fits(1):
+        raise UserError(
+            f"batch_size=auto: not even one sample's forward pass fits the budget ({budget / 2**30:.2f} "
+            "GiB); raise auto_batch.budget_fraction or auto_batch.budget_gib, or give batch_size"
+        )
+    lo, hi = largest_fitting(fits, 1, cap, ac.tolerance)
+    if world_size() > 1:  # the same batches on every rank: the smallest that fits all
+        agreed = torch.tensor([lo], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        lo = int(agreed.item())
+    release_freed_memory()
+    limit = "memory" if hi is not None else ("data" if cap < ac.max_batch else "max_batch")
+    return {"batch_size": lo, "limited_by": limit, "budget_bytes": budget, "probes": probes}

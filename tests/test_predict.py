@@ -219,3 +219,21 @@ def test_a_table_read_a_chunk_at_a_time_gives_what_the_whole_table_gives(
     ] == table.shape[1]
     for name in ("embeddings.tsv", "targets.tsv"):
         assert (chunked / name).read_text() == (whole / name).read_text(), name
+
+
+def test_batch_size_auto_finds_the_largest_forward_pass_that_fits(launch, trained_run):
+    run_dir, _ = trained_run
+    out, summary = predicted(launch, f"run={run_dir}", "batch_size=auto", name="auto")
+    found = summary["batch_finder"]
+    # the default budget holds every sample of this tiny data set: the data limits the batch
+    assert (
+        found["limited_by"] == "data" and summary["batch_size"] == found["batch_size"] == summary["n_samples"]
+    )
+    peaks = [p["peak_bytes"] for p in found["probes"]]
+    assert [p["batch"] for p in found["probes"]][:3] == [1, 2, 4] and peaks[-1] > peaks[0]
+    proc, _ = launch(
+        f"run={run_dir}", "batch_size=auto", "auto_batch.budget_gib=0.01", name="tiny_budget",
+        module="aamperf.predict", tiny=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "batch_size=auto: not even one sample's forward pass fits" in proc.stderr.strip().splitlines()[-1]

@@ -9,6 +9,7 @@ import logging
 import shutil
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
+from aamperf.batch_size import find_forward_batch
 from aamperf.data.dataset import Collate
 from aamperf.data.samples import read_samples
 from aamperf.data.tables import resolve_files, table_sample_ids
@@ -63,21 +65,36 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     device = resolve_device(cfg.device)
     world = join_world("auto", 600, device) if torchrun_env() else World()
     try:
-        if cfg.batch_size < 1 or cfg.quality_samples < 0 or cfg.chunk_samples < 0:
-            raise UserError("batch_size must be >= 1, quality_samples and chunk_samples >= 0")
+        auto_batch = cfg.batch_size == "auto"
+        if not (auto_batch or isinstance(cfg.batch_size, int) and cfg.batch_size >= 1):
+            raise UserError(f"batch_size={cfg.batch_size}: give a number >= 1, or auto")
+        if cfg.quality_samples < 0 or cfg.chunk_samples < 0:
+            raise UserError("quality_samples and chunk_samples must be >= 0")
         if cfg.bench.enabled and world.world_size > 1:
             raise UserError("bench.enabled=true measures one process: run it without torchrun")
         model, payload = load_model(Path(cfg.run), device)
         data_cfg = data_config(payload["config"]["data"], cfg.data)
-        chunks = sample_chunks(data_cfg, cfg.chunk_samples, cfg.batch_size)
+        chunks = sample_chunks(data_cfg, cfg.chunk_samples, 1 if auto_batch else cfg.batch_size)
         samples = read_samples(data_cfg, keep_unlabelled=True, sample_ids=chunks[0])
-        first_batch = to_device(collate_range(samples, range(min(len(samples.ids), cfg.batch_size))), device)
+        warm = 32 if auto_batch else cfg.batch_size  # compile's warm-up batch, the export's example
+        first_batch = to_device(collate_range(samples, range(min(len(samples.ids), warm))), device)
         # the serving program from the trained model as it is, before any level changes it
         exported = export_model(model, first_batch, out_dir) if cfg.export and world.is_main else None
         model_cfg = OmegaConf.create(payload["config"]["model"])
         autocast, phases = apply_levels(model, cfg, device, model_cfg, first_batch)
+        found = None
+        if auto_batch:  # measured with the level applied: what it keeps in memory is what counts
+            collate = Collate(samples.tokens, None, pad_to=None)
+            run = partial(forward, model, autocast=autocast)
+            found = find_forward_batch(run, samples.dataset, collate, device, cfg.auto_batch)
+            cfg.batch_size = found["batch_size"]
+            rounded = sample_chunks(data_cfg, cfg.chunk_samples, cfg.batch_size)  # whole batches a chunk
+            if rounded != chunks:
+                chunks = rounded
+                samples = read_samples(data_cfg, keep_unlabelled=True, sample_ids=chunks[0])
         summary = {
             "status": "completed",
+            "batch_finder": found,
             "run": str(cfg.run),
             "inference": cfg.inference,
             "phases": phases,

@@ -1,6 +1,7 @@
 """The schema of `python -m aamperf.predict` (conf/predict.yaml): which run, which samples, what to write."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -38,6 +39,16 @@ class PredictData:
 
 
 @dataclass
+class PredictAutoBatch:
+    """batch_size=auto: the largest batch whose forward pass fits (`aamperf/batch_size.py`)."""
+
+    budget_fraction: float = 0.6  # of the memory this process can have (device memory on a GPU)
+    budget_gib: float | None = None  # a fixed budget instead (GiB)
+    max_batch: int = 1024  # the search stops here (and at the number of samples)
+    tolerance: float = 0.1  # bisect until the largest fitting batch is known within this fraction
+
+
+@dataclass
 class BenchConfig:
     """bench.enabled=true: latency per batch size instead of prediction files (`aamperf/predict/bench.py`)."""
 
@@ -57,7 +68,8 @@ class PredictConfig:
     run: str = MISSING  # a completed run's directory: it holds model.pt
     inference: str = MISSING  # the level's name, set by conf/inference/*.yaml
     data: PredictData = field(default_factory=PredictData)
-    batch_size: int = 32  # samples per forward pass
+    batch_size: Any = 32  # samples per forward pass, or auto: the largest that fits auto_batch's budget
+    auto_batch: PredictAutoBatch = field(default_factory=PredictAutoBatch)
     # a table of more samples is read (HDF5: only these samples' counts), rarefied and predicted a chunk
     # at a time, so memory does not grow with it; 0: the whole table at once
     chunk_samples: int = 10000
