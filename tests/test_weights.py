@@ -43,3 +43,14 @@ def test_a_run_directory_without_a_model_is_one_line(tmp_path):
     (tmp_path / MODEL_FILE).write_bytes(b"not a torch file")
     with pytest.raises(UserError, match=r"is not a model file aamperf can read"):
         load_model(tmp_path)
+
+
+def test_weights_that_do_not_fit_the_models_config_are_one_line(make_cfg, tmp_path):
+    train(make_cfg("trainer.max_steps=1"), tmp_path)
+    payload = torch.load(tmp_path / MODEL_FILE, weights_only=True)
+    payload["config"]["model"]["embedding_dim"] *= 2  # a config edited after training
+    torch.save(payload, tmp_path / MODEL_FILE)
+    with pytest.raises(
+        UserError, match=r"its weights do not fit the model its config builds \(.*size mismatch"
+    ):
+        load_model(tmp_path)
