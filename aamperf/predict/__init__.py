@@ -81,7 +81,9 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         # the serving program from the trained model as it is, before any level changes it
         exported = export_model(model, first_batch, out_dir) if cfg.export and world.is_main else None
         model_cfg = OmegaConf.create(payload["config"]["model"])
-        autocast, phases = apply_levels(model, cfg, device, model_cfg, first_batch)
+        total = len(samples.ids) if chunks == [None] else sum(len(chunk) for chunk in chunks)
+        calls = -(-total // (warm if auto_batch else cfg.batch_size))  # forward passes: compile=auto's stake
+        autocast, phases = apply_levels(model, cfg, device, model_cfg, first_batch, calls)
         found = None
         if auto_batch:  # measured with the level applied: what it keeps in memory is what counts
             collate = Collate(samples.tokens, None, pad_to=None)

@@ -2,39 +2,59 @@
 compile, each with `auto` where the device decides) plus `quantize`, applied in a fixed order to the
 loaded model; and the quality check of a level against the fp32 eager model on the same samples."""
 
+import hashlib
+import json
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from aamperf.model.loss import predicted_unifrac
 from aamperf.phases.aam_ops import apply_aam_ops
 from aamperf.phases.attention import apply_attention
 from aamperf.phases.auto import apply_decisions, choose_attention, choose_precision
-from aamperf.phases.compile import apply_compile
+from aamperf.phases.compile import apply_compile, auto_compile
 from aamperf.phases.precision import DTYPES, apply_precision
 from aamperf.phases.record import applied, skipped
-from aamperf.probe import Probe, model_shapes
+from aamperf.probe import Probe, compile_block, model_shapes
 
 
 def apply_levels(
-    model: nn.Module, cfg: DictConfig, device: torch.device, model_cfg: Any, batch: dict[str, Any]
+    model: nn.Module, cfg: DictConfig, device: torch.device, model_cfg: Any, batch: dict[str, Any], calls: int
 ) -> tuple[Callable, dict[str, dict]]:
-    """(autocast factory, {group: record}); `batch`, a real one on the device: compile's warm-up."""
+    """(autocast factory, {group: record}); `batch`, a real one on the device: compile's warm-up and
+    trial; `calls`: the forward passes the run will make (compile=auto compiles where they repay it)."""
     records: dict[str, dict] = {}
     decisions = decide_auto(cfg, device, model_cfg)
     autocast, _, records["precision"] = apply_precision(cfg.precision, device)
     records["attention"] = apply_attention(model, cfg.attention)
     records["aam_ops"] = apply_aam_ops(model, cfg.aam_ops)
     records["quantize"] = apply_quantize(model, cfg.quantize.mode, autocast)
-    records["compile"] = apply_compile(model, cfg.compile, lambda: forward(model, batch, autocast))
+    if cfg.compile.mode == "auto":  # training's decision, with a forward pass for a step
+        probe = Probe(device, cfg.probe.cache, cfg.probe.refresh)
+        context = compile_context(cfg, model_cfg, batch)
+        block = compile_block(model_cfg, len(batch["tokens"]), batch["tokens"].shape[1])
+        dtype = DTYPES.get(cfg.precision.dtype, torch.float32)
+        step = lambda i: forward(model, batch, autocast)  # noqa: E731 - the trial's one batch
+        records["compile"] = auto_compile(model, cfg.compile, step, 1, calls, probe, context, block, dtype)
+    else:
+        records["compile"] = apply_compile(model, cfg.compile, lambda: forward(model, batch, autocast))
     for group, decision in decisions.items():  # each `auto` beside what its phase then did
         records[group]["auto"] = decision
     return autocast, records
+
+
+def compile_context(cfg: DictConfig, model_cfg: Any, batch: dict[str, Any]) -> str:
+    """What an inference compile trial's figures depend on besides the device: the model, the level,
+    the batch shape."""
+    groups = ("precision", "attention", "aam_ops", "quantize", "compile")
+    nodes = {g: OmegaConf.to_container(cfg[g], resolve=True, enum_to_str=True) for g in groups}
+    nodes.update(model=OmegaConf.to_container(model_cfg), inference=True, batch=list(batch["tokens"].shape))
+    return hashlib.sha1(json.dumps(nodes, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def decide_auto(cfg: DictConfig, device: torch.device, model_cfg: Any) -> dict[str, dict]:
