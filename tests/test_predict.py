@@ -187,7 +187,7 @@ def test_a_table_whose_asvs_cannot_be_read_as_sequences_is_one_line(launch, trai
 
 @pytest.mark.parametrize("rows_a_block", [1, 5, 37])
 def test_the_pairwise_matrix_written_a_block_of_rows_at_a_time_is_the_whole_one(tmp_path, rows_a_block):
-    from aamperf.predict import write_pairwise
+    from aamperf.predict.outputs import write_pairwise
 
     embedding = torch.randn(37, 8, generator=torch.Generator().manual_seed(0))
     with open(tmp_path / "u.npy", "wb") as f:

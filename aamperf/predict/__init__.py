@@ -13,8 +13,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Subset
@@ -30,10 +28,10 @@ from aamperf.errors import UserError
 from aamperf.files import write_atomic, write_json_atomic
 from aamperf.metrics.flops import cpu_description
 from aamperf.metrics.monitor import peak_rss, reset_peak_rss
-from aamperf.model.loss import unifrac_of
 from aamperf.predict.bench import latencies
 from aamperf.predict.export import export_model
 from aamperf.predict.levels import apply_levels, forward, quality
+from aamperf.predict.outputs import write_predictions
 from aamperf.weights import load_model
 
 log = logging.getLogger(__name__)
@@ -64,6 +62,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     start = time.perf_counter()
     device = resolve_device(cfg.device)
     world = join_world("auto", 600, device) if torchrun_env() else World()
+    completed = False
     try:
         auto_batch = cfg.batch_size == "auto"
         if not (auto_batch or isinstance(cfg.batch_size, int) and cfg.batch_size >= 1):
@@ -127,6 +126,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
                 summary["quality"] = check_quality(mine, samples, cfg, device, payload)
             parts = gather_shares(out_dir, mine, world)
             if not world.is_main:
+                completed = True
                 return {}
             summary.update(write_predictions(out_dir, read, parts, cfg.pairwise, payload.get("target")))
             if exported is not None:
@@ -135,9 +135,10 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
                 )
         summary.update(peak_rss_bytes=peak_rss(), duration_s=time.perf_counter() - start)  # the first rank's
         write_json_atomic(out_dir / "summary.json", summary)
+        completed = True
         return summary
-    finally:
-        close_world(completed=True)
+    finally:  # after a failure no barrier: a peer may never reach it
+        close_world(completed=completed)
 
 
 def sample_chunks(data_cfg: DictConfig, chunk_samples: int, batch_size: int) -> list[list[str] | None]:
@@ -206,30 +207,6 @@ def check_quality(mine: dict, samples, cfg: DictConfig, device, payload: dict) -
     return quality(plain, level, (payload.get("target") or {}).get("std"))
 
 
-def write_predictions(
-    out_dir: Path, read: dict, parts: list[dict], pairwise: bool, target: dict | None
-) -> dict:
-    """The ranks' shares, in input order, into the files; the summary's figures of them."""
-    order = torch.argsort(torch.cat([part["rows"] for part in parts]))
-    embedding = torch.cat([part["embedding"] for part in parts])[order]
-    predicted = torch.cat([part["predicted"] for part in parts])
-    predicted = predicted[order] if len(predicted) else None
-    observed = None if read["observed"][0] is None else torch.cat(read["observed"])
-    targets = None if predicted is None else target_table(read["ids"], observed, predicted, target)
-    written = write_outputs(out_dir, read["ids"], embedding, targets, pairwise)
-    seconds = torch.cat([part["latencies"] for part in parts]).tolist()
-    busy_s = max(float(part["latencies"].sum()) for part in parts)  # the ranks work side by side
-    return {
-        "files": written,
-        "samples_per_s": len(read["ids"]) / busy_s,
-        "batch_latency_s": {
-            "p50": float(np.percentile(seconds, 50)),
-            "p95": float(np.percentile(seconds, 95)),
-        },
-        **target_quality(targets),
-    }
-
-
 def collate_range(samples, rows: range) -> dict[str, Any]:
     """These samples as one batch, padded to the longest of them."""
     return Collate(samples.tokens, None, pad_to=None)([samples.dataset[i] for i in rows])
@@ -271,57 +248,3 @@ def gather_shares(
     parts = [torch.load(shares / f"rank{r}.pt", weights_only=True) for r in range(world.world_size)]
     shutil.rmtree(shares)
     return [part for part in parts if part["embedding"].numel()]
-
-
-def target_table(ids: list[str], observed, standard: torch.Tensor, target: dict | None) -> pd.DataFrame:
-    """The predicted target in its own units (the loss's standardization undone), and the observed
-    value where the metadata has one."""
-    scale = target or {"mean": 0.0, "std": 1.0}
-    values = standard * (scale["std"] or 1.0) + scale["mean"]
-    table = pd.DataFrame({"predicted": values.numpy()}, index=pd.Index(ids, name="sample_id"))
-    if observed is not None:
-        table["observed"] = observed.numpy()
-    return table
-
-
-def write_outputs(
-    out_dir: Path, ids: list[str], embedding, targets: pd.DataFrame | None, pairwise: bool
-) -> dict:
-    """The files a biologist opens: TSVs with sample ids, .npy for the n x n matrix."""
-    columns = [f"dim_{i}" for i in range(embedding.shape[1])]
-    frame = pd.DataFrame(embedding.numpy(), index=pd.Index(ids, name="sample_id"), columns=columns)
-    write_atomic(out_dir / "embeddings.tsv", frame.to_csv(sep="\t", float_format="%.6g"))
-    written = {"embeddings.tsv": "sample embeddings, one row per sample"}
-    if targets is not None:
-        write_atomic(out_dir / "targets.tsv", targets.to_csv(sep="\t", float_format="%.6g"))
-        written["targets.tsv"] = "predicted target in its own units (and the observed value, where known)"
-    if pairwise:
-        write_atomic(out_dir / "unifrac.npy", lambda f: write_pairwise(f, embedding))
-        write_atomic(out_dir / "unifrac.ids.txt", "".join(f"{sid}\n" for sid in ids))
-        written["unifrac.npy"] = "predicted UniFrac, n x n, rows and columns in unifrac.ids.txt's order"
-    return written
-
-
-def write_pairwise(f, embedding: torch.Tensor, block_bytes: int = 1 << 26) -> None:
-    """The predicted UniFrac between every pair of samples, as a float32 .npy written a block of rows at
-    a time: its memory stays at `block_bytes` whatever n (100,000 samples: a 40 GB file, 64 MB here)."""
-    n = len(embedding)
-    np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (n, n)})
-    rows = max(1, block_bytes // (4 * max(n, 1)))
-    for start in range(0, n, rows):
-        block = unifrac_of(torch.cdist(embedding[start : start + rows].float(), embedding.float()))
-        block[torch.arange(len(block)), torch.arange(start, start + len(block))] = (
-            0.0  # each sample to itself
-        )
-        f.write(block.numpy().astype("<f4").tobytes())
-
-
-def target_quality(table: pd.DataFrame | None) -> dict[str, Any]:
-    """MAE and R^2 of the predicted target against the observed values, where the metadata has some."""
-    if table is None or "observed" not in table or table["observed"].notna().sum() == 0:
-        return {}
-    known = table.dropna(subset=["observed"])
-    error = known["predicted"] - known["observed"]
-    variance = float(known["observed"].var(ddof=0))
-    r2 = 1.0 - float((error**2).mean()) / variance if variance > 0 else None
-    return {"target_mae": float(error.abs().mean()), "target_r2": r2, "target_observed": len(known)}

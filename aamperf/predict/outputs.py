@@ -1,0 +1,90 @@
+"""What `python -m aamperf.predict` writes: the files a biologist opens (TSVs with sample ids, the n x n
+predicted UniFrac as .npy), and the figures of them for summary.json."""
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from aamperf.files import write_atomic
+from aamperf.model.loss import unifrac_of
+
+
+def write_predictions(
+    out_dir: Path, read: dict, parts: list[dict], pairwise: bool, target: dict | None
+) -> dict:
+    """The ranks' shares, in input order, into the files; the summary's figures of them."""
+    order = torch.argsort(torch.cat([part["rows"] for part in parts]))
+    embedding = torch.cat([part["embedding"] for part in parts])[order]
+    predicted = torch.cat([part["predicted"] for part in parts])
+    predicted = predicted[order] if len(predicted) else None
+    observed = None if read["observed"][0] is None else torch.cat(read["observed"])
+    targets = None if predicted is None else target_table(read["ids"], observed, predicted, target)
+    written = write_outputs(out_dir, read["ids"], embedding, targets, pairwise)
+    seconds = torch.cat([part["latencies"] for part in parts]).tolist()
+    busy_s = max(float(part["latencies"].sum()) for part in parts)  # the ranks work side by side
+    return {
+        "files": written,
+        "samples_per_s": len(read["ids"]) / busy_s,
+        "batch_latency_s": {
+            "p50": float(np.percentile(seconds, 50)),
+            "p95": float(np.percentile(seconds, 95)),
+        },
+        **target_quality(targets),
+    }
+
+
+def target_table(ids: list[str], observed, standard: torch.Tensor, target: dict | None) -> pd.DataFrame:
+    """The predicted target in its own units (the loss's standardization undone), and the observed
+    value where the metadata has one."""
+    scale = target or {"mean": 0.0, "std": 1.0}
+    values = standard * (scale["std"] or 1.0) + scale["mean"]
+    table = pd.DataFrame({"predicted": values.numpy()}, index=pd.Index(ids, name="sample_id"))
+    if observed is not None:
+        table["observed"] = observed.numpy()
+    return table
+
+
+def write_outputs(
+    out_dir: Path, ids: list[str], embedding, targets: pd.DataFrame | None, pairwise: bool
+) -> dict:
+    """The files a biologist opens: TSVs with sample ids, .npy for the n x n matrix."""
+    columns = [f"dim_{i}" for i in range(embedding.shape[1])]
+    frame = pd.DataFrame(embedding.numpy(), index=pd.Index(ids, name="sample_id"), columns=columns)
+    write_atomic(out_dir / "embeddings.tsv", frame.to_csv(sep="\t", float_format="%.6g"))
+    written = {"embeddings.tsv": "sample embeddings, one row per sample"}
+    if targets is not None:
+        write_atomic(out_dir / "targets.tsv", targets.to_csv(sep="\t", float_format="%.6g"))
+        written["targets.tsv"] = "predicted target in its own units (and the observed value, where known)"
+    if pairwise:
+        write_atomic(out_dir / "unifrac.npy", lambda f: write_pairwise(f, embedding))
+        write_atomic(out_dir / "unifrac.ids.txt", "".join(f"{sid}\n" for sid in ids))
+        written["unifrac.npy"] = "predicted UniFrac, n x n, rows and columns in unifrac.ids.txt's order"
+    return written
+
+
+def write_pairwise(f, embedding: torch.Tensor, block_bytes: int = 1 << 26) -> None:
+    """The predicted UniFrac between every pair of samples, as a float32 .npy written a block of rows at
+    a time: its memory stays at `block_bytes` whatever n (100,000 samples: a 40 GB file, 64 MB here)."""
+    n = len(embedding)
+    np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (n, n)})
+    rows = max(1, block_bytes // (4 * max(n, 1)))
+    for start in range(0, n, rows):
+        block = unifrac_of(torch.cdist(embedding[start : start + rows].float(), embedding.float()))
+        block[torch.arange(len(block)), torch.arange(start, start + len(block))] = (
+            0.0  # each sample to itself
+        )
+        f.write(block.numpy().astype("<f4").tobytes())
+
+
+def target_quality(table: pd.DataFrame | None) -> dict[str, Any]:
+    """MAE and R^2 of the predicted target against the observed values, where the metadata has some."""
+    if table is None or "observed" not in table or table["observed"].notna().sum() == 0:
+        return {}
+    known = table.dropna(subset=["observed"])
+    error = known["predicted"] - known["observed"]
+    variance = float(known["observed"].var(ddof=0))
+    r2 = 1.0 - float((error**2).mean()) / variance if variance > 0 else None
+    return {"target_mae": float(error.abs().mean()), "target_r2": r2, "target_observed": len(known)}
