@@ -223,7 +223,8 @@ def test_a_table_read_a_chunk_at_a_time_gives_what_the_whole_table_gives(
 
 def test_batch_size_auto_finds_the_largest_forward_pass_that_fits(launch, trained_run):
     run_dir, _ = trained_run
-    out, summary = predicted(launch, f"run={run_dir}", "batch_size=auto", name="auto")
+    # with a level whose auto choices are measured at the batch's shapes: those of a real batch
+    out, summary = predicted(launch, f"run={run_dir}", "batch_size=auto", "inference=fast", name="auto")
     found = summary["batch_finder"]
     # the default budget holds every sample of this tiny data set: the data limits the batch
     assert (

@@ -29,7 +29,7 @@ def apply_levels(
     """(autocast factory, {group: record}); `batch`, a real one on the device: compile's warm-up and
     trial; `calls`: the forward passes the run will make (compile=auto compiles where they repay it)."""
     records: dict[str, dict] = {}
-    decisions = decide_auto(cfg, device, model_cfg)
+    decisions = decide_auto(cfg, device, model_cfg, batch)
     autocast, _, records["precision"] = apply_precision(cfg.precision, device)
     records["attention"] = apply_attention(model, cfg.attention)
     records["aam_ops"] = apply_aam_ops(model, cfg.aam_ops)
@@ -57,12 +57,16 @@ def compile_context(cfg: DictConfig, model_cfg: Any, batch: dict[str, Any]) -> s
     return hashlib.sha1(json.dumps(nodes, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def decide_auto(cfg: DictConfig, device: torch.device, model_cfg: Any) -> dict[str, dict]:
-    """precision=auto and attention=auto from the device probe, at the model's shapes for this batch."""
+def decide_auto(
+    cfg: DictConfig, device: torch.device, model_cfg: Any, batch: dict[str, Any]
+) -> dict[str, dict]:
+    """precision=auto and attention=auto from the device probe, at the model's shapes for `batch` (a
+    real one: its samples and its width, as the run's batches are padded)."""
     if "auto" not in (cfg.precision.dtype, cfg.attention.impl):
         return {}
     probe = Probe(device, cfg.probe.cache, cfg.probe.refresh)
-    matmuls, attention = model_shapes(model_cfg, cfg.batch_size, model_cfg.get("max_asvs", 1))
+    samples, width = batch["tokens"].shape[:2]
+    matmuls, attention = model_shapes(model_cfg, samples, width)
     decisions = {}
     if cfg.precision.dtype == "auto":
         decisions["precision"] = choose_precision(device, probe, matmuls)
