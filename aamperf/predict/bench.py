@@ -3,8 +3,6 @@
 (`python -m aamperf.predict -m inference=baseline,fast,int8 bench.enabled=true`) the comparison report:
 comparison.{json,md,png} in the sweep directory, with the fastest level that keeps quality named."""
 
-import json
-import logging
 import statistics
 import sys
 import time
@@ -17,8 +15,7 @@ from omegaconf import DictConfig
 from aamperf.files import write_atomic, write_json_atomic
 from aamperf.metrics.monitor import peak_rss, release_freed_memory, reset_peak_rss
 from aamperf.predict.levels import forward
-
-log = logging.getLogger(__name__)
+from aamperf.report.runs import find_runs
 
 
 def latencies(model, autocast, batches: dict[int, dict], cfg: DictConfig) -> dict[str, dict[str, float]]:
@@ -56,8 +53,7 @@ def keeps_quality(summary: dict[str, Any], min_cosine: float, max_target_mae_std
 def report(sweep_dir: Path, cfg: DictConfig) -> dict[str, Any]:
     """The levels of a benchmark sweep side by side: latency and speed-up over inference=baseline per
     batch size, peak memory, quality; the fastest level at the largest batch that keeps quality."""
-    runs = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/summary.json"))]
-    runs = [r for r in runs if r.get("bench")]
+    runs = [run.summary for run in find_runs([sweep_dir]) if run.summary.get("bench")]
     if not runs:
         raise ValueError(f"no benchmark summary under {sweep_dir} (bench.enabled=true)")
     base = next((r for r in runs if r["inference"] == "baseline"), None)
