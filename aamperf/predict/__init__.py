@@ -85,9 +85,8 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         autocast, phases = apply_levels(model, cfg, device, model_cfg, first_batch, calls)
         found = None
         if auto_batch:  # measured with the level applied: what it keeps in memory is what counts
-            collate = Collate(samples.tokens, None, pad_to=None)
             run = partial(forward, model, autocast=autocast)
-            found = find_forward_batch(run, samples.dataset, collate, device, cfg.auto_batch)
+            found = find_forward_batch(run, samples.dataset, collate_of(samples), device, cfg.auto_batch)
             cfg.batch_size = found["batch_size"]
             rounded = sample_chunks(data_cfg, cfg.chunk_samples, cfg.batch_size)  # whole batches a chunk
             if rounded != chunks:
@@ -209,14 +208,20 @@ def check_quality(mine: dict, samples, cfg: DictConfig, device, payload: dict) -
 
 def collate_range(samples, rows: range) -> dict[str, Any]:
     """These samples as one batch, padded to the longest of them."""
-    return Collate(samples.tokens, None, pad_to=None)([samples.dataset[i] for i in rows])
+    return collate_of(samples)([samples.dataset[i] for i in rows])
+
+
+def collate_of(samples) -> Collate:
+    """Prediction's batches: each as wide as its longest sample, no UniFrac to slice."""
+    return Collate(samples.tokens, None, pad_to=None)
 
 
 def apply_model(model, autocast, samples, share: range, cfg: DictConfig, device, show: bool) -> dict:
     """These samples through the model: their embeddings, standardized targets (empty without a target
     head) and each batch's seconds."""
-    collate = Collate(samples.tokens, None, pad_to=None)  # each batch as wide as its longest sample
-    loader = DataLoader(Subset(samples.dataset, share), batch_size=cfg.batch_size, collate_fn=collate)
+    loader = DataLoader(
+        Subset(samples.dataset, share), batch_size=cfg.batch_size, collate_fn=collate_of(samples)
+    )
     embeddings, predicted, latencies = [torch.zeros(0, 0)], [torch.zeros(0)], []
     for batch in tqdm(loader, desc="predict", unit="batch", disable=not show, dynamic_ncols=True):
         begin = time.perf_counter()
