@@ -1,6 +1,7 @@
 """Deterministic microbiome simulator: tree, evolved sequences, environment-structured counts, target."""
 
 import hashlib
+import itertools
 import json
 import logging
 import shutil
@@ -12,6 +13,8 @@ from typing import TYPE_CHECKING
 import biom
 import h5py
 import numpy as np
+from scipy import sparse
+from tqdm.auto import tqdm
 
 from aamperf.errors import NoSpace, disk_full, no_space
 from aamperf.files import replace_durably
@@ -26,6 +29,8 @@ SEQUENCE_BP = 150
 MEAN_BRANCH_LENGTH = 0.03  # substitutions per site: sisters differ at ~5% of sites, random pairs ~40%
 FILES = {"table": "table.biom", "tree": "tree.nwk", "metadata": "metadata.tsv"}
 MANIFEST = "manifest.json"  # each file's sha256, written last
+PROGRESS_MIN_SAMPLES = 20_000  # a progress bar from this many samples (~10 s); small runs print nothing
+SCORE_BLOCK_SAMPLES = 64  # dense block of the target's sum; a multiple of 4 (see composition_score)
 
 
 @dataclass(frozen=True)
@@ -163,17 +168,25 @@ def simulate(params: SimParams) -> tuple[biom.Table, "TreeNode", list[tuple[str,
         env_pref[env] = np.exp(-0.5 * (dist / (0.05 * n_asvs)) ** 2).sum(0) + 0.05
     prevalence = rng.lognormal(0.0, 1.0, size=n_asvs)  # some ASVs are common everywhere
 
-    counts = np.zeros((n_asvs, n_samples), dtype=np.int64)
+    # the same arithmetic the per-sample loop did, once per environment (bit-identical arrays)
+    weights = env_pref * prevalence
+    p_present = [w / w.sum() for w in weights]
     envs = rng.integers(0, params.n_envs, size=n_samples)
-    for s in range(n_samples):
-        weights = env_pref[envs[s]] * prevalence
+    present_of, counts_of = [], []  # per sample: ASV rows and their counts (>0), a sparse column
+    for s in tqdm(range(n_samples), desc="simulate", unit="sample", disable=n_samples < PROGRESS_MIN_SAMPLES):
         richness = int(np.clip(rng.lognormal(np.log(params.mean_richness), 0.4), 5, n_asvs))
-        present = rng.choice(n_asvs, size=richness, replace=False, p=weights / weights.sum())
-        abundance = rng.lognormal(0.0, 1.5, size=richness) * weights[present]  # heavy-tailed
+        present = rng.choice(n_asvs, size=richness, replace=False, p=p_present[envs[s]])
+        abundance = rng.lognormal(0.0, 1.5, size=richness) * weights[envs[s]][present]  # heavy-tailed
         depth = max(1, int(params.depth * rng.lognormal(0.0, 0.3)))
-        counts[present, s] = rng.multinomial(depth, abundance / abundance.sum())
-    relative = counts / counts.sum(0, keepdims=True)
-    score = tip_trait @ relative
+        drawn = rng.multinomial(depth, abundance / abundance.sum())
+        present_of.append(present[drawn > 0].astype(np.int32))
+        counts_of.append(drawn[drawn > 0])
+    indptr = np.cumsum([0] + [len(rows) for rows in present_of])
+    counts = sparse.csc_matrix(
+        (np.concatenate(counts_of), np.concatenate(present_of), indptr), shape=(n_asvs, n_samples)
+    )
+    del present_of, counts_of
+    score = composition_score(counts, tip_trait)
     target = score + rng.normal(0.0, 0.1 * score.std() + 1e-6, size=n_samples)
 
     width = max(4, len(str(n_samples)))
@@ -181,6 +194,19 @@ def simulate(params: SimParams) -> tuple[biom.Table, "TreeNode", list[tuple[str,
     table = biom.Table(counts, observation_ids=names, sample_ids=sample_ids)
     rows = [(sid, f"env{envs[s]}", float(target[s])) for s, sid in enumerate(sample_ids)]
     return table, tree, rows
+
+
+def composition_score(counts: sparse.csc_matrix, tip_trait: np.ndarray) -> np.ndarray:
+    """Each sample's abundance-weighted mean trait, from (ASVs x samples) counts."""
+    score = np.empty(counts.shape[1])
+    # C-ordered dense blocks of >= 4 samples: OpenBLAS's gemv takes samples four at a time (a lone 1-3
+    # another path), so each sample is summed as over SIM_VERSION 2's whole dense matrix: bit-identical
+    # scores. A sparse dot per sample differs in the last bit, which would change metadata.tsv.
+    edges = [*range(0, max(counts.shape[1] - 3, 1), SCORE_BLOCK_SAMPLES), counts.shape[1]]
+    for lo, hi in itertools.pairwise(edges):
+        block = counts[:, lo:hi].toarray(order="C")
+        score[lo:hi] = tip_trait @ (block / block.sum(0, keepdims=True))
+    return score
 
 
 def write_simulated(params: SimParams, directory: Path) -> None:
