@@ -24,6 +24,7 @@ def choices(name: str, *values: str) -> type[StrEnum]:
 
 
 DataSource = choices("DataSource", "simulated", "biom")
+UnifracMode = choices("UnifracMode", "batch", "precomputed")
 Dtype = choices("Dtype", "fp32", "bf16", "fp16", "auto")
 MatmulPrecision = choices("MatmulPrecision", "highest", "high", "medium")
 CompileMode = choices("CompileMode", "disabled", "default", "reduce-overhead", "max-autotune", "auto")
@@ -64,6 +65,10 @@ class DataConfig:
     metadata: str | None = None  # TSV, first column sample id
     target: str | None = None  # numeric metadata column to predict
     sequences: str | None = None  # FASTA id -> sequence, when observation ids are not sequences
+    # batch: each batch's UniFrac from its samples' branch sets (the tree's), on the run's device;
+    # precomputed: the whole n x n matrix up front (data.unifrac's, or scikit-bio's from data.tree, cached);
+    # null: batch with data.tree, precomputed with data.unifrac
+    unifrac_mode: UnifracMode | None = None
     # pipeline
     rarefy_depth: int = 1000
     max_asvs: int = "${model.max_asvs}"  # type: ignore[assignment]  # keep the most abundant per sample

@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from aamperf.data.branches import batch_unifrac
 from aamperf.errors import UserError
 
 
@@ -22,7 +23,15 @@ def resolve_device(name: str) -> torch.device:
 
 
 def to_device(batch: dict[str, Any], device: torch.device, non_blocking: bool = False) -> dict[str, Any]:
-    return {k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for k, v in batch.items()}
+    """The batch's tensors on `device`; a batch that carries branch sets gets its UniFrac computed there."""
+    moved = {
+        k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for k, v in batch.items()
+    }
+    if "branches" in moved:  # batch UniFrac (aamperf/data/branches.py): a few matrix products
+        moved["unifrac"] = batch_unifrac(
+            moved.pop("branches"), moved.pop("branch_lengths"), moved.pop("branch_rows")
+        )
+    return moved
 
 
 def sync(device: torch.device) -> None:

@@ -172,6 +172,9 @@ def choice_type(full_key: str) -> type[Enum] | None:
         annotation = {f.name: f.type for f in dataclasses.fields(annotation)}.get(name)
         if index:
             annotation = next(iter(typing.get_args(annotation)), None)
+    optional = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if len(optional) == 1 and type(None) in typing.get_args(annotation):  # `Enum | None`: null allowed too
+        annotation = optional[0]
     return annotation if isinstance(annotation, type) and issubclass(annotation, Enum) else None
 
 

@@ -96,7 +96,9 @@ def build_job(cfg: DictConfig, summary: dict[str, Any]) -> Job:
         n_params=sum(p.numel() for p in model.parameters()),
         n_train=data.n_train,
         n_val=data.n_val,
+        unifrac_mode=data.unifrac_mode,
         unifrac_cached=data.unifrac_cached,
+        samples_cached=data.samples_cached,
     )
     non_blocking = setup.loader.non_blocking
     return Job(device, world, data, loss_fn, plan, non_blocking, model_flops, hardware_flops, peak)

@@ -29,12 +29,13 @@ def choice_fields(schema: type = Config, prefix: str = "") -> Iterator[tuple[str
     """Every closed choice of the schema: (key, its enum, whether the key holds a list of them)."""
     for f in dataclasses.fields(schema):
         element = next(iter(typing.get_args(f.type)), None)
+        optional = type(None) in typing.get_args(f.type)  # `Enum | None`: one value, or null
         if dataclasses.is_dataclass(f.type):
             yield from choice_fields(f.type, f"{prefix}{f.name}.")
         elif isinstance(f.type, type) and issubclass(f.type, Enum):
             yield f"{prefix}{f.name}", f.type, False
         elif isinstance(element, type) and issubclass(element, Enum):
-            yield f"{prefix}{f.name}", element, True
+            yield f"{prefix}{f.name}", element, not optional
 
 
 CHOICES = list(choice_fields())

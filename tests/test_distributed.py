@@ -13,6 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from aamperf.data import build_data
+from aamperf.device import to_device
 from aamperf.distributed import close_world, init_world
 from aamperf.phases import apply_phases, setup_phases
 
@@ -159,7 +160,7 @@ def first_step_gradients(config: dict, rank: int, world: int, port: int, out: st
     )
     model, loss_fn = instantiate(cfg.model), instantiate(cfg.loss)
     plan = apply_phases(model, cfg, device, lambda *a: None, setup.records, world_info, 4)
-    loss, _ = loss_fn(plan.model, next(iter(data.train_loader)), 1)
+    loss, _ = loss_fn(plan.model, to_device(next(iter(data.train_loader)), device), 1)
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     close_world()

@@ -256,11 +256,12 @@ def test_a_resume_refuses_a_new_batch_and_applies_a_new_lr(make_cfg, tmp_path):
     assert rows[4]["step"] == 5 and rows[4]["lr"] > 1e-3  # the new lr's schedule, not the old one's
 
 
-@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])
+@pytest.mark.parametrize("damage_kind", ["truncated", "empty", "garbage"])
 def test_a_damaged_cache_is_rebuilt_with_a_warning(
-    make_cfg, tmp_path, cache_dir, damage, caplog, monkeypatch
+    make_cfg, tmp_path, cache_dir, damage_kind, caplog, monkeypatch
 ):
-    """Each cache a run reads: the simulated data set, its UniFrac matrix, the peak FLOP/s record."""
+    """Each cache a run reads: the simulated data set, its sample store, its UniFrac matrix (precomputed
+    mode), the peak FLOP/s record."""
     import shutil
 
     from aamperf.metrics.flops import LoadWatch
@@ -272,24 +273,31 @@ def test_a_damaged_cache_is_rebuilt_with_a_warning(
 
     cache = tmp_path / "cache"
     shutil.copytree(cache_dir, cache)
-    first = train(make_cfg(f"data.cache_dir={cache}"), tmp_path / "first")  # every cache written
-    files = [
-        next((cache / "simulated").glob("*/table.biom")),
-        next((cache / "unifrac").glob("*.npz")),
-        cache / "peak_flops.json",
-    ]
-    for path in files:
+    shutil.rmtree(cache / "samples", ignore_errors=True)  # other tests' stores: this run writes its own
+    overrides = (f"data.cache_dir={cache}", "data.unifrac_mode=precomputed")
+    first = train(make_cfg(*overrides), tmp_path / "first")  # every cache written
+
+    def damage(path):
         whole = path.read_bytes()
-        path.write_bytes(
-            {"truncated": whole[: len(whole) // 2], "empty": b"", "garbage": os.urandom(64)}[damage]
-        )
-    summary = train(make_cfg(f"data.cache_dir={cache}"), tmp_path / "second")
-    assert summary["status"] == "completed" and (summary["n_train"], summary["n_val"]) == (
-        first["n_train"],
-        first["n_val"],
-    )
+        kinds = {"truncated": whole[: len(whole) // 2], "empty": b"", "garbage": os.urandom(64)}
+        path.write_bytes(kinds[damage_kind])
+
+    # the derived caches first: a rebuilt data set is new content, whose store and matrix are new entries
+    for path in [
+        *(cache / "samples").glob("*/index.npz"),
+        *(cache / "unifrac").glob("*.npz"),
+        cache / "peak_flops.json",
+    ]:
+        damage(path)
+    second = train(make_cfg(*overrides), tmp_path / "second")
+    damage(next((cache / "simulated").glob("*/table.biom")))
+    third = train(make_cfg(*overrides), tmp_path / "third")
+    for summary in (second, third):
+        assert summary["status"] == "completed"
+        assert (summary["n_train"], summary["n_val"]) == (first["n_train"], first["n_val"])
     warned = caplog.text
-    assert "simulated data set" in warned and "damaged" in warned and "UniFrac cache" in warned
+    assert "sample store" in warned and "UniFrac cache" in warned and "simulated data set" in warned
+    assert warned.count("damaged") >= 3
 
 
 def tmpfs_works(tmp_path) -> bool:
@@ -323,6 +331,28 @@ def test_a_full_disk_during_a_checkpoint_says_so_in_one_line_and_keeps_the_last_
     assert read_summary(kept)["status"] == "failed", run.stderr[-3000:]
     assert [p.name for p in (kept / "checkpoints").iterdir()] == ["step_00000001.pt"]  # no partial file
     assert not [p for p in kept.rglob("*") if p.name.endswith(".tmp")]
+
+
+@pytest.mark.slow  # two launches
+def test_a_full_disk_while_the_sample_store_is_built_is_one_line_and_leaves_no_partial_file(launch, tmp_path):
+    if not tmpfs_works(tmp_path):
+        pytest.skip("no tmpfs can be mounted here (unshare or mount refused): a full disk needs one")
+    sized_cache, cache, kept = tmp_path / "sized_cache", tmp_path / "cache", tmp_path / "kept"
+    sizing, _ = launch(f"data.cache_dir={sized_cache}", "trainer.max_steps=1", name="sized")
+    assert sizing.returncode == 0, sizing.stderr[-3000:]
+    pages = [-(-p.stat().st_size // 4096) * 4096 for p in sized_cache.rglob("*") if p.is_file()]
+    (index,) = (sized_cache / "samples").glob("*/index.npz")  # the store's largest file, written last
+    cache.mkdir()
+    # room for the simulated data set, the other caches and the store's raw files, not for its index
+    tmpfs = on_tmpfs(sum(pages) - index.stat().st_size // 2, cache, kept)
+    run, run_dir = launch(f"data.cache_dir={cache}", name="full", launcher=[*tmpfs, *PYTHON])
+    assert run.returncode == 2, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"error: no space left on the file system of {cache / 'samples'} to write the sample"
+    )
+    assert "Traceback" not in run.stderr and read_summary(run_dir)["status"] == "failed"
+    assert (kept / "simulated").is_dir() and not list((kept / "samples").iterdir())  # no partial store
 
 
 @pytest.mark.slow  # about a minute: two ranks, a 10 s timeout, a resumed launch

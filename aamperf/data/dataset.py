@@ -5,12 +5,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import biom
+import numpy as np
+import scipy.sparse as sp
 import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, RandomSampler, Subset
 
-from aamperf.data.samples import SampleDataset, read_samples
-from aamperf.data.tables import read_unifrac
+from aamperf.data.branches import batch_matrix
+from aamperf.data.samples import SampleDataset, Samples
+from aamperf.data.store import sample_store
+from aamperf.data.tables import read_unifrac, resolve_files, table_observation_ids
 from aamperf.data.unifrac import cached_unifrac, select_unifrac
 from aamperf.errors import UserError
 from aamperf.model.aam import bucket_size
@@ -29,6 +34,9 @@ class Collate:
     Under torch.distributed B is this rank's slice b of the global batch, and unifrac is [b, B]:
     its rows against every sample of the global batch; n_samples and n_tokens count the global batch.
     Padding rows are all zero (START included), so `tokens[..., 0] == 0` marks padding.
+    Batch UniFrac (`branch_lengths` set): no `unifrac` yet, but the global batch's branch sets
+    `branches` uint8 [B, U], their `branch_lengths` float64 [U] and this rank's `branch_rows` [b], from
+    which `to_device` computes `unifrac` [b, B] on the run's device (aamperf/data/branches.py).
     """
 
     tokens: torch.Tensor  # [n_asvs, 151] uint8, every distinct ASV tokenized once
@@ -37,14 +45,19 @@ class Collate:
     rank: int = 0  # under torch.distributed: the items are the global batch, this rank takes its slice
     world_size: int = 1
     bucket_cap: int | None = None  # with pad_to=None: the longest sample rounded up to `bucket_size`, <= this
+    branch_lengths: np.ndarray | None = None  # batch UniFrac: the lengths the items' `branches` index
 
     def __call__(self, items: list[dict]) -> dict:
         # Counted over the global batch: what one optimizer (micro-)step processes on all ranks.
         n_samples, n_tokens = len(items), sum(item["n_tokens"] for item in items)
         batch_idx = torch.tensor([item["sample_idx"] for item in items])
+        rows = torch.arange(len(items))
+        if self.branch_lengths is not None:  # of the global batch: every rank's rows meet every column
+            branches, branch_lengths = batch_matrix([item["branches"] for item in items], self.branch_lengths)
         if self.world_size > 1:
             share = len(items) // self.world_size
             items = items[self.rank * share : (self.rank + 1) * share]
+            rows = rows[self.rank * share : (self.rank + 1) * share]
         lengths = torch.tensor([len(item["asv_idx"]) for item in items])
         width = int(lengths.max()) if self.pad_to is None else self.pad_to
         if self.pad_to is None and self.bucket_cap is not None:
@@ -71,6 +84,8 @@ class Collate:
         }
         if self.unifrac is not None:  # this rank's rows, every sample's column
             batch["unifrac"] = self.unifrac[sample_idx][:, batch_idx]
+        if self.branch_lengths is not None:
+            batch.update(branches=branches, branch_lengths=branch_lengths, branch_rows=rows)
         if "target" in items[0]:
             batch["target"] = torch.stack([item["target"] for item in items]).float().unsqueeze(1)
         return batch
@@ -152,7 +167,9 @@ class Data:
     target_std: float | None
     val_target_var: float | None  # of the validation samples' raw target: R^2's denominator
     samples_without_target: int  # of data.table, left out: no value of data.target in data.metadata
-    unifrac_cached: bool  # the UniFrac matrix came from `<cache_dir>/unifrac/`
+    unifrac_mode: str  # batch (from branch sets, per batch) or precomputed (the n x n matrix)
+    unifrac_cached: bool  # precomputed from data.tree: the matrix came from `<cache_dir>/unifrac/`
+    samples_cached: bool  # the rarefied samples came from their store (`<cache_dir>/samples/`)
     files: dict[str, str | None]  # table / tree / unifrac / metadata / sequences actually read
     sample_ids: list[str]  # index = the batch's `sample_idx`
     dataset: SampleDataset
@@ -203,15 +220,20 @@ def build_data(
         raise ValueError(
             f"pad_to must be 'max', 'bucket', None or an int >= data.max_asvs={cfg.max_asvs} (got {pad_to!r})"
         )
-    samples = read_samples(cfg)
-    files, sample_ids, dataset, target = samples.files, samples.ids, samples.dataset, samples.dataset.target
+    files = resolve_files(cfg)
+    mode = unifrac_mode(cfg, files)
+    samples, samples_cached = sample_store(cfg, files, with_branches=mode == "batch")
+    sample_ids, dataset, target = samples.ids, samples.dataset, samples.dataset.target
+    unifrac, cached = None, False
     if files["unifrac"] is not None:
-        unifrac, cached = select_unifrac(*read_unifrac(files["unifrac"]), sample_ids), False
-    else:
-        unifrac, cached = cached_unifrac(samples.table, files["tree"], Path(cfg.cache_dir).expanduser())
+        unifrac = select_unifrac(*read_unifrac(files["unifrac"]), sample_ids)
+    elif mode == "precomputed":
+        cache_dir = Path(cfg.cache_dir).expanduser()
+        unifrac, cached = cached_unifrac(rarefied_table(samples), files["tree"], cache_dir)
+    unifrac = None if unifrac is None else torch.from_numpy(unifrac).float()
 
     train_idx, val_idx = split_indices(len(sample_ids), cfg.val_fraction, cfg.seed)
-    collate = Collate(samples.tokens, torch.from_numpy(unifrac).float(), pad_to, rank, world_size, bucket_cap)
+    collate = Collate(samples.tokens, unifrac, pad_to, rank, world_size, bucket_cap, samples.branch_lengths)
     train_loader, val_loader = make_loaders(
         dataset, collate, train_idx, val_idx, batch_size=batch_size, seed=seed, loader=loader
     )
@@ -222,16 +244,41 @@ def build_data(
         val_loader=val_loader,
         n_train=len(train_idx),
         n_val=len(val_idx),
-        n_asvs=len(samples.tokens),
+        n_asvs=samples.n_asvs,
         max_asvs=cfg.max_asvs,
         has_target=target is not None,
         target_mean=None if train_target is None else float(train_target.mean()),
         target_std=None if train_target is None else float(train_target.std()),
         val_target_var=None if val_target is None else float(val_target.double().var(correction=0)),
         samples_without_target=samples.without_target,
+        unifrac_mode=mode,
         unifrac_cached=cached,
+        samples_cached=samples_cached,
         files={k: None if v is None else str(v) for k, v in files.items()},
         sample_ids=sample_ids,
         dataset=dataset,
         collate=collate,
     )
+
+
+def unifrac_mode(cfg: DictConfig, files: dict) -> str:
+    """data.unifrac_mode, or what the files given imply: batch from a tree, precomputed from a matrix."""
+    if cfg.unifrac_mode is None:
+        return "batch" if files["tree"] is not None else "precomputed"
+    if cfg.unifrac_mode == "batch" and files["tree"] is None:
+        raise UserError(
+            "data.unifrac_mode=batch computes UniFrac from data.tree; give data.tree=<tree.nwk>, or "
+            "data.unifrac_mode=precomputed to use data.unifrac's matrix"
+        )
+    return str(cfg.unifrac_mode)
+
+
+def rarefied_table(samples: Samples) -> biom.Table:
+    """The rarefied samples as a biom.Table (every ASV, not only max_asvs): scikit-bio's input."""
+    rows, reads = samples.dataset.rows, samples.dataset.reads
+    counts = sp.csc_matrix(
+        (reads.all(), rows.all(), rows.ptr),
+        shape=(len(samples.tokens), len(samples.ids)),
+    )
+    obs_ids = table_observation_ids(samples.files["table"])
+    return biom.Table(counts, observation_ids=obs_ids, sample_ids=samples.ids)

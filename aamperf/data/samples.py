@@ -1,52 +1,37 @@
-"""A table's samples as the model reads them: rarefied, cut to their most abundant ASVs, every distinct
-ASV tokenized once; each sample an unpadded list of ASV rows with counts (and its target)."""
+"""A table's samples as the model reads them: rarefied (each sample on its own), cut to its most abundant
+ASVs, each an unpadded list of rows of the token table (every observation tokenized once) with counts,
+its target and, with a tree, its branch set (batch UniFrac). Held in memory or read from a store file."""
 
 import logging
-from dataclasses import dataclass
+import os
+import zlib
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import scipy.sparse as sp
 import torch
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
-from aamperf.data.tables import observation_sequences, rarefy, read_table, read_target, resolve_files
+from aamperf.data.branches import Branches
+from aamperf.data.tables import observation_sequences, read_table, read_target, resolve_files
 from aamperf.data.tokenize import count_real_tokens, tokenize_sequences
 from aamperf.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
-class SampleDataset(Dataset):
-    """One item per sample: indices into the ASV token table, their counts, and the sample's index.
+def rarefy_sample(counts: np.ndarray, depth: int, seed: int, sample_id: str) -> np.ndarray | None:
+    """`depth` reads drawn without replacement from one sample's counts (its non-zero counts, in
+    observation order: the draw depends on them only); None when it has fewer.
 
-    Items are not padded: `Collate(pad_to=...)` decides the padded length, so a padding-aware
-    batching phase can change it without touching the data.
-    """
-
-    def __init__(
-        self,
-        asv_idx: list[torch.Tensor],
-        counts: list[torch.Tensor],
-        n_tokens: list[int],
-        target: torch.Tensor | None = None,
-    ) -> None:
-        assert len(asv_idx) == len(counts) == len(n_tokens)
-        self.asv_idx, self.counts, self.n_tokens, self.target = asv_idx, counts, n_tokens, target
-
-    def __len__(self) -> int:
-        return len(self.asv_idx)
-
-    def __getitem__(self, i: int) -> dict:
-        item = {
-            "asv_idx": self.asv_idx[i],
-            "counts": self.counts[i],
-            "sample_idx": i,
-            "n_tokens": self.n_tokens[i],
-        }
-        if self.target is not None:
-            item["target"] = self.target[i]
-        return item
+    Each sample has its own generator, seeded by (data.seed, its id): its draw is the same whatever
+    else is in the table, so a table read a chunk at a time (streamed, predict) is rarefied as a whole."""
+    if counts.sum() < depth:
+        return None
+    rng = np.random.default_rng([seed, zlib.crc32(sample_id.encode())])
+    return rng.multivariate_hypergeometric(counts.astype(np.int64), depth)
 
 
 def top_asvs(
@@ -57,22 +42,158 @@ def top_asvs(
     return column_rows[order], column_counts[order]
 
 
+class Ragged:
+    """Rows of different lengths: row i is values[ptr[i]:ptr[i + 1]]. The values are an array in memory,
+    or a raw int32 file read one row at a time (a positioned read: no file position shared after a fork)."""
+
+    def __init__(self, ptr: np.ndarray, values: np.ndarray | None = None, file: str | None = None):
+        self.ptr, self.values, self.file = ptr, values, file
+        self._fd: tuple[int, int] | None = None  # (pid, descriptor)
+
+    @classmethod
+    def of(cls, rows: list[np.ndarray], dtype: Any) -> "Ragged":
+        ptr = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([len(r) for r in rows], out=ptr[1:])
+        return cls(ptr, np.concatenate(rows).astype(dtype) if rows else np.zeros(0, dtype))
+
+    def __len__(self) -> int:
+        return len(self.ptr) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        a, b = int(self.ptr[i]), int(self.ptr[i + 1])
+        if self.values is not None:
+            return self.values[a:b]
+        return np.frombuffer(os.pread(self._descriptor(), 4 * (b - a), 4 * a), dtype=np.int32)
+
+    def all(self) -> np.ndarray:
+        """Every row's values, in order."""
+        return self.values if self.values is not None else np.fromfile(self.file, dtype=np.int32)
+
+    def _descriptor(self) -> int:
+        if self._fd is None or self._fd[0] != os.getpid():
+            self._fd = (os.getpid(), os.open(self.file, os.O_RDONLY))
+        return self._fd[1]
+
+    def __getstate__(self) -> dict:  # to spawned workers: the path, not the descriptor
+        return {**self.__dict__, "_fd": None}
+
+
+class SampleDataset(Dataset):
+    """One item per sample: its `max_asvs` most abundant ASVs (rows of the token table) and their counts,
+    its real-token count, target and branch set. Items are not padded: `Collate(pad_to=...)` decides."""
+
+    def __init__(
+        self,
+        rarefied: tuple[Ragged, Ragged],  # (observation rows, counts) of each rarefied sample
+        max_asvs: int,
+        n_tokens: np.ndarray,
+        target: torch.Tensor | None = None,
+        branches: Ragged | None = None,
+    ) -> None:
+        assert len(rarefied[0]) == len(rarefied[1]) == len(n_tokens)
+        self.rows, self.reads = rarefied
+        self.max_asvs, self.n_tokens, self.target, self.branches = max_asvs, n_tokens, target, branches
+
+    def __len__(self) -> int:
+        return len(self.n_tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        rows, counts = top_asvs(self.rows[i], self.reads[i], self.max_asvs)
+        item = {
+            "asv_idx": torch.from_numpy(rows.astype(np.int64)),
+            "counts": torch.from_numpy(counts.astype(np.float32)),
+            "sample_idx": i,
+            "n_tokens": int(self.n_tokens[i]),
+        }
+        if self.target is not None:
+            item["target"] = self.target[i]
+        if self.branches is not None:
+            item["branches"] = self.branches[i]
+        return item
+
+
+@dataclass
+class Chunk:
+    """Some samples of a table, rarefied: what a store keeps of them, or what predict reads."""
+
+    ids: list[str]
+    rows: list[np.ndarray]  # each sample's observations after rarefaction (all, not only max_asvs)
+    reads: list[np.ndarray]  # their counts
+    n_tokens: np.ndarray  # real nucleotides in the sample's max_asvs most abundant ASVs
+    too_shallow: list[str] = field(default_factory=list)  # fewer reads than data.rarefy_depth: left out
+    branches: list[np.ndarray] | None = None  # each sample's branch set
+
+
+def rarefy_chunk(
+    ids: list[str],
+    counts: sp.csc_matrix,
+    cfg: DictConfig,
+    real_tokens: np.ndarray,
+    branches: Branches | None = None,
+) -> Chunk:
+    """Rarefy each sample of `counts` [observations, samples] to data.rarefy_depth (seeded by data.seed)."""
+    chunk = Chunk([], [], [], np.zeros(0, dtype=np.int64))
+    counts = counts.copy()
+    counts.eliminate_zeros()  # the draw sees the sample's ASVs in observation order, whatever the file
+    counts.sort_indices()
+    n_tokens = []
+    for j, sid in enumerate(ids):
+        a, b = counts.indptr[j], counts.indptr[j + 1]
+        drawn = rarefy_sample(counts.data[a:b], cfg.rarefy_depth, cfg.seed, sid)
+        if drawn is None:
+            chunk.too_shallow.append(sid)
+            continue
+        present = drawn > 0
+        rows, reads = counts.indices[a:b][present].astype(np.int32), drawn[present].astype(np.int32)
+        chunk.ids.append(sid)
+        chunk.rows.append(rows)
+        chunk.reads.append(reads)
+        n_tokens.append(int(real_tokens[top_asvs(rows, reads, cfg.max_asvs)[0]].sum()))
+    chunk.n_tokens = np.array(n_tokens, dtype=np.int64)
+    if branches is not None:
+        presence = sp.csc_matrix(
+            (
+                np.ones(sum(len(r) for r in chunk.rows), np.float32),
+                np.concatenate(chunk.rows or [[]]),
+                np.cumsum([0] + [len(r) for r in chunk.rows]),
+            ),
+            shape=(counts.shape[0], len(chunk.ids)),
+        )
+        sets = branches.of_samples(presence)
+        chunk.branches = [sets.indices[sets.indptr[i] : sets.indptr[i + 1]] for i in range(len(chunk.ids))]
+    return chunk
+
+
+def no_sample_deep_enough(cfg: DictConfig, deepest: int) -> UserError:
+    return UserError(
+        f"data.rarefy_depth={cfg.rarefy_depth}: no sample has that many reads (deepest: {deepest}); "
+        "lower data.rarefy_depth"
+    )
+
+
+def table_tokens(obs_ids: list[str], sequences_path) -> tuple[torch.Tensor, np.ndarray]:
+    """Every observation of the table tokenized once [n_obs, 151] uint8, and its real-nucleotide count."""
+    tokens = tokenize_sequences(observation_sequences(obs_ids, sequences_path))  # validated when read
+    return tokens, count_real_tokens(tokens).numpy()
+
+
 @dataclass
 class Samples:
     ids: list[str]  # index = a batch's `sample_idx`
     dataset: SampleDataset
-    tokens: torch.Tensor  # [distinct ASVs, 151] uint8
-    table: Any  # the rarefied biom.Table (UniFrac is computed from it)
+    tokens: torch.Tensor  # [observations of the table, 151] uint8
     files: dict[str, Any]  # table / tree / unifrac / metadata / sequences as resolved
     without_target: int  # samples of the table left out for want of a target value (training only)
     too_shallow: list[str]  # samples with fewer reads than data.rarefy_depth: left out
+    n_asvs: int  # distinct ASVs among the samples' max_asvs most abundant
+    branch_lengths: np.ndarray | None = None  # of the branches the samples' branch sets index (batch UniFrac)
 
 
 def read_samples(
     cfg: DictConfig, keep_unlabelled: bool = False, sample_ids: list[str] | None = None
 ) -> Samples:
-    """The `data` config's samples (`sample_ids`: only these). With `data.target`, samples without a
-    value are left out of training (`keep_unlabelled`: kept, their target NaN: prediction)."""
+    """The `data` config's samples (`sample_ids`: only these), in memory: what predict reads a chunk at a
+    time. With `data.target`, samples without a value are left out (`keep_unlabelled`: kept, target NaN)."""
     files = resolve_files(cfg)
     table = read_table(files["table"], sample_ids)
     targets, without_target = None, 0
@@ -83,38 +204,27 @@ def read_samples(
             raise UserError(f"data.metadata: no sample of data.table has a value of {cfg.target!r}")
         without_target = len(table.ids()) - len(keep)
         if without_target and not keep_unlabelled:
-            log.warning(
-                "%d of %d samples have no %r in data.metadata (%s): left out of training and validation",
-                without_target,
-                len(table.ids()),
-                cfg.target,
-                files["metadata"],
-            )
+            warn_without_target(without_target, len(table.ids()), cfg.target, files["metadata"])
             table = table.filter(keep, inplace=False)
-    sequences = observation_sequences(list(table.ids(axis="observation")), files["sequences"])
-    sequence_of = dict(zip(table.ids(axis="observation"), sequences, strict=True))
-    before = [str(sid) for sid in table.ids()]
-    table = rarefy(table, cfg.rarefy_depth, cfg.seed)
-    sample_ids = [str(sid) for sid in table.ids()]
-    kept_ids = set(sample_ids)
-    too_shallow = [sid for sid in before if sid not in kept_ids]
+    tokens, real_tokens = table_tokens(
+        [str(obs) for obs in table.ids(axis="observation")], files["sequences"]
+    )
+    ids = [str(sid) for sid in table.ids()]
+    chunk = rarefy_chunk(ids, table.matrix_data.tocsc().astype(np.int64), cfg, real_tokens)
+    if not chunk.ids:
+        raise no_sample_deep_enough(cfg, int(table.sum(axis="sample").max()))
+    target = None if targets is None else torch.tensor([targets.get(sid, float("nan")) for sid in chunk.ids])
+    rarefied = (Ragged.of(chunk.rows, np.int32), Ragged.of(chunk.reads, np.int32))
+    dataset = SampleDataset(rarefied, cfg.max_asvs, chunk.n_tokens, target)
+    used = np.unique(np.concatenate([dataset[i]["asv_idx"].numpy() for i in range(len(dataset))]))
+    return Samples(chunk.ids, dataset, tokens, files, without_target, chunk.too_shallow, len(used))
 
-    # keep the most abundant max_asvs ASVs of each sample, then number the ASVs still in use
-    matrix = table.matrix_data.tocsc(copy=True)
-    matrix.eliminate_zeros()  # subsampling leaves explicit zeros: they are not ASVs of the sample
-    kept = [
-        top_asvs(matrix.indices[a:b], matrix.data[a:b], cfg.max_asvs)
-        for a, b in zip(matrix.indptr[:-1], matrix.indptr[1:], strict=True)
-    ]
-    used = np.unique(np.concatenate([rows for rows, _ in kept]))
-    new_index = np.full(matrix.shape[0], -1)
-    new_index[used] = np.arange(len(used))
-    obs_ids = table.ids(axis="observation")
-    tokens = tokenize_sequences([sequence_of[obs_ids[row]] for row in used])  # validated when read
-    real_per_asv = count_real_tokens(tokens)
-    asv_idx = [torch.from_numpy(new_index[rows]) for rows, _ in kept]
-    counts = [torch.from_numpy(vals.astype(np.float32)) for _, vals in kept]
-    n_tokens = [int(real_per_asv[idx].sum()) for idx in asv_idx]
-    target = None if targets is None else torch.tensor([targets.get(sid, float("nan")) for sid in sample_ids])
-    dataset = SampleDataset(asv_idx, counts, n_tokens, target)
-    return Samples(sample_ids, dataset, tokens, table, files, without_target, too_shallow)
+
+def warn_without_target(n: int, total: int, column: str, metadata) -> None:
+    log.warning(
+        "%d of %d samples have no %r in data.metadata (%s): left out of training and validation",
+        n,
+        total,
+        column,
+        metadata,
+    )

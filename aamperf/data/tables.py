@@ -1,6 +1,8 @@
 """Read the user's files (BIOM, Newick, UniFrac matrix, FASTA, metadata) with errors that name the option."""
 
 import warnings
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -8,6 +10,7 @@ import biom
 import h5py
 import numpy as np
 import pandas as pd
+import scipy.sparse as sp
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
@@ -142,6 +145,52 @@ def read_table(path: Path, sample_ids: list[str] | None = None) -> biom.Table:
     return table
 
 
+def table_observation_ids(path: Path) -> list[str]:
+    """A BIOM table's observation ids, in its order, without reading its counts where it is HDF5."""
+    if h5py.is_hdf5(path):
+        with h5py.File(path, "r") as f:
+            return [i.decode() if isinstance(i, bytes) else str(i) for i in f["observation/ids"][()]]
+    return [str(obs) for obs in read_table(path).ids(axis="observation")]
+
+
+def table_chunks(path: Path, chunk_samples: int) -> Iterator[tuple[list[str], sp.csc_matrix]]:
+    """The table's samples `chunk_samples` at a time: (ids, counts [observations, samples] int64).
+
+    HDF5 (BIOM 2.x): each chunk's counts are read from the file's by-sample layout (`sample/matrix`),
+    so memory holds one chunk whatever the table's size. JSON is read whole, then chunked."""
+    if not h5py.is_hdf5(path):
+        table = read_table(path)
+        matrix, ids = table.matrix_data.tocsc(), [str(sid) for sid in table.ids()]
+        for a in range(0, len(ids), chunk_samples):
+            yield ids[a : a + chunk_samples], matrix[:, a : a + chunk_samples].astype(np.int64)
+        return
+    try:
+        with h5py.File(path, "r") as f:
+            ids = [i.decode() if isinstance(i, bytes) else str(i) for i in f["sample/ids"][()]]
+            n_obs = len(f["observation/ids"])
+            matrix = f["sample/matrix"]
+            indptr = matrix["indptr"][()].astype(np.int64)
+            if not ids or not n_obs:
+                raise ValueError("no samples or observations in it")
+            for a in range(0, len(ids), chunk_samples):
+                b = min(a + chunk_samples, len(ids))
+                lo, hi = indptr[a], indptr[b]
+                data = matrix["data"][lo:hi]
+                if (data < 0).any() or not np.array_equal(data, np.round(data)):
+                    raise UserError(
+                        f"data.table: {path} must hold non-negative integer counts (rarefaction needs reads)"
+                    )
+                counts = sp.csc_matrix(
+                    (data.astype(np.int64), matrix["indices"][lo:hi], indptr[a : b + 1] - lo),
+                    shape=(n_obs, b - a),
+                )
+                yield ids[a:b], counts
+    except UserError:
+        raise
+    except Exception as e:  # h5py's KeyError / OSError for a file that is HDF5 but not BIOM
+        raise UserError(f"data.table: cannot read {path} as a BIOM table ({type(e).__name__}: {e})") from e
+
+
 def read_tree(path: Path) -> "TreeNode":
     """Newick tree; tips are the table's observation ids."""
     from skbio import TreeNode
@@ -152,6 +201,23 @@ def read_tree(path: Path) -> "TreeNode":
             return TreeNode.read(str(path), format="newick")
     except Exception as e:  # skbio's NewickFormatError and friends
         raise UserError(f"data.tree: cannot read {path} as Newick ({type(e).__name__}: {e})") from e
+
+
+def check_tips(tip_names: list[str], observation_ids: list[str]) -> None:
+    """UserError unless each tip name is once in the tree and every observation of the table is a tip."""
+    names = Counter(tip_names)
+    repeated = sorted(str(name) for name, n in names.items() if n > 1)
+    if repeated:
+        raise UserError(
+            f"data.tree: {len(repeated)} tip names appear more than once in the tree (e.g. "
+            f"{repeated[0][:40]!r}); give a tree with each ASV as one tip"
+        )
+    missing = [obs for obs in observation_ids if obs not in names]
+    if missing:
+        raise UserError(
+            f"data.tree: {len(missing)} of {len(observation_ids)} ASVs of the table are not tips of the "
+            f"tree (e.g. {missing[0][:40]!r}); give a tree that covers every ASV of data.table"
+        )
 
 
 def read_sequences(path: Path) -> dict[str, str]:
@@ -306,18 +372,6 @@ def not_a_distance_matrix(matrix: np.ndarray, ids: list[str]) -> str | None:
         other = f"{matrix[j, i]:.6g} the other way"
         return f"not symmetric ({ids[i]!r} x {ids[j]!r}: {matrix[i, j]:.6g}, but {other})"
     return None
-
-
-def rarefy(table: biom.Table, depth: int, seed: int) -> biom.Table:
-    """Subsample every sample to `depth` reads without replacement; shallower samples are dropped."""
-    rarefied = table.subsample(depth, seed=seed)
-    if rarefied.is_empty():
-        deepest = int(table.sum(axis="sample").max())
-        raise UserError(
-            f"data.rarefy_depth={depth}: no sample has that many reads "
-            f"(deepest: {deepest}); lower data.rarefy_depth"
-        )
-    return rarefied
 
 
 def resolve_files(cfg: DictConfig) -> dict[str, Path | None]:

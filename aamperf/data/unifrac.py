@@ -3,14 +3,13 @@
 import hashlib
 import logging
 import zipfile
-from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import biom
 import numpy as np
 
-from aamperf.data.tables import read_tree
+from aamperf.data.tables import check_tips, read_tree
 from aamperf.errors import NoSpace, UserError, one_line
 from aamperf.files import write_atomic
 
@@ -43,20 +42,7 @@ def compute_unifrac(table: biom.Table, tree: "TreeNode") -> np.ndarray:
     from skbio.diversity import beta_diversity
 
     obs_ids = [str(obs) for obs in table.ids(axis="observation")]  # plain strings in messages
-    names = Counter(tip.name for tip in tree.tips())
-    repeated = sorted(str(name) for name, n in names.items() if n > 1)
-    if repeated:
-        raise UserError(
-            f"data.tree: {len(repeated)} tip names appear more than once in the tree (e.g. "
-            f"{repeated[0][:40]!r}); give a tree with each ASV as one tip"
-        )
-    tips = set(names)
-    missing = [obs for obs in obs_ids if obs not in tips]
-    if missing:
-        raise UserError(
-            f"data.tree: {len(missing)} of {len(obs_ids)} ASVs of the table are not tips of the "
-            f"tree (e.g. {missing[0][:40]!r}); give a tree that covers every ASV of data.table"
-        )
+    check_tips([tip.name for tip in tree.tips()], obs_ids)
     counts = table.matrix_data.T.toarray().astype(np.int64)  # samples x ASVs
     try:
         dm = beta_diversity(METRIC, counts, ids=list(table.ids()), taxa=obs_ids, tree=tree)

@@ -143,9 +143,8 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
 def sample_chunks(data_cfg: DictConfig, chunk_samples: int, batch_size: int) -> list[list[str] | None]:
     """The table's sample ids in chunks of `chunk_samples` (rounded up to whole batches: the batches are
     those of the whole table), each read (HDF5: only its samples' counts), rarefied and predicted in
-    turn; [None]: the whole table at once (it has no more samples, or chunk_samples=0). A chunk is
-    rarefied on its own (data.seed): other draws than the whole table's, where a sample has more reads
-    than data.rarefy_depth."""
+    turn; [None]: the whole table at once (it has no more samples, or chunk_samples=0). Each sample is
+    rarefied on its own (data.seed and its id): the draws are the whole table's."""
     if chunk_samples == 0:
         return [None]
     ids = table_sample_ids(resolve_files(data_cfg)["table"])

@@ -23,18 +23,31 @@ stamps: list[float] = []
 losses: list[dict] = []
 
 train_epoch = Trainer.train_epoch
+
+
 def timed_train_epoch(self, *a, **k):
     stamps.append(time.perf_counter())  # the epoch's start: the first step is timed from here
     return train_epoch(self, *a, **k)
+
+
 Trainer.train_epoch = timed_train_epoch
 
 loss_forward = MultiTaskLoss.forward
+
+
 def recorded_forward(self, outputs, *a, **k):
     out = loss_forward(self, outputs, *a, **k)
     if torch.is_grad_enabled():  # training steps only, not validation
-        losses.append({"total": out["total_loss"].item(), "unifrac": out["unifrac_loss"].item(),
-                       "nuc": out["nuc_loss"].item()})  # a host sync the original does anyway
+        losses.append(
+            {
+                "total": out["total_loss"].item(),
+                "unifrac": out["unifrac_loss"].item(),
+                "nuc": out["nuc_loss"].item(),
+            }
+        )  # a host sync the original does anyway
     return out
+
+
 MultiTaskLoss.forward = recorded_forward
 
 register_optimizer_step_post_hook(lambda *_: stamps.append(time.perf_counter()))
@@ -45,5 +58,8 @@ wall_s = time.perf_counter() - start
 # one epoch: stamps = [epoch start, after step 1, ..., after step n]
 steps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-json.dump({"step_times_s": steps, "losses": losses, "wall_s": wall_s, "peak_rss_bytes": peak},
-          open(result_path, "w"), indent=1)
+json.dump(
+    {"step_times_s": steps, "losses": losses, "wall_s": wall_s, "peak_rss_bytes": peak},
+    open(result_path, "w"),
+    indent=1,
+)

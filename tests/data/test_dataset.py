@@ -1,5 +1,6 @@
 """build_data end to end: batch layout, max_asvs, rarefaction, split, loaders, data=biom, errors."""
 
+import biom
 import h5py
 import numpy as np
 import pytest
@@ -10,14 +11,30 @@ from skbio import TreeNode
 from aamperf.config import DataConfig, DataloaderConfig
 from aamperf.data import build_data
 from aamperf.data.dataset import Collate
-from aamperf.data.samples import top_asvs
-from aamperf.data.tables import rarefy, read_table, read_target
+from aamperf.data.samples import rarefy_sample, top_asvs
+from aamperf.data.tables import read_table, read_target
 from aamperf.data.unifrac import compute_unifrac
+from aamperf.device import to_device
 from aamperf.errors import UserError
 from aamperf.trainer import BatchStream
 
 SIM = {"n_samples": 40, "n_asvs": 64, "n_envs": 2, "mean_richness": 20, "depth": 2000, "rarefy_depth": 500}
 LOADER = OmegaConf.structured(DataloaderConfig)
+
+
+def rarefy(table: biom.Table, depth: int, seed: int) -> biom.Table:
+    """The table rarefied sample by sample, as the data pipeline does (shallower samples dropped)."""
+    matrix = table.matrix_data.toarray()
+    drawn = {}
+    for j, sid in enumerate(table.ids()):
+        present = matrix[:, j] > 0
+        reads = rarefy_sample(matrix[present, j], depth, seed, sid)
+        if reads is not None:
+            drawn[sid] = np.zeros(len(present), dtype=np.int64)
+            drawn[sid][present] = reads
+    kept = list(drawn)
+    matrix = np.stack([drawn[sid] for sid in kept], axis=1)
+    return biom.Table(matrix, observation_ids=list(table.ids(axis="observation")), sample_ids=kept)
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +57,18 @@ def test_batch_layout(cache_dir):
     assert set(batch) == {
         "tokens",
         "counts",
-        "unifrac",
+        "branches",  # batch UniFrac: the branch sets, turned into `unifrac` on the device
+        "branch_lengths",
+        "branch_rows",
         "target",
         "sample_idx",
         "asv_ids",
         "n_samples",
         "n_tokens",
     }
+    assert data.unifrac_mode == "batch"
+    batch = to_device(batch, torch.device("cpu"))
+    assert "branches" not in batch
     assert batch["tokens"].shape == (8, 32, 151) and batch["tokens"].dtype == torch.int64
     assert batch["counts"].shape == (8, 32, 1) and batch["counts"].dtype == torch.float32
     assert batch["unifrac"].shape == (8, 8) and batch["unifrac"].dtype == torch.float32
@@ -89,8 +111,9 @@ def test_max_asvs_keeps_the_most_abundant(cache_dir):
         for row, count in zip(batch["tokens"][b], kept.tolist(), strict=True):  # the right ASVs
             assert table.get_value_by_ids(decode(row), data.sample_ids[s]) == count
     used = torch.cat([item["asv_idx"] for item in data.dataset]).unique()
-    assert data.n_asvs == len(used) == data.collate.tokens.shape[0]
-    assert data.n_asvs < len(table.ids(axis="observation"))  # ASVs only in the cut tail are not kept
+    assert data.n_asvs == len(used)
+    assert data.n_asvs < len(table.ids(axis="observation"))  # ASVs only in the cut tail are not counted
+    assert data.collate.tokens.shape[0] == len(table.ids(axis="observation"))  # every one tokenized
 
 
 def test_ties_are_broken_by_table_order():
@@ -186,7 +209,8 @@ def test_worker_options_reach_the_loader(cache_dir):
 
 
 def test_biom_source_with_fasta_and_precomputed_unifrac(cache_dir, tmp_path):
-    sim = build_data(data_cfg(cache_dir), batch_size=4, seed=0, loader=LOADER)
+    sim = build_data(data_cfg(cache_dir, unifrac_mode="precomputed"), batch_size=4, seed=0, loader=LOADER)
+    assert sim.unifrac_mode == "precomputed" and "branches" not in next(iter(sim.train_loader))
     table = read_table(sim.files["table"])
     seqs = list(table.ids(axis="observation"))
     renamed = table.update_ids({s: f"asv{i}" for i, s in enumerate(seqs)}, axis="observation", inplace=False)
@@ -206,6 +230,7 @@ def test_biom_source_with_fasta_and_precomputed_unifrac(cache_dir, tmp_path):
         target=None,
     )
     data = build_data(cfg, batch_size=4, seed=0, loader=LOADER)
+    assert data.unifrac_mode == "precomputed"  # the matrix given: no tree, no batch mode
     assert not data.has_target and not data.unifrac_cached and data.files["sequences"].endswith("s.fasta")
     assert data.sample_ids == sim.sample_ids
     assert data.collate.unifrac.equal(sim.collate.unifrac)
@@ -218,6 +243,8 @@ def test_biom_source_with_fasta_and_precomputed_unifrac(cache_dir, tmp_path):
         build_data(cfg, batch_size=4, seed=0, loader=LOADER)
     with pytest.raises(UserError, match=r"^data\.sequences: \d+ observation ids of data\.table are not DNA"):
         build_data(OmegaConf.merge(cfg, {"sequences": None}), batch_size=4, seed=0, loader=LOADER)
+    with pytest.raises(UserError, match=r"^data\.unifrac_mode=batch computes UniFrac from data\.tree; give"):
+        build_data(OmegaConf.merge(cfg, {"unifrac_mode": "batch"}), batch_size=4, seed=0, loader=LOADER)
 
 
 @pytest.mark.parametrize(

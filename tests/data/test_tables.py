@@ -7,12 +7,13 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from aamperf.data.samples import rarefy_chunk
 from aamperf.data.tables import (
     check_data,
     existing_file,
     observation_sequences,
-    rarefy,
     read_table,
     read_target,
     read_tree,
@@ -204,14 +205,27 @@ def test_metadata_mistakes_are_refused_naming_the_fix(tmp_path):
 
 def test_rarefaction_depth_is_respected_and_shallow_samples_dropped():
     table = small_table()  # sample depths: 10, 10, 13
-    rarefied = rarefy(table, 11, seed=0)
-    assert list(rarefied.ids()) == ["s3"]
-    rarefied = rarefy(table, 6, seed=0)
-    assert rarefied.sum(axis="sample").tolist() == [6, 6, 6]
-    assert (rarefied.matrix_data.toarray() <= table.matrix_data.toarray()).all()
-    assert rarefy(table, 6, seed=0) == rarefied  # seeded
-    with pytest.raises(UserError, match=r"^data\.rarefy_depth=14: no sample .* \(deepest: 13\)"):
-        rarefy(table, 14, seed=0)
+    counts, real_tokens = table.matrix_data.tocsc().astype(np.int64), np.ones(4)
+
+    def rarefy(ids, depth, seed=0, max_asvs=4):
+        cfg = OmegaConf.create({"rarefy_depth": depth, "seed": seed, "max_asvs": max_asvs})
+        return rarefy_chunk(ids, counts[:, [IDS.index(sid) for sid in ids]], cfg, real_tokens)
+
+    deep = rarefy(IDS, 11)
+    assert deep.ids == ["s3"] and deep.too_shallow == ["s1", "s2"]
+    chunk = rarefy(IDS, 6)
+    assert [int(r.sum()) for r in chunk.reads] == [6, 6, 6]
+    dense = counts.toarray()
+    for j, (rows, reads) in enumerate(zip(chunk.rows, chunk.reads, strict=True)):
+        assert (reads > 0).all() and (reads <= dense[rows, j]).all()  # drawn without replacement
+    again = rarefy(IDS, 6)
+    assert all(np.array_equal(a, b) for a, b in zip(again.reads, chunk.reads, strict=True))  # seeded
+    # each sample its own draw: alone, or after other samples, it is rarefied the same (chunks, streams)
+    alone = rarefy(["s3"], 6)
+    assert np.array_equal(alone.reads[0], chunk.reads[2]) and np.array_equal(alone.rows[0], chunk.rows[2])
+    other_seed = rarefy(IDS, 6, seed=1)
+    assert any(not np.array_equal(a, b) for a, b in zip(other_seed.reads, chunk.reads, strict=True))
+    assert rarefy(IDS, 6, max_asvs=1).n_tokens.tolist() == [1, 1, 1]  # real tokens of the kept ASVs
 
 
 def test_a_tree_with_a_repeated_tip_is_refused_saying_so(tmp_path):

@@ -60,7 +60,7 @@ def test_second_call_is_served_from_the_cache_file(tmp_path):
     assert len(list((tmp_path / "unifrac").iterdir())) == 2  # no temp file left behind
 
 
-def test_build_twice_serves_unifrac_from_cache(tmp_path):
+def test_build_twice_serves_the_samples_and_unifrac_from_their_caches(tmp_path):
     cfg = OmegaConf.structured(DataConfig)
     overrides = {
         "cache_dir": str(tmp_path),
@@ -73,18 +73,29 @@ def test_build_twice_serves_unifrac_from_cache(tmp_path):
     }
     cfg = OmegaConf.merge(cfg, overrides)
     loader = OmegaConf.structured(DataloaderConfig)
-    first = build_data(cfg, batch_size=4, seed=0, loader=loader)
+
+    def build(run_seed=0, **options):
+        return build_data(OmegaConf.merge(cfg, options), batch_size=4, seed=run_seed, loader=loader)
+
+    first = build()  # batch mode: the rarefied samples and their branch sets in one store file
+    (store,) = (tmp_path / "samples").iterdir()
+    mtime = (store / "index.npz").stat().st_mtime_ns
+    second = build()
+    assert (first.samples_cached, second.samples_cached) == (False, True)
+    assert (store / "index.npz").stat().st_mtime_ns == mtime
+    assert [item["branches"].tolist() for item in second.dataset] == [
+        item["branches"].tolist() for item in first.dataset
+    ]
+    assert build(run_seed=1).samples_cached  # another run seed: the same data
+    assert not build(max_asvs=8).samples_cached  # what a sample keeps changed: another store
+    # precomputed: the n x n matrix, cached by the rarefied table's content and the tree
+    first, second = build(unifrac_mode="precomputed"), build(unifrac_mode="precomputed")
     (cache_file,) = (tmp_path / "unifrac").glob("*.npz")
-    mtime = cache_file.stat().st_mtime_ns
-    second = build_data(cfg, batch_size=4, seed=0, loader=loader)
     assert (first.unifrac_cached, second.unifrac_cached) == (False, True)
-    assert cache_file.stat().st_mtime_ns == mtime
     assert second.collate.unifrac.equal(first.collate.unifrac)
-    other_run = build_data(cfg, batch_size=4, seed=1, loader=loader)  # another run seed: the same data
-    assert other_run.unifrac_cached
-    # another data.seed: another simulation and rarefaction, another entry
-    third = build_data(OmegaConf.merge(cfg, {"seed": 1}), batch_size=4, seed=0, loader=loader)
-    assert not third.unifrac_cached
+    # another data.seed: another simulation and rarefaction, other entries
+    third = build(unifrac_mode="precomputed", seed=1)
+    assert not third.unifrac_cached and not third.samples_cached
     assert len(list((tmp_path / "unifrac").glob("*.npz"))) == 2
 
 

@@ -1,13 +1,14 @@
 """aam_ops: every option gives the plain model's embeddings, loss and gradients, on fewer encoded rows."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 from hydra.utils import instantiate
 
 from aamperf.data import build_data
-from aamperf.data.dataset import Collate
+from aamperf.device import to_device
 from aamperf.model.aam import bucket_size
 from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to
 
@@ -23,9 +24,10 @@ def tiny(make_cfg):
     model = instantiate(cfg.model).eval()
     data = build_data(cfg.data, batch_size=8, seed=0, loader=cfg.dataloader)
     items = [data.dataset[i] for i in next(iter(data.train_loader))["sample_idx"].tolist()]
-    fixed = data.collate(items)  # [8, max_asvs, 151]
-    longest = Collate(data.collate.tokens, data.collate.unifrac, pad_to=None)(items)
-    bucketed = Collate(data.collate.tokens, data.collate.unifrac, pad_to=None, bucket_cap=MAX_ASVS)(items)
+    cpu = torch.device("cpu")  # where each batch gets its UniFrac (batch mode)
+    fixed = to_device(data.collate(items), cpu)  # [8, max_asvs, 151]
+    longest = to_device(replace(data.collate, pad_to=None)(items), cpu)
+    bucketed = to_device(replace(data.collate, pad_to=None, bucket_cap=MAX_ASVS)(items), cpu)
     real = fixed["asv_ids"] >= 0
     # the batch this test needs: padding rows, and ASVs held by more than one sample
     assert longest["tokens"].shape[1] < MAX_ASVS and real.sum() < real.numel()

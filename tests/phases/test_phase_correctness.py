@@ -7,6 +7,7 @@ import torch
 from hydra.utils import instantiate
 
 from aamperf.data import build_data
+from aamperf.device import to_device
 from aamperf.phases.attention import SDPAttention, apply_attention
 from aamperf.phases.compile import apply_compile
 from aamperf.phases.memory import apply_checkpointing
@@ -21,7 +22,7 @@ def tiny(make_cfg):
     model = instantiate(cfg.model)
     loss_fn = instantiate(cfg.loss)
     data = build_data(cfg.data, batch_size=4, seed=0, loader=cfg.dataloader)
-    return cfg, model, loss_fn, next(iter(data.train_loader))
+    return cfg, model, loss_fn, to_device(next(iter(data.train_loader)), torch.device("cpu"))
 
 
 def loss_and_grads(model, loss_fn, batch, autocast=None):

@@ -1,0 +1,180 @@
+"""The training data's samples, rarefied once and kept on disk, read a sample at a time.
+
+`<cache_dir>/samples/<key>/` holds each sample's rarefied observations and counts and, with a tree, its
+branch set (batch UniFrac) as raw int32 files (`rows`, `reads`, `branches`: one after another), and an
+`index.npz` written last (ids, offsets, real-token counts, targets, the token table, branch lengths).
+The key is the sha256 of the files' content and of the options that shape the samples (data.rarefy_depth,
+data.seed, data.max_asvs, data.target). The store is built in one pass over the table, `CHUNK_SAMPLES`
+samples at a time (an HDF5 table: only that chunk's counts in memory), and each sample is read back with
+one positioned read per file: memory holds the offsets and the token table, not the samples."""
+
+import hashlib
+import logging
+import secrets
+import shutil
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from aamperf.data.branches import Branches, read_branches
+from aamperf.data.samples import (
+    Ragged,
+    SampleDataset,
+    Samples,
+    no_sample_deep_enough,
+    rarefy_chunk,
+    table_tokens,
+    top_asvs,
+    warn_without_target,
+)
+from aamperf.data.tables import read_target, table_chunks, table_observation_ids
+from aamperf.errors import UserError, disk_full, no_space
+from aamperf.files import replace_durably
+
+log = logging.getLogger(__name__)
+
+STORE_VERSION = 1  # part of the key: bump when what is stored, or how it is computed, changes
+CHUNK_SAMPLES = 10_000  # samples rarefied at a time while the store is built
+PROGRESS_AFTER_S = 2.0  # the build's progress bar appears once it has taken this long
+FIX = "free space, or set data.cache_dir elsewhere"
+RAGGED = ("rows", "reads", "branches")  # int32 files; rows and reads share the offsets `rows_ptr`
+
+
+def sample_store(cfg: DictConfig, files: dict, with_branches: bool) -> tuple[Samples, bool]:
+    """The samples of the `data` config from their store, built first if missing: (samples, cached)."""
+    path = Path(cfg.cache_dir).expanduser() / "samples" / store_key(cfg, files, with_branches)
+    cached = readable(path)
+    if not cached:
+        if path.exists():
+            log.warning("sample store %s is damaged: rebuilding it", path)
+        build_store(cfg, files, with_branches, path)
+    return open_store(path, cfg, files), cached
+
+
+def store_key(cfg: DictConfig, files: dict, with_branches: bool) -> str:
+    h = hashlib.sha256(f"samples v{STORE_VERSION}|".encode())
+    options = (cfg.rarefy_depth, cfg.seed, cfg.max_asvs, cfg.target, with_branches)
+    h.update(repr(options).encode())
+    for name in ("table", "sequences", "metadata", "tree"):
+        used = (
+            files[name] is not None
+            and (name != "tree" or with_branches)
+            and (name != "metadata" or cfg.target)
+        )
+        h.update(f"|{name}:".encode() + (file_digest(files[name]) if used else b"-"))
+    return h.hexdigest()
+
+
+def file_digest(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").digest()
+
+
+def readable(path: Path) -> bool:
+    """A whole store: its index (written last; a zip whose members' CRCs are checked) of this version,
+    and each raw file as long as the index says."""
+    try:
+        with np.load(path / "index.npz") as index:
+            if int(index["version"]) != STORE_VERSION:
+                return False
+            ends = {"rows": index["rows_ptr"][-1], "reads": index["rows_ptr"][-1]}
+            if "branches_ptr" in index:
+                ends["branches"] = index["branches_ptr"][-1]
+        return all((path / name).stat().st_size == 4 * int(end) for name, end in ends.items())
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        return False
+
+
+def build_store(cfg: DictConfig, files: dict, with_branches: bool, path: Path) -> None:
+    """One pass over the table: rarefy, count tokens, branch sets; written to a temporary directory renamed
+    into place when whole (several processes may build one store at once: the last rename wins)."""
+    obs_ids = table_observation_ids(files["table"])
+    tokens, real_tokens = table_tokens(obs_ids, files["sequences"])
+    branches: Branches | None = read_branches(files["tree"], obs_ids) if with_branches else None
+    targets = read_target(files["metadata"], cfg.target) if cfg.target is not None else None
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    seen = without_target = deepest = 0
+    used = np.zeros(len(obs_ids), dtype=bool)
+    index: dict[str, list] = {"ids": [], "too_shallow": [], "n_tokens": [], "target": []}
+    ptr = {"rows": [np.zeros(1, np.int64)], "branches": [np.zeros(1, np.int64)]}
+    try:
+        tmp.mkdir(parents=True)
+        outs = {name: open(tmp / name, "wb") for name in RAGGED[: 3 if branches else 2]}
+        with tqdm(unit="samples", desc="samples", delay=PROGRESS_AFTER_S) as bar:
+            for ids, counts in table_chunks(files["table"], CHUNK_SAMPLES):
+                bar.update(len(ids))
+                seen += len(ids)
+                deepest = max(deepest, int(counts.sum(axis=0).max()))
+                if targets is not None:
+                    keep = [j for j, sid in enumerate(ids) if sid in targets]
+                    without_target += len(ids) - len(keep)
+                    ids, counts = [ids[j] for j in keep], counts[:, keep]
+                chunk = rarefy_chunk(ids, counts, cfg, real_tokens, branches)
+                index["ids"] += chunk.ids
+                index["too_shallow"] += chunk.too_shallow
+                index["n_tokens"].append(chunk.n_tokens)
+                index["target"] += [] if targets is None else [targets[sid] for sid in chunk.ids]
+                for name, rows in (
+                    ("rows", chunk.rows),
+                    ("reads", chunk.reads),
+                    ("branches", chunk.branches),
+                ):
+                    if name in outs and rows:
+                        outs[name].write(np.concatenate(rows).astype(np.int32).tobytes())
+                        if name in ptr:
+                            ptr[name].append(ptr[name][-1][-1] + np.cumsum([len(r) for r in rows]))
+                for rows, reads in zip(chunk.rows, chunk.reads, strict=True):
+                    used[top_asvs(rows, reads, cfg.max_asvs)[0]] = True
+        for out in outs.values():
+            out.close()
+        if targets is not None and seen == without_target:
+            raise UserError(f"data.metadata: no sample of data.table has a value of {cfg.target!r}")
+        if not index["ids"]:
+            raise no_sample_deep_enough(cfg, deepest)
+        arrays = {
+            "version": np.array(STORE_VERSION),
+            "ids": np.array(index["ids"], dtype=str),
+            "too_shallow": np.array(index["too_shallow"], dtype=str),
+            "n_tokens": np.concatenate(index["n_tokens"]),
+            "target": np.array(index["target"], dtype=np.float64),
+            "rows_ptr": np.concatenate(ptr["rows"]),
+            "tokens": tokens.numpy(),
+            "meta": np.array([without_target, int(used.sum()), cfg.max_asvs]),
+        }
+        if branches is not None:
+            arrays.update(branches_ptr=np.concatenate(ptr["branches"]), branch_lengths=branches.lengths)
+        with open(tmp / "index.npz", "wb") as f:
+            np.savez(f, **arrays)
+        if path.exists():  # damaged: a rename cannot replace a directory with files in it
+            shutil.rmtree(path, ignore_errors=True)
+        replace_durably(tmp, path, FIX)
+    except OSError as exc:
+        if disk_full(exc, path.parent):
+            raise no_space(path.parent, "the sample store", FIX) from exc
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("sample store for %d samples written to %s", len(index["ids"]), path)
+
+
+def open_store(path: Path, cfg: DictConfig, files: dict) -> Samples:
+    """The store's samples, read a sample at a time from `path` (offsets, tokens and targets in memory)."""
+    with np.load(path / "index.npz") as index:
+        ids, too_shallow = [str(i) for i in index["ids"]], [str(i) for i in index["too_shallow"]]
+        target = torch.from_numpy(index["target"]) if len(index["target"]) else None
+        rows_ptr, tokens, n_tokens = index["rows_ptr"], torch.from_numpy(index["tokens"]), index["n_tokens"]
+        branches = (
+            Ragged(index["branches_ptr"], file=str(path / "branches")) if "branches_ptr" in index else None
+        )
+        lengths = index["branch_lengths"] if "branch_lengths" in index else None
+        without_target, n_asvs, max_asvs = (int(x) for x in index["meta"])
+    if without_target:
+        total = without_target + len(ids) + len(too_shallow)
+        warn_without_target(without_target, total, cfg.target, files["metadata"])
+    rarefied = (Ragged(rows_ptr, file=str(path / "rows")), Ragged(rows_ptr, file=str(path / "reads")))
+    dataset = SampleDataset(rarefied, max_asvs, n_tokens, target, branches)
+    return Samples(ids, dataset, tokens, files, without_target, too_shallow, n_asvs, lengths)
