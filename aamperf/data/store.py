@@ -8,13 +8,21 @@ data.seed, data.max_asvs, data.target). The store is built in one pass over the 
 samples at a time (an HDF5 table: only that chunk's counts in memory), and each sample is read back with
 one positioned read per file: memory holds the offsets and the token table, not the samples."""
 
+import contextlib
 import hashlib
 import logging
+import multiprocessing
+import os
 import secrets
 import shutil
 import zipfile
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
+import h5py
 import numpy as np
 import torch
 from omegaconf import DictConfig
@@ -22,6 +30,7 @@ from tqdm.auto import tqdm
 
 from aamperf.data.branches import Branches, read_branches
 from aamperf.data.samples import (
+    Chunk,
     Ragged,
     SampleDataset,
     Samples,
@@ -31,7 +40,7 @@ from aamperf.data.samples import (
     top_asvs,
     warn_without_target,
 )
-from aamperf.data.tables import read_target, table_chunks, table_observation_ids
+from aamperf.data.tables import read_target, table_chunks, table_observation_ids, table_sample_ids
 from aamperf.errors import UserError, disk_full, no_space
 from aamperf.files import replace_durably
 
@@ -103,17 +112,19 @@ def build_store(cfg: DictConfig, files: dict, with_branches: bool, path: Path) -
     ptr = {"rows": [np.zeros(1, np.int64)], "branches": [np.zeros(1, np.int64)]}
     try:
         tmp.mkdir(parents=True)
-        outs = {name: open(tmp / name, "wb") for name in RAGGED[: 3 if branches else 2]}
-        with tqdm(unit="samples", desc="samples", delay=PROGRESS_AFTER_S) as bar:
-            for ids, counts in table_chunks(files["table"], CHUNK_SAMPLES):
-                bar.update(len(ids))
-                seen += len(ids)
-                deepest = max(deepest, int(counts.sum(axis=0).max()))
-                if targets is not None:
-                    keep = [j for j, sid in enumerate(ids) if sid in targets]
-                    without_target += len(ids) - len(keep)
-                    ids, counts = [ids[j] for j in keep], counts[:, keep]
-                chunk = rarefy_chunk(ids, counts, cfg, real_tokens, branches)
+        files_open = contextlib.ExitStack()
+        outs = {
+            name: files_open.enter_context(open(tmp / name, "wb")) for name in RAGGED[: 3 if branches else 2]
+        }
+        job = ChunkJob(
+            files["table"], (cfg.rarefy_depth, cfg.seed, cfg.max_asvs), real_tokens, branches, targets
+        )
+        with files_open, tqdm(unit="samples", desc="samples", delay=PROGRESS_AFTER_S) as bar:
+            for n_read, chunk_deepest, chunk_without_target, chunk in rarefied_chunks(job):
+                bar.update(n_read)
+                seen += n_read
+                deepest = max(deepest, chunk_deepest)
+                without_target += chunk_without_target
                 index["ids"] += chunk.ids
                 index["too_shallow"] += chunk.too_shallow
                 index["n_tokens"].append(chunk.n_tokens)
@@ -129,8 +140,6 @@ def build_store(cfg: DictConfig, files: dict, with_branches: bool, path: Path) -
                             ptr[name].append(ptr[name][-1][-1] + np.cumsum([len(r) for r in rows]))
                 for rows, reads in zip(chunk.rows, chunk.reads, strict=True):
                     used[top_asvs(rows, reads, cfg.max_asvs)[0]] = True
-        for out in outs.values():
-            out.close()
         if targets is not None and seen == without_target:
             raise UserError(f"data.metadata: no sample of data.table has a value of {cfg.target!r}")
         if not index["ids"]:
@@ -159,6 +168,51 @@ def build_store(cfg: DictConfig, files: dict, with_branches: bool, path: Path) -
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("sample store for %d samples written to %s", len(index["ids"]), path)
+
+
+@dataclass(frozen=True)
+class ChunkJob:
+    """What rarefying a chunk of the table needs: sent once to each worker process of a parallel build."""
+
+    table: Path
+    options: tuple[int, int, int]  # data.rarefy_depth, data.seed, data.max_asvs
+    real_tokens: np.ndarray
+    branches: Branches | None
+    targets: dict[str, float] | None
+
+    def rarefy(self, ids: list[str], counts) -> tuple[int, int, int, Chunk]:
+        """(samples read, the deepest's reads, samples without a target, the chunk rarefied)."""
+        n_read, deepest, without_target = len(ids), int(counts.sum(axis=0).max()), 0
+        if self.targets is not None:
+            keep = [j for j, sid in enumerate(ids) if sid in self.targets]
+            without_target = len(ids) - len(keep)
+            ids, counts = [ids[j] for j in keep], counts[:, keep]
+        depth, seed, max_asvs = self.options
+        cfg = SimpleNamespace(rarefy_depth=depth, seed=seed, max_asvs=max_asvs)
+        return (
+            n_read,
+            deepest,
+            without_target,
+            rarefy_chunk(ids, counts, cfg, self.real_tokens, self.branches),
+        )
+
+    def rarefy_at(self, start: int) -> tuple[int, int, int, Chunk]:
+        ((ids, counts),) = table_chunks(self.table, CHUNK_SAMPLES, start, start + CHUNK_SAMPLES)
+        return self.rarefy(ids, counts)
+
+
+def rarefied_chunks(job: ChunkJob) -> Iterator[tuple[int, int, int, Chunk]]:
+    """The table's chunks rarefied, in order: by a worker process per core where the table has more than
+    one chunk and is HDF5 (each worker reads its own chunks), else here."""
+    n_samples = len(table_sample_ids(job.table)) if h5py.is_hdf5(job.table) else 0
+    starts = range(0, n_samples, CHUNK_SAMPLES)
+    workers = min(len(os.sched_getaffinity(0)), len(starts))
+    if workers < 2:
+        yield from (job.rarefy(ids, counts) for ids, counts in table_chunks(job.table, CHUNK_SAMPLES))
+        return
+    # forkserver: a fork of this process would copy its threads' held locks (W&B, monitors, torch)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver")) as pool:
+        yield from pool.map(job.rarefy_at, starts)
 
 
 def open_store(path: Path, cfg: DictConfig, files: dict) -> Samples:

@@ -153,16 +153,20 @@ def table_observation_ids(path: Path) -> list[str]:
     return [str(obs) for obs in read_table(path).ids(axis="observation")]
 
 
-def table_chunks(path: Path, chunk_samples: int) -> Iterator[tuple[list[str], sp.csc_matrix]]:
-    """The table's samples `chunk_samples` at a time: (ids, counts [observations, samples] int64).
+def table_chunks(
+    path: Path, chunk_samples: int, start: int = 0, stop: int | None = None
+) -> Iterator[tuple[list[str], sp.csc_matrix]]:
+    """The table's samples `chunk_samples` at a time, from sample `start` to `stop` (None: the end):
+    (ids, counts [observations, samples] int64).
 
     HDF5 (BIOM 2.x): each chunk's counts are read from the file's by-sample layout (`sample/matrix`),
     so memory holds one chunk whatever the table's size. JSON is read whole, then chunked."""
     if not h5py.is_hdf5(path):
         table = read_table(path)
         matrix, ids = table.matrix_data.tocsc(), [str(sid) for sid in table.ids()]
-        for a in range(0, len(ids), chunk_samples):
-            yield ids[a : a + chunk_samples], matrix[:, a : a + chunk_samples].astype(np.int64)
+        for a in range(start, len(ids) if stop is None else stop, chunk_samples):
+            b = min(a + chunk_samples, len(ids) if stop is None else stop)
+            yield ids[a:b], matrix[:, a:b].astype(np.int64)
         return
     try:
         with h5py.File(path, "r") as f:
@@ -172,8 +176,9 @@ def table_chunks(path: Path, chunk_samples: int) -> Iterator[tuple[list[str], sp
             indptr = matrix["indptr"][()].astype(np.int64)
             if not ids or not n_obs:
                 raise ValueError("no samples or observations in it")
-            for a in range(0, len(ids), chunk_samples):
-                b = min(a + chunk_samples, len(ids))
+            end = len(ids) if stop is None else min(stop, len(ids))
+            for a in range(start, end, chunk_samples):
+                b = min(a + chunk_samples, end)
                 lo, hi = indptr[a], indptr[b]
                 data = matrix["data"][lo:hi]
                 if (data < 0).any() or not np.array_equal(data, np.round(data)):
