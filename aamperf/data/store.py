@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import secrets
 import shutil
+import sys
 import zipfile
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -48,6 +49,10 @@ log = logging.getLogger(__name__)
 
 STORE_VERSION = 1  # part of the key: bump when what is stored, or how it is computed, changes
 CHUNK_SAMPLES = 10_000  # samples rarefied at a time while the store is built
+# Worker processes from this many chunks on: each costs ~3 s to start (its imports), a chunk ~1 s of one
+# core. Measured on a 2-core AMD EPYC, 100k samples (10 chunks): 10.0 / 10.2 s with 2 workers, 9.9 / 11.8 s
+# without (experiments/data_scale): no gain yet at 10 chunks.
+PARALLEL_FROM_CHUNKS = 20
 PROGRESS_AFTER_S = 2.0  # the build's progress bar appears once it has taken this long
 FIX = "free space, or set data.cache_dir elsewhere"
 RAGGED = ("rows", "reads", "branches")  # int32 files; rows and reads share the offsets `rows_ptr`
@@ -116,9 +121,8 @@ def build_store(cfg: DictConfig, files: dict, with_branches: bool, path: Path) -
         outs = {
             name: files_open.enter_context(open(tmp / name, "wb")) for name in RAGGED[: 3 if branches else 2]
         }
-        job = ChunkJob(
-            files["table"], (cfg.rarefy_depth, cfg.seed, cfg.max_asvs), real_tokens, branches, targets
-        )
+        options = (cfg.rarefy_depth, cfg.seed, cfg.max_asvs)
+        job = ChunkJob(files["table"], options, real_tokens, branches, targets, CHUNK_SAMPLES)
         with files_open, tqdm(unit="samples", desc="samples", delay=PROGRESS_AFTER_S) as bar:
             for n_read, chunk_deepest, chunk_without_target, chunk in rarefied_chunks(job):
                 bar.update(n_read)
@@ -179,6 +183,7 @@ class ChunkJob:
     real_tokens: np.ndarray
     branches: Branches | None
     targets: dict[str, float] | None
+    chunk_samples: int = CHUNK_SAMPLES
 
     def rarefy(self, ids: list[str], counts) -> tuple[int, int, int, Chunk]:
         """(samples read, the deepest's reads, samples without a target, the chunk rarefied)."""
@@ -197,18 +202,21 @@ class ChunkJob:
         )
 
     def rarefy_at(self, start: int) -> tuple[int, int, int, Chunk]:
-        ((ids, counts),) = table_chunks(self.table, CHUNK_SAMPLES, start, start + CHUNK_SAMPLES)
+        ((ids, counts),) = table_chunks(self.table, self.chunk_samples, start, start + self.chunk_samples)
         return self.rarefy(ids, counts)
 
 
 def rarefied_chunks(job: ChunkJob) -> Iterator[tuple[int, int, int, Chunk]]:
-    """The table's chunks rarefied, in order: by a worker process per core where the table has more than
-    one chunk and is HDF5 (each worker reads its own chunks), else here."""
+    """The table's chunks rarefied, in order: by a worker process per core where the table is HDF5 and has
+    `PARALLEL_FROM_CHUNKS` chunks or more (each worker reads its own chunks), else here."""
     n_samples = len(table_sample_ids(job.table)) if h5py.is_hdf5(job.table) else 0
-    starts = range(0, n_samples, CHUNK_SAMPLES)
-    workers = min(len(os.sched_getaffinity(0)), len(starts))
+    starts = range(0, n_samples, job.chunk_samples)
+    workers = min(len(os.sched_getaffinity(0)), len(starts)) if len(starts) >= PARALLEL_FROM_CHUNKS else 1
+    main = sys.modules["__main__"]  # a worker imports it: a script read from stdin cannot be
+    if getattr(main, "__spec__", None) is None and not Path(getattr(main, "__file__", "") or "-").is_file():
+        workers = 1
     if workers < 2:
-        yield from (job.rarefy(ids, counts) for ids, counts in table_chunks(job.table, CHUNK_SAMPLES))
+        yield from (job.rarefy(ids, counts) for ids, counts in table_chunks(job.table, job.chunk_samples))
         return
     # forkserver: a fork of this process would copy its threads' held locks (W&B, monitors, torch)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver")) as pool:

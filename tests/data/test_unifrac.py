@@ -1,6 +1,7 @@
 """UniFrac: equal to scikit-bio and to a hand computation, cached on disk, errors that name the fix."""
 
 import io
+import os
 
 import biom
 import numpy as np
@@ -114,3 +115,29 @@ def test_precomputed_matrix_is_reordered_and_must_cover_samples():
     np.testing.assert_array_equal(select_unifrac(shuffled, ids, ["S1", "S2", "S3"]), HAND)
     with pytest.raises(UserError, match=r"^data\.unifrac: 1 of 3 samples .* \(e\.g\. 'S4'\)"):
         select_unifrac(shuffled, ids, ["S1", "S2", "S4"])
+
+
+def test_a_store_built_by_worker_processes_is_the_one_built_in_process(tmp_path, monkeypatch):
+    import aamperf.data.store as store
+
+    cfg = OmegaConf.merge(
+        OmegaConf.structured(DataConfig),
+        {"cache_dir": str(tmp_path), "max_asvs": 16, "n_samples": 40, "n_asvs": 48, "mean_richness": 12},
+    )
+    loader = OmegaConf.structured(DataloaderConfig)
+    monkeypatch.setattr(store, "CHUNK_SAMPLES", 7)  # 6 chunks, the last one short
+    monkeypatch.setattr(store, "PARALLEL_FROM_CHUNKS", 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # 2 workers even on one core
+    started = []
+    real_pool = store.ProcessPoolExecutor
+    monkeypatch.setattr(store, "ProcessPoolExecutor", lambda *a, **k: started.append(a) or real_pool(*a, **k))
+    parallel = build_data(cfg, batch_size=4, seed=0, loader=loader)
+    monkeypatch.setattr(store, "PARALLEL_FROM_CHUNKS", 100)
+    here = build_data(
+        OmegaConf.merge(cfg, {"cache_dir": str(tmp_path / "here")}), batch_size=4, seed=0, loader=loader
+    )
+    assert len(started) == 1 and started[0][0] == 2  # the first build had its workers, the second none
+    assert parallel.sample_ids == here.sample_ids and len(here.sample_ids) > 30
+    (a,), (b,) = (tmp_path / "samples").iterdir(), (tmp_path / "here" / "samples").iterdir()
+    for name in ("rows", "reads", "branches"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
