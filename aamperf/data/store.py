@@ -162,13 +162,16 @@ def build_store(cfg: DictConfig, files: dict, with_branches: bool, path: Path) -
             arrays.update(branches_ptr=np.concatenate(ptr["branches"]), branch_lengths=branches.lengths)
         with open(tmp / "index.npz", "wb") as f:
             np.savez(f, **arrays)
+        if readable(path):  # another process (a torchrun rank) renamed its whole copy meanwhile
+            return
         if path.exists():  # damaged: a rename cannot replace a directory with files in it
             shutil.rmtree(path, ignore_errors=True)
         replace_durably(tmp, path, FIX)
     except OSError as exc:
         if disk_full(exc, path.parent):
             raise no_space(path.parent, "the sample store", FIX) from exc
-        raise
+        if not readable(path):  # not: another process's copy landed between the check and the rename
+            raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("sample store for %d samples written to %s", len(index["ids"]), path)
