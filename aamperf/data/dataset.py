@@ -262,14 +262,10 @@ def build_data(
 
 
 def unifrac_mode(cfg: DictConfig, files: dict) -> str:
-    """data.unifrac_mode, or what the files given imply: batch from a tree, precomputed from a matrix."""
+    """data.unifrac_mode, or what the files given imply: batch from a tree, precomputed from a matrix
+    (`batch` without a tree was refused up front: tables.check_data)."""
     if cfg.unifrac_mode is None:
         return "batch" if files["tree"] is not None else "precomputed"
-    if cfg.unifrac_mode == "batch" and files["tree"] is None:
-        raise UserError(
-            "data.unifrac_mode=batch computes UniFrac from data.tree; give data.tree=<tree.nwk>, or "
-            "data.unifrac_mode=precomputed to use data.unifrac's matrix"
-        )
     return str(cfg.unifrac_mode)
 
 

@@ -73,6 +73,11 @@ def check_biom(d: DictConfig) -> list[str]:
             "data=biom needs exactly one of data.tree=<tree.nwk> (UniFrac computed from it) "
             "or data.unifrac=<matrix> (precomputed)"
         )
+    if d.unifrac_mode == "batch" and d.tree is None:
+        problems.append(
+            "data.unifrac_mode=batch computes UniFrac from data.tree; give data.tree=<tree.nwk>, or "
+            "data.unifrac_mode=precomputed to use data.unifrac's matrix"
+        )
     if d.target is not None and d.metadata is None:
         problems.append(f"data.target={d.target} needs data.metadata=<samples.tsv>")
     for name in [name for name in BIOM_FILES if d[name] is not None]:

@@ -243,8 +243,6 @@ def test_biom_source_with_fasta_and_precomputed_unifrac(cache_dir, tmp_path):
         build_data(cfg, batch_size=4, seed=0, loader=LOADER)
     with pytest.raises(UserError, match=r"^data\.sequences: \d+ observation ids of data\.table are not DNA"):
         build_data(OmegaConf.merge(cfg, {"sequences": None}), batch_size=4, seed=0, loader=LOADER)
-    with pytest.raises(UserError, match=r"^data\.unifrac_mode=batch computes UniFrac from data\.tree; give"):
-        build_data(OmegaConf.merge(cfg, {"unifrac_mode": "batch"}), batch_size=4, seed=0, loader=LOADER)
 
 
 @pytest.mark.parametrize(

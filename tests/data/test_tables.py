@@ -142,6 +142,10 @@ def test_precomputed_unifrac_errors(tmp_path):
         (["data.n_envs=0"], r"^data\.n_envs=0 must be >= 1$"),
         (["data.val_fraction=1.0"], r"^data\.val_fraction=1\.0 must be between 0 and 1"),
         (["data.rarefy_depth=0"], r"^data\.rarefy_depth=0 must be >= 1"),
+        (
+            ["data=biom", "data.table=t.biom", "data.unifrac=d.npy", "data.unifrac_mode=batch"],
+            r"data\.unifrac_mode=batch computes UniFrac from data\.tree; give data\.tree=<tree\.nwk>",
+        ),
         (["data.val_fraction=0.02"], r"leaves 1 validation samples .*; raise data\.val_fraction$"),
         (["data.n_samples=12"], r"^data\.n_samples=12 leaves at most 10 training samples .* a batch of 16"),
         (
