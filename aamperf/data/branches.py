@@ -8,7 +8,6 @@ shared = (M * L) @ M.T, union = total_i + total_j - shared, distance = 1 - share
 No other sample enters a pair's distance, so a batch's distances are those of the full matrix.
 """
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +17,6 @@ import torch
 
 from aamperf.data.tables import check_tips, read_tree
 from aamperf.errors import UserError
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
