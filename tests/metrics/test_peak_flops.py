@@ -60,7 +60,9 @@ def test_a_figure_cached_on_another_machine_is_not_used(tmp_path):
     assert peak == 3e9 and record["status"] == "this_run_under_load" and "may be low" in record["reason"]
 
 
-def _spin(seconds: float) -> None:
+def _spin(seconds: float, started=None) -> None:
+    if started is not None:
+        started.set()  # this process is up (its imports done): it spins from here
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
@@ -69,11 +71,15 @@ def _spin(seconds: float) -> None:
 def test_a_calibration_under_load_is_flagged_and_not_cached(tmp_path):
     """Two busy processes spinning beside the calibration: the reading is never stored as the peak."""
     cache = tmp_path / "peak.json"
-    busy = [multiprocessing.get_context("spawn").Process(target=_spin, args=(20,)) for _ in range(2)]
+    spawn = multiprocessing.get_context("spawn")
+    started = [spawn.Event() for _ in range(2)]
+    busy = [spawn.Process(target=_spin, args=(60, up)) for up in started]
     for p in busy:
         p.start()
     try:
-        time.sleep(1.0)  # the spinners are up (spawn imports little)
+        # a spawned process imports this module (torch): seconds on a busy machine; wait until both spin
+        assert all(up.wait(timeout=120) for up in started)
+        time.sleep(0.5)
         peak, record = peak_flops(CPU, "fp32", cache)
     finally:
         for p in busy:
