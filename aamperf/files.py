@@ -2,6 +2,7 @@
 half of one, and a full disk is one line that names the file and what to do (`errors.NoSpace`). JSON
 caches and JSON-lines records read back whatever a crash left."""
 
+import hashlib
 import json
 import logging
 import math
@@ -64,6 +65,12 @@ def replace_durably(tmp: Path, final: Path, fix: str = FREE_SPACE) -> None:
         fsync_directory(final.parent)
     except BaseException as exc:
         _give_up(exc, tmp, final, fix)
+
+
+def sha256_of(path: Path) -> str:
+    """The hex sha256 of a file's content, read in blocks."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def json_safe(value: Any) -> Any:

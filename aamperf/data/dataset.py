@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, RandomSampler, Subset
 from aamperf.data.branches import batch_matrix
 from aamperf.data.samples import SampleDataset, Samples
 from aamperf.data.store import sample_store
-from aamperf.data.tables import read_unifrac, resolve_files, table_observation_ids
+from aamperf.data.tables import read_unifrac, resolve_files, table_ids
 from aamperf.data.unifrac import cached_unifrac, select_unifrac
 from aamperf.errors import UserError
 from aamperf.model.aam import bucket_size
@@ -276,5 +276,5 @@ def rarefied_table(samples: Samples) -> biom.Table:
         (reads.all(), rows.all(), rows.ptr),
         shape=(len(samples.tokens), len(samples.ids)),
     )
-    obs_ids = table_observation_ids(samples.files["table"])
+    obs_ids = table_ids(samples.files["table"], "observation")
     return biom.Table(counts, observation_ids=obs_ids, sample_ids=samples.ids)

@@ -121,6 +121,7 @@ class Chunk:
     reads: list[np.ndarray]  # their counts
     n_tokens: np.ndarray  # real nucleotides in the sample's max_asvs most abundant ASVs
     too_shallow: list[str] = field(default_factory=list)  # fewer reads than data.rarefy_depth: left out
+    kept_asvs: np.ndarray | None = None  # the distinct observations among the samples' max_asvs most abundant
     branches: list[np.ndarray] | None = None  # each sample's branch set
 
 
@@ -136,7 +137,7 @@ def rarefy_chunk(
     counts = counts.copy()
     counts.eliminate_zeros()  # the draw sees the sample's ASVs in observation order, whatever the file
     counts.sort_indices()
-    n_tokens = []
+    top = []  # each sample's max_asvs most abundant observations
     for j, sid in enumerate(ids):
         a, b = counts.indptr[j], counts.indptr[j + 1]
         drawn = rarefy_sample(counts.data[a:b], cfg.rarefy_depth, cfg.seed, sid)
@@ -148,8 +149,9 @@ def rarefy_chunk(
         chunk.ids.append(sid)
         chunk.rows.append(rows)
         chunk.reads.append(reads)
-        n_tokens.append(int(real_tokens[top_asvs(rows, reads, cfg.max_asvs)[0]].sum()))
-    chunk.n_tokens = np.array(n_tokens, dtype=np.int64)
+        top.append(top_asvs(rows, reads, cfg.max_asvs)[0])
+    chunk.n_tokens = np.array([int(real_tokens[rows].sum()) for rows in top], dtype=np.int64)
+    chunk.kept_asvs = np.unique(np.concatenate(top)) if top else np.zeros(0, dtype=np.int32)
     if branches is not None:
         presence = sp.csc_matrix(
             (
@@ -216,8 +218,7 @@ def read_samples(
     target = None if targets is None else torch.tensor([targets.get(sid, float("nan")) for sid in chunk.ids])
     rarefied = (Ragged.of(chunk.rows, np.int32), Ragged.of(chunk.reads, np.int32))
     dataset = SampleDataset(rarefied, cfg.max_asvs, chunk.n_tokens, target)
-    used = np.unique(np.concatenate([dataset[i]["asv_idx"].numpy() for i in range(len(dataset))]))
-    return Samples(chunk.ids, dataset, tokens, files, without_target, chunk.too_shallow, len(used))
+    return Samples(chunk.ids, dataset, tokens, files, without_target, chunk.too_shallow, len(chunk.kept_asvs))
 
 
 def warn_without_target(n: int, total: int, column: str, metadata) -> None:

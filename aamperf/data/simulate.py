@@ -17,7 +17,7 @@ from scipy import sparse
 from tqdm.auto import tqdm
 
 from aamperf.errors import NoSpace, disk_full, no_space
-from aamperf.files import replace_durably
+from aamperf.files import replace_durably, sha256_of
 
 if TYPE_CHECKING:  # scikit-bio costs ~2 s to import; only a first run simulates
     from skbio import TreeNode
@@ -97,14 +97,9 @@ def damaged(directory: Path) -> str | None:
         path = directory / name
         if not path.is_file():
             return f"{name} missing"
-        if manifest.get(name) != _sha256(path):
+        if manifest.get(name) != sha256_of(path):
             return f"{name} does not match its hash"
     return None
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def random_tree(n_tips: int, rng: np.random.Generator) -> "TreeNode":
@@ -217,5 +212,5 @@ def write_simulated(params: SimParams, directory: Path) -> None:
     tree.write(str(directory / FILES["tree"]), format="newick")
     lines = ["sample_id\tenvironment\ttarget"] + [f"{sid}\t{env}\t{y!r}" for sid, env, y in rows]
     (directory / FILES["metadata"]).write_text("\n".join(lines) + "\n")
-    hashes = {name: _sha256(directory / name) for name in FILES.values()}
+    hashes = {name: sha256_of(directory / name) for name in FILES.values()}
     (directory / MANIFEST).write_text(json.dumps(hashes, indent=2) + "\n")

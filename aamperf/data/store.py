@@ -38,12 +38,11 @@ from aamperf.data.samples import (
     no_sample_deep_enough,
     rarefy_chunk,
     table_tokens,
-    top_asvs,
     warn_without_target,
 )
-from aamperf.data.tables import read_target, table_chunks, table_observation_ids, table_sample_ids
+from aamperf.data.tables import read_target, table_chunks, table_ids
 from aamperf.errors import UserError, disk_full, no_space
-from aamperf.files import replace_durably
+from aamperf.files import replace_durably, sha256_of
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +78,8 @@ def store_key(cfg: DictConfig, files: dict, with_branches: bool) -> str:
             and (name != "tree" or with_branches)
             and (name != "metadata" or cfg.target)
         )
-        h.update(f"|{name}:".encode() + (file_digest(files[name]) if used else b"-"))
+        h.update(f"|{name}:{sha256_of(files[name]) if used else '-'}".encode())
     return h.hexdigest()
-
-
-def file_digest(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").digest()
 
 
 def readable(path: Path) -> bool:
@@ -106,7 +100,7 @@ def readable(path: Path) -> bool:
 def build_store(cfg: DictConfig, files: dict, with_branches: bool, path: Path) -> None:
     """One pass over the table: rarefy, count tokens, branch sets; written to a temporary directory renamed
     into place when whole (several processes may build one store at once: the last rename wins)."""
-    obs_ids = table_observation_ids(files["table"])
+    obs_ids = table_ids(files["table"], "observation")
     tokens, real_tokens = table_tokens(obs_ids, files["sequences"])
     branches: Branches | None = read_branches(files["tree"], obs_ids) if with_branches else None
     targets = read_target(files["metadata"], cfg.target) if cfg.target is not None else None
@@ -142,8 +136,7 @@ def build_store(cfg: DictConfig, files: dict, with_branches: bool, path: Path) -
                         outs[name].write(np.concatenate(rows).astype(np.int32).tobytes())
                         if name in ptr:
                             ptr[name].append(ptr[name][-1][-1] + np.cumsum([len(r) for r in rows]))
-                for rows, reads in zip(chunk.rows, chunk.reads, strict=True):
-                    used[top_asvs(rows, reads, cfg.max_asvs)[0]] = True
+                used[chunk.kept_asvs] = True
         if targets is not None and seen == without_target:
             raise UserError(f"data.metadata: no sample of data.table has a value of {cfg.target!r}")
         if not index["ids"]:
@@ -212,7 +205,7 @@ class ChunkJob:
 def rarefied_chunks(job: ChunkJob) -> Iterator[tuple[int, int, int, Chunk]]:
     """The table's chunks rarefied, in order: by a worker process per core where the table is HDF5 and has
     `PARALLEL_FROM_CHUNKS` chunks or more (each worker reads its own chunks), else here."""
-    n_samples = len(table_sample_ids(job.table)) if h5py.is_hdf5(job.table) else 0
+    n_samples = len(table_ids(job.table)) if h5py.is_hdf5(job.table) else 0
     starts = range(0, n_samples, job.chunk_samples)
     workers = min(len(os.sched_getaffinity(0)), len(starts)) if len(starts) >= PARALLEL_FROM_CHUNKS else 1
     main = sys.modules["__main__"]  # a worker imports it: a script read from stdin cannot be

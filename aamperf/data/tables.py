@@ -121,12 +121,24 @@ def unifrac_ids_file(path: Path) -> Path | None:
     return ids_file
 
 
-def table_sample_ids(path: Path) -> list[str]:
-    """A BIOM table's sample ids, in its order, without reading its counts where it is HDF5."""
+def table_ids(path: Path, axis: str = "sample") -> list[str]:
+    """A BIOM table's sample (or observation) ids, in its order, without reading its counts where it is
+    HDF5."""
     if h5py.is_hdf5(path):
         with h5py.File(path, "r") as f:
-            return [i.decode() if isinstance(i, bytes) else str(i) for i in f["sample/ids"][()]]
-    return [str(sid) for sid in read_table(path).ids()]
+            return decoded(f[f"{axis}/ids"][()])
+    return [str(i) for i in read_table(path).ids(axis=axis)]
+
+
+def decoded(ids: np.ndarray) -> list[str]:
+    """HDF5 string ids (bytes or str) as plain strings."""
+    return [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
+
+
+def check_counts(data: np.ndarray, path: Path) -> None:
+    """UserError unless a table's counts are non-negative integers."""
+    if (data < 0).any() or not np.array_equal(data, np.round(data)):
+        raise UserError(f"data.table: {path} must hold non-negative integer counts (rarefaction needs reads)")
 
 
 def read_table(path: Path, sample_ids: list[str] | None = None) -> biom.Table:
@@ -144,18 +156,8 @@ def read_table(path: Path, sample_ids: list[str] | None = None) -> biom.Table:
         raise UserError(f"data.table: cannot read {path} as a BIOM table ({type(e).__name__}: {e})") from e
     if table.is_empty():
         raise UserError(f"data.table: cannot read {path} as a BIOM table (no samples or observations in it)")
-    data = table.matrix_data.data
-    if (data < 0).any() or not np.array_equal(data, np.round(data)):
-        raise UserError(f"data.table: {path} must hold non-negative integer counts (rarefaction needs reads)")
+    check_counts(table.matrix_data.data, path)
     return table
-
-
-def table_observation_ids(path: Path) -> list[str]:
-    """A BIOM table's observation ids, in its order, without reading its counts where it is HDF5."""
-    if h5py.is_hdf5(path):
-        with h5py.File(path, "r") as f:
-            return [i.decode() if isinstance(i, bytes) else str(i) for i in f["observation/ids"][()]]
-    return [str(obs) for obs in read_table(path).ids(axis="observation")]
 
 
 def table_chunks(
@@ -169,13 +171,16 @@ def table_chunks(
     if not h5py.is_hdf5(path):
         table = read_table(path)
         matrix, ids = table.matrix_data.tocsc(), [str(sid) for sid in table.ids()]
-        for a in range(start, len(ids) if stop is None else stop, chunk_samples):
-            b = min(a + chunk_samples, len(ids) if stop is None else stop)
-            yield ids[a:b], matrix[:, a:b].astype(np.int64)
+        end = len(ids) if stop is None else min(stop, len(ids))
+        for a in range(start, end, chunk_samples):
+            yield (
+                ids[a : min(a + chunk_samples, end)],
+                matrix[:, a : min(a + chunk_samples, end)].astype(np.int64),
+            )
         return
     try:
         with h5py.File(path, "r") as f:
-            ids = [i.decode() if isinstance(i, bytes) else str(i) for i in f["sample/ids"][()]]
+            ids = decoded(f["sample/ids"][()])
             n_obs = len(f["observation/ids"])
             matrix = f["sample/matrix"]
             indptr = matrix["indptr"][()].astype(np.int64)
@@ -186,10 +191,7 @@ def table_chunks(
                 b = min(a + chunk_samples, end)
                 lo, hi = indptr[a], indptr[b]
                 data = matrix["data"][lo:hi]
-                if (data < 0).any() or not np.array_equal(data, np.round(data)):
-                    raise UserError(
-                        f"data.table: {path} must hold non-negative integer counts (rarefaction needs reads)"
-                    )
+                check_counts(data, path)
                 counts = sp.csc_matrix(
                     (data.astype(np.int64), matrix["indices"][lo:hi], indptr[a : b + 1] - lo),
                     shape=(n_obs, b - a),
@@ -327,7 +329,7 @@ def read_unifrac(path: Path) -> tuple[np.ndarray, list[str]]:
         elif suffix in (".h5", ".hdf5"):
             with h5py.File(path, "r") as f:
                 matrix = f["matrix"][()]
-                ids = [i.decode() if isinstance(i, bytes) else str(i) for i in f["ids"][()]]
+                ids = decoded(f["ids"][()])
         else:  # .csv, .tsv, .txt
             frame = pd.read_csv(path, sep="," if suffix == ".csv" else "\t", index_col=0, dtype={0: str})
             if list(frame.columns.astype(str)) != list(frame.index.astype(str)):

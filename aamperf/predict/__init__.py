@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from aamperf.batch_size import find_forward_batch
 from aamperf.data.dataset import Collate
 from aamperf.data.samples import read_samples
-from aamperf.data.tables import resolve_files, table_sample_ids
+from aamperf.data.tables import resolve_files, table_ids
 from aamperf.device import resolve_device, to_device
 from aamperf.distributed import World, close_world, join_world, torchrun_env
 from aamperf.errors import UserError
@@ -147,7 +147,7 @@ def sample_chunks(data_cfg: DictConfig, chunk_samples: int, batch_size: int) -> 
     rarefied on its own (data.seed and its id): the draws are the whole table's."""
     if chunk_samples == 0:
         return [None]
-    ids = table_sample_ids(resolve_files(data_cfg)["table"])
+    ids = table_ids(resolve_files(data_cfg)["table"])
     size = -(-chunk_samples // batch_size) * batch_size
     if len(ids) <= size:
         return [None]
