@@ -48,9 +48,10 @@ log = logging.getLogger(__name__)
 
 STORE_VERSION = 1  # part of the key: bump when what is stored, or how it is computed, changes
 CHUNK_SAMPLES = 10_000  # samples rarefied at a time while the store is built
-# Worker processes from this many chunks on: each costs ~3 s to start (its imports), a chunk ~1 s of one
-# core. Measured on a 2-core AMD EPYC, 100k samples (10 chunks): 10.0 / 10.2 s with 2 workers, 9.9 / 11.8 s
-# without (experiments/data_scale): no gain yet at 10 chunks.
+# Worker processes from this many chunks on: each costs seconds to start (its imports), a chunk about a
+# second of one core. A fixed threshold measured on one machine (experiments/data_scale/store_workers.py,
+# 2-core AMD EPYC, 100k samples = 10 chunks: 7.7 / 7.0 s with 2 workers, 6.8 / 6.5 s without): re-measure
+# it on machines with more cores, where workers pay sooner.
 PARALLEL_FROM_CHUNKS = 20
 PROGRESS_AFTER_S = 2.0  # the build's progress bar appears once it has taken this long
 FIX = "free space, or set data.cache_dir elsewhere"
