@@ -58,6 +58,8 @@ def check_config(cfg: DictConfig) -> None:
         problems.append(f"metrics.log_every={m.log_every} must be >= 1")
     if m.skip_steps < 0:
         problems.append(f"metrics.skip_steps={m.skip_steps} must be >= 0")
+    if m.peak_flops is not None and not m.peak_flops > 0:
+        problems.append(f"metrics.peak_flops={m.peak_flops} must be > 0 (FLOP/s, e.g. 1.25e14), or null")
     if cfg.device not in ("auto", "cpu") and not str(cfg.device).startswith("cuda"):
         problems.append(f"device={cfg.device} is not one of auto, cpu, cuda, cuda:N")
     model_asvs = cfg.model.get("max_asvs")

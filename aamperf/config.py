@@ -209,6 +209,9 @@ class MetricsConfig:
     # torch.profiler over this many steps after warm-up (trace, top ops, comm share; left out of timing)
     profile_steps: int = 0
     peak_flops_cache: str = "${data.cache_dir}/peak_flops.json"
+    # the device's dense peak FLOP/s for the run's matmul dtype, from its data sheet: for a GPU not in
+    # aamperf/metrics/gpu_peaks.py (e.g. an A10G); null: that table (GPU) or a calibration (CPU)
+    peak_flops: float | None = None
 
 
 @dataclass

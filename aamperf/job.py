@@ -185,11 +185,15 @@ def calibration_shapes(model_cfg: DictConfig, micro_batch: int, max_asvs: int) -
 
 
 def measure_peak(cfg: DictConfig, device: torch.device, world, micro_batch: int) -> tuple[float | None, dict]:
-    """The device's peak FLOP/s for the dtype the matmuls run in, measured (CPU) by the first rank
-    alone while the others wait: ranks calibrating together would each see the others' load."""
+    """The device's peak FLOP/s for the dtype the matmuls run in: metrics.peak_flops where given, else
+    the table (GPU) or a calibration (CPU) by the first rank alone while the others wait: ranks
+    calibrating together would each see the others' load."""
+    dtype = matmul_dtype(device, cfg.precision.dtype, cfg.precision.matmul_precision)
+    if cfg.metrics.peak_flops is not None:
+        given = f"metrics.peak_flops={cfg.metrics.peak_flops}"
+        return cfg.metrics.peak_flops, {"status": "given", "dtype": dtype, "reason": given}
     peak, record = None, {"status": "not_measured", "reason": "only the first rank measures the peak"}
     if world.is_main:
-        dtype = matmul_dtype(device, cfg.precision.dtype, cfg.precision.matmul_precision)
         shapes = calibration_shapes(cfg.model, micro_batch, cfg.data.max_asvs)
         peak, record = peak_flops(device, dtype, cfg.metrics.peak_flops_cache, shapes)
     if world.world_size > 1:

@@ -14,27 +14,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from aamperf.files import read_json_cache, update_json_cache
-
-# Dense peak FLOP/s of known GPUs by (name fragment, matmul dtype), from the vendors' data sheets.
-# A device not listed gets MFU = null: never a guess.
-GPU_PEAK_FLOPS: dict[tuple[str, str], float] = {
-    ("H100", "bf16"): 989e12,
-    ("H100", "fp16"): 989e12,
-    ("H100", "tf32"): 494e12,
-    ("H100", "fp32"): 67e12,
-    ("A100", "bf16"): 312e12,
-    ("A100", "fp16"): 312e12,
-    ("A100", "tf32"): 156e12,
-    ("A100", "fp32"): 19.5e12,
-    ("L4", "bf16"): 121e12,
-    ("L4", "fp16"): 121e12,
-    ("L4", "tf32"): 60e12,
-    ("L4", "fp32"): 30.3e12,
-    ("V100", "fp16"): 125e12,
-    ("V100", "fp32"): 15.7e12,
-    ("T4", "fp16"): 65e12,
-    ("T4", "fp32"): 8.1e12,
-}
+from aamperf.metrics.gpu_peaks import gpu_peak
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # precision.dtype -> torch
 # CPU flags that change which matmul kernels run: a cached peak is only valid with the same set.
@@ -78,9 +58,9 @@ def count_flops(step: Callable[[], None]) -> float:
 
 def matmul_dtype(device: torch.device, precision: str, matmul_precision: str) -> str:
     """The dtype the run's matmuls execute in: the autocast dtype, or TF32 for fp32 on a CUDA device
-    allowed to use it (matmul_precision high/medium)."""
+    allowed to use it (matmul_precision high/medium) that has it (Ampere, compute capability 8, on)."""
     if precision == "fp32" and device.type == "cuda" and matmul_precision != "highest":
-        return "tf32"
+        return "tf32" if torch.cuda.get_device_capability(device)[0] >= 8 else "fp32"
     return precision
 
 
@@ -299,19 +279,12 @@ def peak_flops(
 ) -> tuple[float | None, dict[str, Any]]:
     """(peak FLOP/s for matmuls in `precision` on `device`, the record of where it came from).
 
-    GPU: the data-sheet table. CPU: a calibration in this run (`calibrate_cpu`). A clean one is used
-    and cached for this machine; one taken under load is never cached: the figure a clean run cached on
-    this same machine (`machine_key`) is used instead, or, with none, this run's figure, flagged."""
+    GPU: the data-sheet table (`gpu_peaks.py`). CPU: a calibration in this run (`calibrate_cpu`). A
+    clean one is used and cached for this machine; one taken under load is never cached: the figure a
+    clean run cached on this same machine (`machine_key`) is used instead, or, with none, this run's
+    figure, flagged."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = next((v for (frag, p), v in GPU_PEAK_FLOPS.items() if frag in name and p == precision), None)
-        reason = None if peak else f"{name} / {precision} is not in GPU_PEAK_FLOPS (aamperf/metrics/flops.py)"
-        return peak, {
-            "status": "table" if peak else "unknown",
-            "device_name": name,
-            "dtype": precision,
-            "reason": reason,
-        }
+        return gpu_peak(torch.cuda.get_device_name(device), precision)
     if device.type != "cpu" or precision not in DTYPES:
         return None, {
             "status": "unknown",
