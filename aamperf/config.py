@@ -131,7 +131,7 @@ class MemoryConfig:
     warn_fraction: float = 0.90  # of system RAM (CPU) or device memory: gc + cache clearing, warning
     max_fraction: float = 0.97  # ... checkpoint and stop (status aborted) before the system's OOM killer
     cuda_memory_fraction: float | None = None  # cap this process's share of the GPU
-    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (GPU)
+    expandable_segments: bool = False  # the CUDA allocator's expandable_segments:True (GPU), set per job
 
 
 @dataclass

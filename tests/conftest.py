@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -42,6 +43,19 @@ TINY = [
     "metrics.log_every=1",
     "metrics.skip_steps=1",
 ]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` (tests/gpu/, `pytest -m gpu`) are skipped, with the reason, without CUDA."""
+    if torch.cuda.is_available():
+        return
+    why = pytest.mark.skip(
+        reason=f"needs a CUDA GPU: torch {torch.__version__} (CUDA build: {torch.version.cuda or 'none'}) "
+        "sees none here; experiments/gpu/run.sh runs these on a GPU machine"
+    )
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(why)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """Plug-ins for the tests: a model that is not AAM (any nn.Module plugs in through model._target_),
-and losses that go wrong on purpose (NaN, a memory leak)."""
+and losses that go wrong on purpose (NaN, a memory leak, memory that grows with the batch)."""
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ class _NaNGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return torch.full(ctx.shape, float("nan"), dtype=grad.dtype)
+        return torch.full(ctx.shape, float("nan"), dtype=grad.dtype, device=grad.device)
 
 
 class PoisonedLoss(AAMLoss):
@@ -73,3 +73,18 @@ class LeakyLoss(AAMLoss):
     def forward(self, model: nn.Module, batch: dict, step: int):
         _leaked.append(torch.ones(self.numel))  # written, so the pages are really in use
         return super().forward(model, batch, step)
+
+
+class HungryLoss(AAMLoss):
+    """AAM's loss holding `mb_per_sample` MiB per sample of the batch until backward, on the model's
+    device: a step whose memory grows with the batch far faster than AAM's own (out-of-memory tests)."""
+
+    def __init__(self, mb_per_sample: int = 256, **kwargs):
+        super().__init__(**kwargs)
+        self.numel = mb_per_sample * 2**20 // 4
+
+    def forward(self, model: nn.Module, batch: dict, step: int):
+        loss, parts = super().forward(model, batch, step)
+        weight = next(model.parameters())
+        held = torch.ones(len(batch["unifrac"]) * self.numel, device=weight.device)  # [b, B]: b samples here
+        return loss + 0 * (held * weight.flatten()[0]).sum(), parts  # `held` is saved for backward

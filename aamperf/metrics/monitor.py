@@ -20,7 +20,8 @@ class _GPU:
 
         pynvml.nvmlInit()
         self.nvml = pynvml
-        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        # by UUID: NVML numbers every GPU of the machine, CUDA only those CUDA_VISIBLE_DEVICES shows
+        self.handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(index).uuid}")
 
     def sample(self) -> tuple[float, int]:
         util = self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu

@@ -2,7 +2,6 @@
 watches a run is in aamperf/guards/memory.py)."""
 
 import logging
-import os
 
 import torch
 from omegaconf import DictConfig
@@ -47,16 +46,31 @@ def apply_checkpointing(model: nn.Module, cfg: DictConfig) -> dict:
     return applied(mode=cfg.checkpointing, every=every, layers=wrapped)
 
 
+_expandable = False  # an earlier job of this process turned expandable segments on
+
+
+def set_expandable_segments(enabled: bool) -> None:
+    """The CUDA caching allocator's expandable segments, from now on (segments it makes later)."""
+    setting = f"expandable_segments:{enabled}"
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # its newer name
+    (setter or torch.cuda.memory._set_allocator_settings)(setting)
+
+
 def apply_cuda_memory(cfg: DictConfig, device: torch.device) -> dict:
-    """Allocator settings that only exist on a GPU."""
+    """Allocator settings that only exist on a GPU. Both are set for every job, so a job of an
+    in-process sweep does not inherit the previous job's."""
     if device.type != "cuda":
         return skipped(f"no GPU ({device.type}): CUDA memory fraction and expandable segments do not apply")
     done = {}
+    # PYTORCH_CUDA_ALLOC_CONF is read once, when CUDA starts, which is earlier here (the phases'
+    # checks run on the device): the allocator's own setter applies it to the segments made from now
+    global _expandable
+    if cfg.expandable_segments or _expandable:
+        set_expandable_segments(cfg.expandable_segments)
+        _expandable = cfg.expandable_segments
     if cfg.expandable_segments:
-        # Read by the CUDA caching allocator when it starts: effective only before the first allocation.
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        done["expandable_segments"] = not torch.cuda.is_initialized()
+        done["expandable_segments"] = True
+    torch.cuda.set_per_process_memory_fraction(cfg.cuda_memory_fraction or 1.0, device)
     if cfg.cuda_memory_fraction is not None:
-        torch.cuda.set_per_process_memory_fraction(cfg.cuda_memory_fraction, device)
         done["memory_fraction"] = cfg.cuda_memory_fraction
     return applied(**done) if done else skipped("no CUDA memory setting chosen")

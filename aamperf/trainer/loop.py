@@ -205,6 +205,8 @@ def fit(
                     "lr": scheduler.get_last_lr()[0],
                     "grad_norm": out.grad_norm.item(),
                 }
+                if plan.scaler.is_enabled():  # fp16: the loss scale, halved at each skipped step
+                    row["grad_scale"] = plan.scaler.get_scale()
                 # elapsed_s: from the process's start, before this line's validation: the time a model of
                 # this quality took to get
                 row.update(interval.rates(), **monitor.readings(), elapsed_s=meter.elapsed_s())

@@ -1,0 +1,180 @@
+"""The CUDA parts under a run, each on a real GPU: TF32, every SDPA kernel with AAM's padding masks
+against the written-out math, the allocator's settings, the GPU monitor (pynvml). `pytest -m gpu`;
+skipped, with the reason, where torch sees no CUDA device (tests/conftest.py)."""
+
+import time
+
+import pytest
+import torch
+
+from aamperf.metrics.flops import matmul_dtype
+from aamperf.metrics.monitor import _GPU, SystemMonitor
+from aamperf.model.layers import MathAttention, key_padding_mask
+from aamperf.phases.attention import SDPAttention, check_attention
+from aamperf.phases.memory import apply_cuda_memory
+from aamperf.phases.precision import apply_precision
+from aamperf.phases.system import apply_system
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+def test_fp32_matmuls_run_in_tf32_with_matmul_precision_high(make_cfg):
+    before = torch.get_float32_matmul_precision()
+    a, b = (torch.randn(1024, 1024, device=CUDA) for _ in range(2))
+    exact = a.double() @ b.double()
+
+    def error() -> float:
+        return ((a @ b).double() - exact).abs().max().item() / exact.abs().max().item()
+
+    try:
+        record = apply_precision(make_cfg("precision.matmul_precision=high").precision, CUDA)[2]
+        assert record["matmul_precision"] == "high" and torch.get_float32_matmul_precision() == "high"
+        fast = error()
+        torch.set_float32_matmul_precision("highest")
+        full = error()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    if torch.cuda.get_device_capability(CUDA)[0] >= 8:  # Ampere on: TF32's 10-bit mantissa shows
+        assert fast > 10 * full, (fast, full)
+        assert matmul_dtype(CUDA, "fp32", "high") == "tf32"
+    else:  # no TF32: the same fp32 matmul, and MFU against the fp32 peak
+        assert fast == pytest.approx(full, rel=0.5)
+        assert matmul_dtype(CUDA, "fp32", "high") == "fp32"
+    assert matmul_dtype(CUDA, "fp32", "highest") == "fp32"
+
+
+def test_cudnn_benchmark_is_switched_as_asked(make_cfg):
+    before = torch.backends.cudnn.benchmark
+    try:
+        for on in (True, False):
+            records = apply_system(make_cfg(f"system.cudnn_benchmark={on}").system, CUDA)
+            assert torch.backends.cudnn.benchmark is on and records["cudnn_benchmark"]["enabled"] is on
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
+# ---- attention: every SDPA kernel with AAM's masks --------------------------------------------------
+
+N, HEADS, L, HEAD_DIM = 6, 4, 40, 32
+
+
+def padded(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [N, heads, L, head_dim] and AAM's key-padding mask: rows of 40, 23, 7, 1 and 0 real
+    positions (the empty row is a padding ASV the baseline still encodes: left unmasked), and one full."""
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    q, k, v = (torch.randn(N, HEADS, L, HEAD_DIM, device=CUDA, generator=gen).to(dtype) for _ in range(3))
+    lengths = torch.tensor([40, 23, 7, 1, 0, 40], device=CUDA)
+    real = torch.arange(L, device=CUDA)[None, :] < lengths[:, None]
+    return q, k, v, key_padding_mask(real)
+
+
+def forward_backward(attend: torch.nn.Module, q, k, v, mask) -> list[torch.Tensor]:
+    """The output and the gradients of q, k, v for a fixed projection of it, in fp32."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = attend(q, k, v, mask)
+    weights = torch.linspace(-1, 1, out.numel(), device=CUDA).view_as(out)
+    (out.float() * weights).sum().backward()
+    return [out.float(), q.grad.float(), k.grad.float(), v.grad.float()]
+
+
+def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return max(((g - w).norm() / w.norm()).item() for g, w in zip(got, want, strict=True))
+
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("backend", ["flash", "efficient", "cudnn", "math"])
+def test_each_sdpa_kernel_with_aams_masks_matches_the_math_or_is_refused_before_the_run(
+    make_cfg, backend, dtype
+):
+    q, k, v, mask = padded(dtype)
+    want = forward_backward(MathAttention(0.0), q.float(), k.float(), v.float(), mask)  # the reference
+    cfg = make_cfg("attention=sdpa", f"attention.backends=[{backend}]").attention
+    problems = check_attention(cfg, CUDA, dtype)
+    if backend == "flash" or (backend == "cudnn" and problems):
+        # FlashAttention takes no attention mask (and no fp32); cuDNN's kernel some masks and dtypes
+        # only, by torch version: either way the run is refused at its start, in one line, naming it
+        assert len(problems) == 1 and f"attention.backends=['{backend}'] cannot run on cuda" in problems[0]
+        assert "use attention=sdpa" in problems[0] and "\n" not in problems[0]
+        if backend == "flash" and dtype != torch.float32:  # without a mask it runs, and matches
+            unmasked = forward_backward(MathAttention(0.0), q.float(), k.float(), v.float(), None)
+            got = forward_backward(SDPAttention(0.0, ["flash"]).eval(), q, k, v, None)
+            assert relative_error(got, unmasked) < TOLERANCE[dtype]
+        return
+    assert problems == []
+    got = forward_backward(SDPAttention(0.0, [backend]).eval(), q, k, v, mask)
+    assert relative_error(got, want) < TOLERANCE[dtype]
+
+
+def test_sdpa_on_cuda_drops_attention_in_training_with_the_kernels_own_dropout():
+    q, k, v, mask = padded(torch.bfloat16)
+    attend = SDPAttention(0.5, []).train()
+    torch.manual_seed(0)
+    first = attend(q, k, v, mask)
+    torch.manual_seed(1)
+    second = attend(q, k, v, mask)
+    evaluated = attend.eval()(q, k, v, mask)
+    assert not torch.equal(first, second) and not torch.equal(first, evaluated)  # random masks, on CUDA
+    assert torch.isfinite(first).all()
+
+
+# ---- the allocator's settings -------------------------------------------------------------------------
+
+
+def segment_of(tensor: torch.Tensor) -> dict:
+    """The CUDA allocator's segment that holds `tensor` (torch.cuda.memory_snapshot())."""
+    at = tensor.data_ptr()
+    return next(
+        s for s in torch.cuda.memory_snapshot() if s["address"] <= at < s["address"] + s["total_size"]
+    )
+
+
+def test_memory_fraction_and_expandable_segments_are_applied_and_put_back(make_cfg):
+    total = torch.cuda.get_device_properties(CUDA).total_memory
+    torch.cuda.empty_cache()
+    try:
+        cfg = make_cfg("memory.cuda_memory_fraction=0.05", "memory.expandable_segments=true").memory
+        record = apply_cuda_memory(cfg, CUDA)
+        assert record["status"] == "applied" and record["memory_fraction"] == 0.05
+        assert record["expandable_segments"] is True
+        inside = torch.empty(int(0.02 * total), dtype=torch.uint8, device=CUDA)
+        assert segment_of(inside)["is_expandable"]
+        del inside
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(int(0.1 * total), dtype=torch.uint8, device=CUDA)  # twice the fraction
+    finally:
+        # the next job's defaults: the whole device, segments that do not expand
+        record = apply_cuda_memory(make_cfg().memory, CUDA)
+        torch.cuda.empty_cache()
+    assert record["status"] == "skipped"
+    fits_again = torch.empty(int(0.1 * total), dtype=torch.uint8, device=CUDA)
+    assert not segment_of(fits_again)["is_expandable"]
+    del fits_again
+    torch.cuda.empty_cache()
+
+
+# ---- the GPU monitor ----------------------------------------------------------------------------------
+
+
+def test_the_monitor_reads_this_gpus_utilisation_and_memory_through_pynvml():
+    import pynvml
+
+    gpu = _GPU(torch.cuda.current_device())
+    try:  # NVML's device is torch's (by UUID, whatever CUDA_VISIBLE_DEVICES numbers)
+        name = pynvml.nvmlDeviceGetName(gpu.handle)
+        assert (name.decode() if isinstance(name, bytes) else name) == torch.cuda.get_device_name(CUDA)
+    finally:
+        gpu.close()
+    torch.cuda.reset_peak_memory_stats(CUDA)
+    with SystemMonitor(CUDA, interval_s=0.05) as monitor:
+        x = torch.randn(4096, 4096, device=CUDA)
+        end = time.perf_counter() + 1.5
+        while time.perf_counter() < end:
+            x = torch.tanh(x @ x)
+            torch.cuda.synchronize()
+    summary = monitor.summary()
+    assert summary["peak_device_bytes"] == torch.cuda.max_memory_allocated(CUDA) >= 4096 * 4096 * 4
+    assert summary["gpu_util_percent"] > 10 and summary["peak_gpu_used_bytes"] >= summary["peak_device_bytes"]

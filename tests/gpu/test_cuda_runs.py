@@ -1,0 +1,135 @@
+"""Training runs on a real GPU, read back from their run record: bf16 and fp16 (a real GradScaler),
+non-finite steps skipped on the device, compile, every level with its `auto` decisions, the device's
+peak memory per job, the batch-size finder's out-of-memory back-off, a checkpoint taken on the GPU
+resumed on a CPU, NCCL. `pytest -m gpu`; skipped, with the reason, where torch sees no CUDA device."""
+
+import math
+import os
+
+import pytest
+import torch
+from conftest import read_metrics, read_summary, torchrun
+from test_guards import poisoned, same_state, saved
+
+from aamperf.metrics.gpu_peaks import gpu_peak
+from aamperf.run import train
+
+pytestmark = pytest.mark.gpu
+GPU = ("device=cuda",)
+
+
+def rows(run_dir) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run_dir)}
+
+
+def test_a_bf16_run_trains_on_the_gpu_with_the_data_sheets_peak(make_cfg, tmp_path):
+    summary = train(make_cfg(*GPU, "precision=bf16"), tmp_path)
+    assert summary["status"] == "completed" and summary["device"].startswith("cuda")
+    record = summary["phases"]["precision"]
+    assert record["dtype"] == "bf16" and record["grad_scaler"] is False
+    assert summary["phases"]["cudnn_benchmark"]["status"] == "applied"
+    peak, _ = gpu_peak(torch.cuda.get_device_name(), "bf16")
+    assert summary["peak_flops"] == peak  # the table's figure for this GPU, or null if it has none
+    assert summary["peak_flops_calibration"]["status"] == ("table" if peak else "unknown")
+    if peak:
+        assert 0 < summary["mfu"] <= 1
+    assert all(math.isfinite(r["loss"]) for r in read_metrics(tmp_path))
+
+
+def test_fp16_loss_scaling_backs_off_at_an_injected_inf_and_trains_on(make_cfg, tmp_path):
+    cfg = make_cfg(*GPU, "precision=fp16", "trainer.max_steps=6", *poisoned("grad", steps="[3]"))
+    summary = train(cfg, tmp_path)
+    assert summary["status"] == "completed" and summary["nonfinite_check"] == "grad_scaler"
+    assert summary["phases"]["precision"]["grad_scaler"] is True
+    logged = rows(tmp_path)
+    assert logged[3]["nonfinite_steps"] == 1 and logged[3]["grad_scale"] == logged[2]["grad_scale"] / 2
+    assert logged[4]["grad_scale"] == logged[3]["grad_scale"]  # grows back only after 2000 good steps
+    assert math.isfinite(logged[6]["loss"]) and summary["nonfinite_steps"] >= 1
+
+
+# the host reads the flag (for_loop: one sync a step on a GPU) or the fused kernel skips the step
+@pytest.mark.parametrize(
+    ("optimizer", "check"), [("adamw_for_loop", "host_read"), ("adamw_fused", "fused_optimizer")]
+)
+@pytest.mark.parametrize("into", ["batch", "grad"])
+def test_a_nonfinite_step_is_skipped_on_the_device(make_cfg, tmp_path, optimizer, check, into):
+    every_step = ["trainer.checkpoint_every=1", "trainer.keep_last=50", "trainer.max_steps=6"]
+    cfg = make_cfg(*GPU, *every_step, f"optimizer={optimizer}", *poisoned(into, steps="[3,4]"))
+    summary = train(cfg, tmp_path)
+    assert summary["status"] == "completed" and summary["nonfinite_steps"] == 2
+    assert summary["nonfinite_check"] == check
+    assert same_state(saved(tmp_path, 2), saved(tmp_path, 4))  # steps 3 and 4 changed nothing
+    assert not same_state(saved(tmp_path, 4), saved(tmp_path, 5))
+
+
+def test_compile_on_cuda_gives_the_eager_runs_losses(make_cfg, tmp_path):
+    same = (*GPU, "model.dropout=0")  # inductor draws its own random numbers: no dropout to draw
+    eager = train(make_cfg(*same, "compile=disabled"), tmp_path / "eager")
+    compiled = train(make_cfg(*same, "compile=default"), tmp_path / "compiled")
+    assert compiled["status"] == "completed" and compiled["phases"]["compile"]["status"] == "applied"
+    assert compiled["compile_time_s"] > 0
+    got, want = rows(tmp_path / "compiled"), rows(tmp_path / "eager")
+    assert eager["status"] == "completed"
+    for step in want:  # fp32 (matmul_precision=highest): the same math, other kernels
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-3)
+
+
+@pytest.mark.parametrize("level", ["baseline", "basic", "advanced", "ultra"])
+def test_every_level_runs_on_cuda_and_says_what_each_auto_chose(make_cfg, tmp_path, level):
+    summary = train(make_cfg(*GPU, f"optim={level}"), tmp_path)
+    assert summary["status"] == "completed" and summary["device"].startswith("cuda")
+    assert summary["peak_device_bytes"] > 0
+    for group, record in summary["phases"].items():
+        if "auto" in record:  # precision, attention, memory, compile: the choice and its measured reason
+            assert record["auto"]["chose"] and record["auto"]["reason"], group
+    if level in ("advanced", "ultra"):
+        assert {"precision", "attention"} <= {g for g, r in summary["phases"].items() if "auto" in r}
+
+
+def test_each_job_reports_its_own_peak_device_memory(make_cfg, tmp_path):
+    big = train(make_cfg(*GPU, "trainer.batch_size=16"), tmp_path / "big")
+    small = train(make_cfg(*GPU, "trainer.batch_size=2"), tmp_path / "small")  # the same process after it
+    assert small["peak_device_bytes"] == torch.cuda.max_memory_allocated()  # the allocator's, this job's
+    assert 0 < small["peak_device_bytes"] < big["peak_device_bytes"]
+    assert small["peak_device_reserved_bytes"] >= small["peak_device_bytes"]
+
+
+def test_the_batch_size_finder_backs_off_from_an_out_of_memory_error(make_cfg, tmp_path):
+    total = torch.cuda.get_device_properties(0).total_memory
+    hungry = ["loss._target_=plugin_model.HungryLoss", "+loss.mb_per_sample=256"]  # ~512 MiB a sample
+    cfg = make_cfg(
+        *GPU,
+        *hungry,
+        "trainer.batch_size=auto",
+        "trainer.auto_batch.budget_fraction=0.9",  # the budget would allow far more: the GPU says no first
+        f"memory.cuda_memory_fraction={3 * 2**30 / total:.6f}",  # 3 GiB: a batch of 8 (~4 GiB) runs out
+    )
+    try:
+        summary = train(cfg, tmp_path)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    found = summary["batch_finder"]
+    out_of_memory = [p["batch"] for p in found["probes"] if p.get("peak_bytes") is None and not p["fits"]]
+    assert out_of_memory, found["probes"]  # an out-of-memory error was caught and counted as too big
+    assert found["limited_by"] == "memory" and 2 <= found["batch_size"] < min(out_of_memory)
+    assert summary["status"] == "completed" and summary["steps"] == 3
+
+
+def test_a_checkpoint_saved_on_the_gpu_resumes_on_a_cpu(make_cfg, tmp_path, launch):
+    every = ["trainer.checkpoint_every=2", "precision=bf16"]
+    first = train(make_cfg(*GPU, *every, "trainer.max_steps=4"), tmp_path / "run")
+    assert first["status"] == "completed" and first["device"].startswith("cuda")
+    cpu_only = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a process that sees no GPU at all
+    proc, run_dir = launch(*every, "trainer.max_steps=6", "trainer.resume=auto", env=cpu_only)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["device"] == "cpu" and summary["resumed_from_step"] == 4 and summary["steps"] == 6
+    assert all(math.isfinite(r["loss"]) for r in read_metrics(run_dir) if r["step"] > 4)
+
+
+def test_ddp_on_the_gpu_joins_through_nccl(launch):
+    proc, run_dir = launch(*GPU, "distributed=ddp", launcher=torchrun(1))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["phases"]["distributed"]["backend"] == "nccl" and summary["world_size"] == 1
