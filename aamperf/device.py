@@ -10,15 +10,25 @@ from aamperf.errors import UserError
 
 
 def resolve_device(name: str) -> torch.device:
-    """`device` -> a torch device; under torchrun each process takes the GPU of its local rank."""
+    """`device` -> a torch device; under torchrun each process takes the GPU of its local rank, which
+    becomes its current one (NCCL's communicators, barrier() and every CUDA call without a device act
+    on the current GPU, cuda:0 unless set)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if name == "auto":
-        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         name = f"cuda:{local_rank}"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device={name} but no CUDA device is available here; use device=cpu or device=auto")
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            raise UserError(
+                f"device={device} but this machine shows {count} CUDA device(s), cuda:0 to cuda:{count - 1} "
+                "(under torchrun: one per local rank, --nproc_per_node at most that many)"
+            )
+        torch.cuda.set_device(device)
     return device
 
 

@@ -62,10 +62,11 @@ def test_a_nonfinite_step_is_skipped_on_the_device(make_cfg, tmp_path, optimizer
     assert not same_state(saved(tmp_path, 4), saved(tmp_path, 5))
 
 
-def test_compile_on_cuda_gives_the_eager_runs_losses(make_cfg, tmp_path):
+@pytest.mark.parametrize("mode", ["default", "reduce_overhead"])  # reduce-overhead: CUDA graphs
+def test_compile_on_cuda_gives_the_eager_runs_losses(make_cfg, tmp_path, mode):
     same = (*GPU, "model.dropout=0")  # inductor draws its own random numbers: no dropout to draw
     eager = train(make_cfg(*same, "compile=disabled"), tmp_path / "eager")
-    compiled = train(make_cfg(*same, "compile=default"), tmp_path / "compiled")
+    compiled = train(make_cfg(*same, f"compile={mode}"), tmp_path / "compiled")
     assert compiled["status"] == "completed" and compiled["phases"]["compile"]["status"] == "applied"
     assert compiled["compile_time_s"] > 0
     got, want = rows(tmp_path / "compiled"), rows(tmp_path / "eager")
@@ -84,6 +85,13 @@ def test_every_level_runs_on_cuda_and_says_what_each_auto_chose(make_cfg, tmp_pa
             assert record["auto"]["chose"] and record["auto"]["reason"], group
     if level in ("advanced", "ultra"):
         assert {"precision", "attention"} <= {g for g, r in summary["phases"].items() if "auto" in r}
+
+
+def test_pinned_batches_copied_asynchronously_from_a_worker(make_cfg, tmp_path):
+    summary = train(make_cfg(*GPU, "dataloader=tuned"), tmp_path)
+    loader = summary["phases"]["dataloader"]
+    assert summary["status"] == "completed"
+    assert loader["pin_memory"] is True and loader["non_blocking"] is True and loader["num_workers"] == 1
 
 
 def test_each_job_reports_its_own_peak_device_memory(make_cfg, tmp_path):
