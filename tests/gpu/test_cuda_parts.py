@@ -7,6 +7,8 @@ import time
 import pytest
 import torch
 
+from aamperf.device import resolve_device
+from aamperf.errors import UserError
 from aamperf.metrics.flops import matmul_dtype
 from aamperf.metrics.monitor import _GPU, SystemMonitor
 from aamperf.model.layers import MathAttention, key_padding_mask
@@ -17,6 +19,18 @@ from aamperf.phases.system import apply_system
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
+
+
+def test_the_runs_gpu_becomes_the_current_one_and_a_missing_one_is_refused_in_one_line():
+    last = torch.cuda.device_count() - 1
+    assert (
+        resolve_device(f"cuda:{last}")
+        == torch.device(f"cuda:{last}")
+        == torch.device("cuda", torch.cuda.current_device())
+    )
+    assert resolve_device("auto") == torch.device("cuda:0") and torch.cuda.current_device() == 0
+    with pytest.raises(UserError, match=rf"device=cuda:{last + 1} but this machine shows {last + 1} CUDA"):
+        resolve_device(f"cuda:{last + 1}")
 
 
 def test_fp32_matmuls_run_in_tf32_with_matmul_precision_high(make_cfg):
