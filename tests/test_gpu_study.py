@@ -231,5 +231,5 @@ def test_run_sh_reuses_a_system_torch_that_sees_the_gpu_and_installs_offline_fro
     assert proc.stdout.splitlines() == [
         "venv: .venv-gpu with --system-site-packages: python3's torch sees the GPU and is reused",
         "torch: 2.13.0+cu128, already there",
-        "aamperf: pip install --no-index --find-links /media/wheels -e . (offline), and pytest",
+        "aamperf: pip install --no-index --find-links /media/wheels -e .[dev] (offline)",
     ]

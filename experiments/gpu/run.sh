@@ -65,7 +65,7 @@ else
   echo "torch: pip install torch --index-url $index"
 fi
 if [[ -n ${WHEELS:-} ]]; then
-  echo "aamperf: pip install --no-index --find-links $WHEELS -e . (offline), and pytest"
+  echo "aamperf: pip install --no-index --find-links $WHEELS -e .[dev] (offline)"
 else
   echo "aamperf: pip install -e .[dev]"
 fi
@@ -78,9 +78,8 @@ if [[ ! -x .venv-gpu/bin/python ]] && ! python3 -m venv "${venv_args[@]}" .venv-
   die "python3 -m venv failed (Debian/Ubuntu: apt-get install python3-venv)"
 fi
 export VIRTUAL_ENV=$PWD/.venv-gpu PATH=$PWD/.venv-gpu/bin:$PATH
-if [[ -n ${WHEELS:-} ]]; then
-  python -m pip install --no-index --find-links "$WHEELS" -e .
-  python -c 'import pytest' 2>/dev/null || python -m pip install --no-index --find-links "$WHEELS" pytest
+if [[ -n ${WHEELS:-} ]]; then  # [dev] as online: pytest, and tensorboard, which tests/ imports to collect
+  python -m pip install --no-index --find-links "$WHEELS" -e ".[dev]"
 else
   # --force-reinstall: a kept venv's torch that sees no GPU would otherwise count as installed
   [[ -z $index ]] || python -m pip install --force-reinstall torch --index-url "$index"
