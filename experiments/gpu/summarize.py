@@ -79,6 +79,7 @@ def read_tests(path: Path) -> dict[str, int] | None:
 
 
 def study(report: dict[str, Any]) -> dict[str, Any]:
+    """The summary's figures of a paired-seed report, per configuration."""
     keys = ("config", "samples_per_s", "speedup", "speedup_lo", "speedup_hi", "mfu", "peak_device_bytes")
     keys += ("val_loss_delta", "val_loss_delta_lo", "val_loss_delta_hi", "verdict")
     rows = [{k: row.get(k) for k in keys} for row in report["rows"]]  # peak_device_bytes: newer reports
@@ -86,6 +87,7 @@ def study(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def bench(report: dict[str, Any]) -> dict[str, Any]:
+    """The summary's figures of a benchmark sweep's report, per inference level and batch size."""
     rows = []
     for row in report["rows"]:
         sizes = [k for k in row if k.isdigit()]
