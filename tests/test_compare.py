@@ -42,7 +42,7 @@ def sweep(tmp_path):
             (50.0, 57.2, 58.8),
             (2.01, 2.025, 1.9899),
             lambda s: [(3, 2.4), (6, BASE_VAL[s] - 0.001), (9, 2.0)],
-            {"peak_rss_bytes": 2**29, "step_time_s": 0.25, "train_loss": 2.1},
+            {"peak_rss_bytes": 2**29, "peak_device_bytes": 2**28, "step_time_s": 0.25, "train_loss": 2.1},
         ),
         "basic": ((9.0, 12.0, 13.0), (2.0, 2.02, 1.98), lambda s: [], {}),  # 0.9x, 1.09x, 1.08x
         "worse": ((20.0, 22.0, 24.0), (2.1, 2.14, 2.06), lambda s: [(5, 2.1)], {"model_flops_per_step": 2e9}),
@@ -175,7 +175,10 @@ def test_cli_writes_every_report_file(sweep, capsys):
         "peak_rss_ratio",
         "val_loss_delta",
         "verdict",
+        "peak_device_bytes",
     } <= saved["rows"][0].keys()
+    device_bytes = {row["config"]: row["peak_device_bytes"] for row in saved["rows"]}
+    assert device_bytes["optim=ultra"] == 2**28 and device_bytes["optim=baseline"] is None  # no CUDA peak
     table = (sweep / "comparison.md").read_text()
     assert "| `optim=ultra` | 3 (3) | 57.2 | 5.03x [" in table
     assert "| 6.0 (3/3) 5.00x [5.00, 5.00] |" in table  # time to quality and its speed-up

@@ -9,9 +9,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from aamperf.device import sync
 from aamperf.files import write_atomic, write_json_atomic
 from aamperf.metrics.monitor import peak_rss, release_freed_memory, reset_peak_rss
 from aamperf.predict.levels import forward
@@ -19,17 +21,22 @@ from aamperf.report.runs import find_runs
 
 
 def latencies(model, autocast, batches: dict[int, dict], cfg: DictConfig) -> dict[str, dict[str, float]]:
-    """{batch size: p50 / p95 seconds a call, samples/s at the p50, peak RSS while it ran}."""
+    """{batch size: p50 / p95 seconds a call, samples/s at the p50, peak RSS while it ran, and on a GPU
+    the CUDA allocator's peak (None elsewhere)}."""
     result = {}
     for size, batch in batches.items():
+        device = batch["tokens"].device
         release_freed_memory()
         reset_peak_rss()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         for _ in range(cfg.bench.warmup):
             forward(model, batch, autocast)
         times = []
         for _ in range(cfg.bench.calls):
             start = time.perf_counter()
-            forward(model, batch, autocast)  # the outputs are on the host: the call is done (CPU)
+            forward(model, batch, autocast)
+            sync(device)  # host sync: a GPU call returns once its kernels are queued, not done (no-op on CPU)
             times.append(time.perf_counter() - start)
         p50, p95 = statistics.median(times), statistics.quantiles(times, n=20)[-1]
         result[str(size)] = {
@@ -37,6 +44,7 @@ def latencies(model, autocast, batches: dict[int, dict], cfg: DictConfig) -> dic
             "p95_s": p95,
             "samples_per_s": size / p50,
             "peak_rss_bytes": peak_rss(),
+            "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         }
     return result
 

@@ -131,6 +131,7 @@ def compare(
             "memory_key": memory_key,
             "peak_rss_ratio": rss[0] / rss[1] if None not in rss else None,
             "train_rss_growth_bytes": group.median("train_rss_growth_bytes"),
+            "peak_device_bytes": group.median("peak_device_bytes"),  # the CUDA allocator's peak; None on CPU
             "val_loss": group.median("val_loss"),
             # mean over seeds of (val loss / the same seed's baseline val loss - 1), with its interval
             "val_loss_delta": None if quality is None else quality.mean,
