@@ -42,6 +42,8 @@ def build_job(cfg: DictConfig, summary: dict[str, Any]) -> Job:
     """Build the run; `summary` gets what each part decided as it is decided (a failed start keeps it)."""
     device = resolve_device(cfg.device)
     summary["device"] = str(device)
+    if device.type == "cuda":  # what the GPU held before this job (an earlier job, a notebook): not its peak
+        torch.cuda.reset_peak_memory_stats(device)
     check_phases(cfg, device)
     world = init_world(cfg, device)
     summary.update(world_size=world.world_size, rank=world.rank)

@@ -50,8 +50,6 @@ def train(cfg: DictConfig, run_dir: Path, interrupts: Interrupts | None = None) 
     origin, origin_kind = job_origin()  # every elapsed time of the job counts from here
     if origin_kind == "job_start":  # an earlier job ran in this process: its peak is not this job's
         start_job_peak_rss()
-    if torch.cuda.is_initialized():  # nor is what CUDA held before this job (an earlier job, a notebook)
-        torch.cuda.reset_peak_memory_stats()
     release_freed_memory()  # what earlier jobs of a multirun freed: not this job's memory
     if cfg.distributed.strategy != "none":
         adopt_slurm_env()  # a SLURM task: torchrun's variables from SLURM's
