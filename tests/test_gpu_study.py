@@ -233,3 +233,8 @@ def test_run_sh_reuses_a_system_torch_that_sees_the_gpu_and_installs_offline_fro
         "torch: 2.13.0+cu128, already there",
         "aamperf: pip install --no-index --find-links /media/wheels -e .[dev] (offline)",
     ]
+    proc = run(h100("12.8"), python3="echo 2.13.0+cu128", DRY_RUN="1", WHEELS="/media/wheels", EXTRAS="")
+    assert (
+        proc.stdout.splitlines()[-1]
+        == "aamperf: pip install --no-index --find-links /media/wheels -e . (offline)"
+    )

@@ -5,6 +5,7 @@
 #   experiments/gpu/run.sh [OUT_DIR]                       # default outputs/gpu/<date>
 #   WHEELS=<dir> experiments/gpu/run.sh [OUT_DIR]          # offline: every package from <dir>'s wheels
 #   TORCH_INDEX_URL=<PyTorch index> experiments/gpu/run.sh # another torch build than the driver's
+#   EXTRAS= experiments/gpu/run.sh                         # aamperf without its extras (default: [dev])
 #   DRY_RUN=1 experiments/gpu/run.sh                       # say what it would install; install nothing
 # Exit: 0 all passed; 1 the GPU suite or a study failed (the summary says which); 2 no GPU, or no torch
 # for it.
@@ -64,10 +65,14 @@ else
   index=${TORCH_INDEX_URL:-$(torch_index)}
   echo "torch: pip install torch --index-url $index"
 fi
+# EXTRAS: aamperf's extras to install (default dev: pytest, ruff and every optional part); EXTRAS= for
+# the base alone, where pytest and tensorboard (tests/ imports it to collect) are already there
+extras=${EXTRAS-dev}
+package=.${extras:+[$extras]}
 if [[ -n ${WHEELS:-} ]]; then
-  echo "aamperf: pip install --no-index --find-links $WHEELS -e .[dev] (offline)"
+  echo "aamperf: pip install --no-index --find-links $WHEELS -e $package (offline)"
 else
-  echo "aamperf: pip install -e .[dev]"
+  echo "aamperf: pip install -e $package"
 fi
 [[ -z ${DRY_RUN:-} ]] || exit 0
 
@@ -78,12 +83,12 @@ if [[ ! -x .venv-gpu/bin/python ]] && ! python3 -m venv "${venv_args[@]}" .venv-
   die "python3 -m venv failed (Debian/Ubuntu: apt-get install python3-venv)"
 fi
 export VIRTUAL_ENV=$PWD/.venv-gpu PATH=$PWD/.venv-gpu/bin:$PATH
-if [[ -n ${WHEELS:-} ]]; then  # [dev] as online: pytest, and tensorboard, which tests/ imports to collect
-  python -m pip install --no-index --find-links "$WHEELS" -e ".[dev]"
+if [[ -n ${WHEELS:-} ]]; then
+  python -m pip install --no-index --find-links "$WHEELS" -e "$package"
 else
   # --force-reinstall: a kept venv's torch that sees no GPU would otherwise count as installed
   [[ -z $index ]] || python -m pip install --force-reinstall torch --index-url "$index"
-  python -m pip install -e ".[dev]"
+  python -m pip install -e "$package"
 fi
 if ! sees_gpu python; then
   torch=$(python -c 'import torch; print(torch.__version__)')
