@@ -64,14 +64,16 @@ _leaked: list[torch.Tensor] = []
 
 
 class LeakyLoss(AAMLoss):
-    """AAM's loss that keeps `mb_per_step` MiB alive at every step, as a memory leak would."""
+    """AAM's loss that keeps `mb_per_step` MiB alive at every step on the model's device, as a memory
+    leak would."""
 
     def __init__(self, mb_per_step: int = 256, **kwargs):
         super().__init__(**kwargs)
         self.numel = mb_per_step * 2**20 // 4
 
     def forward(self, model: nn.Module, batch: dict, step: int):
-        _leaked.append(torch.ones(self.numel))  # written, so the pages are really in use
+        device = next(model.parameters()).device  # on a GPU, the GPU's memory leaks
+        _leaked.append(torch.ones(self.numel, device=device))  # written, so the pages are really in use
         return super().forward(model, batch, step)
 
 

@@ -51,7 +51,8 @@ CHILDREN_EVERY_S = 5.0  # dataloader workers are persistent: list them again thi
 
 class MemoryGuard:
     """The run's own memory (this process and its workers, RSS) as a fraction of the limit that applies
-    to it (its cgroup's, else the machine's RAM; CUDA: the device's memory), checked at every step but
+    to it (its cgroup's, else the machine's RAM; CUDA: what its caching allocator holds, of the device's
+    memory or of its memory.cuda_memory_fraction), checked at every step but
     read at most every `interval_s` (a read costs ~40 us). Above `warn_fraction`: collect garbage and
     empty the CUDA cache, once per crossing, with a warning (never every step: clearing costs time).
     Above `max_fraction`: a message for the trainer, which checkpoints and stops the run before the
@@ -65,7 +66,13 @@ class MemoryGuard:
         self._above = self._machine_above = False
         self._last_read = -math.inf
         self.last_fraction: float | None = None  # the latest reading (alerts report it)
-        self.limit_bytes, self.limit_source = (None, "device") if device.type == "cuda" else memory_limit()
+        if device.type == "cuda":
+            share = cfg.cuda_memory_fraction or 1.0
+            total = torch.cuda.get_device_properties(device).total_memory
+            self.limit_bytes = int(share * total)
+            self.limit_source = "device" if share == 1.0 else "device_fraction"
+        else:
+            self.limit_bytes, self.limit_source = memory_limit()
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's ranks on this machine
         if self.limit_bytes is not None and local_ranks > 1:  # they share the limit: each its share
             self.limit_bytes //= local_ranks
@@ -90,10 +97,17 @@ class MemoryGuard:
         return total
 
     def used_fraction(self) -> float:
+        if self.device.type == "cuda":  # not mem_get_info: that counts every process on the GPU
+            return torch.cuda.memory_reserved(self.device) / self.limit_bytes
+        return self.run_bytes() / self.limit_bytes
+
+    def machine_fraction(self) -> float:
+        """How full the machine's RAM, or the whole GPU, is: other processes included."""
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             return 1 - free / total
-        return self.run_bytes() / self.limit_bytes
+        vm = psutil.virtual_memory()
+        return 1 - vm.available / vm.total
 
     def check(self) -> str | None:
         """None, or why the run must stop now."""
@@ -104,25 +118,29 @@ class MemoryGuard:
         fraction = self.last_fraction = self.used_fraction()
         if fraction >= self.max_fraction:
             kind, _, shared = self.limit_source.partition("/")
-            where = {"device": "device memory", "cgroup": "the cgroup's memory limit"}.get(kind, "system RAM")
+            where = {
+                "device": "the GPU's memory",
+                "device_fraction": "memory.cuda_memory_fraction of the GPU",
+                "cgroup": "the cgroup's memory limit",
+            }.get(kind, "system RAM")
             where += f" shared by {shared} local ranks" if shared else ""
             return (
                 f"memory at {100 * fraction:.0f}% of {where}, over memory.max_fraction="
                 f"{self.max_fraction:g}; lower trainer.batch_size (or trainer.batch_size=auto), use "
                 "memory=full or precision=bf16, or raise memory.max_fraction"
             )
-        if self.device.type != "cuda":
-            vm = psutil.virtual_memory()
-            machine = 1 - vm.available / vm.total
-            if machine >= self.max_fraction and not self._machine_above:
-                log.warning(
-                    "the machine's memory is %.0f%% used, by other processes too (this run: %.2f GiB, %.0f%% "
-                    "of its limit): not stopped, since what other processes use is not this run's",
-                    100 * machine,
-                    self.run_bytes() / 2**30,
-                    100 * fraction,
-                )
-            self._machine_above = machine >= self.max_fraction
+        machine = self.machine_fraction()
+        if machine >= self.max_fraction and not self._machine_above:
+            mine = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else self.run_bytes()
+            log.warning(
+                "the %s is %.0f%% used, by other processes too (this run: %.2f GiB, %.0f%% of its limit): "
+                "not stopped, since what other processes use is not this run's",
+                "GPU's memory" if self.device.type == "cuda" else "machine's memory",
+                100 * machine,
+                mine / 2**30,
+                100 * fraction,
+            )
+        self._machine_above = machine >= self.max_fraction
         above = fraction >= self.warn_fraction
         if above and not self._above:
             gc.collect()

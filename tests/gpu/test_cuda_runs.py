@@ -5,6 +5,8 @@ resumed on a CPU, NCCL. `pytest -m gpu`; skipped, with the reason, where torch s
 
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -141,3 +143,41 @@ def test_ddp_on_the_gpu_joins_through_nccl(launch):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_summary(run_dir)
     assert summary["phases"]["distributed"]["backend"] == "nccl" and summary["world_size"] == 1
+
+
+def test_the_runs_own_gpu_memory_over_max_fraction_checkpoints_and_stops(launch):
+    total = torch.cuda.get_device_properties(0).total_memory
+    limit = round(2 * 2**30 / total, 4)  # 2 GiB of the GPU; the loss keeps 256 MiB more each step
+    leaky = ["loss._target_=plugin_model.LeakyLoss", "+loss.mb_per_step=256", "trainer.checkpoint_every=0"]
+    proc, run_dir = launch(*GPU, "trainer.max_steps=60", *leaky, f"memory.max_fraction={limit}")
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("aborted: memory at ") and "of the GPU's memory" in last
+    summary = read_summary(run_dir)
+    assert summary["status"] == "aborted" and 4 <= summary["steps"] < 60
+    assert summary["memory_limit_source"] == "device" and summary["memory_limit_bytes"] == total
+    assert (run_dir / "checkpoints" / f"step_{summary['steps']:08d}.pt").exists()
+
+
+def test_another_programs_gpu_memory_warns_but_does_not_stop_the_run(launch):
+    """A program beside the run holding 30% of the GPU puts the GPU over memory.max_fraction=0.2: a
+    warning, not a stop (mem_get_info counts every process on the device; the guard reads its own)."""
+    hog = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time, torch; total = torch.cuda.get_device_properties(0).total_memory; "
+            "x = torch.ones(int(0.3 * total) // 4, device='cuda'); print('ready', flush=True); "
+            "time.sleep(300)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert hog.stdout.readline().strip() == "ready"
+        proc, run_dir = launch(*GPU, "memory.max_fraction=0.2", "memory.warn_fraction=0.2")
+    finally:
+        hog.kill()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert read_summary(run_dir)["status"] == "completed"
+    assert "the GPU's memory is" in (run_dir / "train.log").read_text()
