@@ -1,6 +1,7 @@
 """Fixtures: the real Hydra config, composed with tiny CPU settings; a run launched as a user launches
 it; and the run record read back as `python -m aamperf.compare` reads it."""
 
+import contextlib
 import json
 import os
 import shlex
@@ -156,6 +157,20 @@ def on_tmpfs(size: int, mount: Path, copy: Path) -> list[str]:
     script = f'mount -t tmpfs -o size={size} tmpfs {mount} || exit 99; "$@"; rc=$?; '
     script += f"mkdir -p {copy} && cp -a {mount}/. {copy}/; exit $rc"
     return ["unshare", "-rm" if os.geteuid() else "-m", "sh", "-c", script, "sh"]
+
+
+@contextlib.contextmanager
+def holding(code: str) -> Iterator[None]:
+    """Another program beside the test, holding the memory `code` takes (RAM or a GPU's), until the block
+    ends."""
+    script = f"import time\n{code}\nprint('ready', flush=True)\ntime.sleep(300)"
+    hog = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert hog.stdout.readline().strip() == "ready"
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
 
 
 def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int) -> None:

@@ -1,14 +1,12 @@
 """The run's guards: a non-finite step changes nothing and too many in a row stop the run (status
 aborted, the last good state checkpointed); memory over memory.max_fraction stops the run too."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from conftest import read_metrics, read_summary
+from conftest import holding, read_metrics, read_summary
 from omegaconf import OmegaConf
 
 from aamperf.guards import MemoryGuard, NonfiniteGuard
@@ -112,24 +110,11 @@ def test_memory_over_max_fraction_checkpoints_and_stops(launch):
 def test_another_programs_memory_warns_but_does_not_stop_the_run(launch):
     """The guard measures the run's own memory: a program beside it holding 3 GiB pushes the machine
     over memory.max_fraction, which is a warning, not a stop."""
-    hog = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time; b = bytearray(3 << 30); b[::4096] = b'x' * len(b[::4096]); "
-            "print('ready', flush=True); time.sleep(300)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert hog.stdout.readline().strip() == "ready"
+    with holding("b = bytearray(3 << 30); b[::4096] = b'x' * len(b[::4096])"):  # 3 GiB, touched
         vm = psutil.virtual_memory()
         machine = 1 - vm.available / vm.total
         limit = machine - 2 * 2**30 / vm.total  # the machine is over it (the 3 GiB); the run far below
         proc, run_dir = launch(f"memory.max_fraction={limit:.4f}", "memory.warn_fraction=1.0")
-    finally:
-        hog.kill()
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = read_summary(run_dir)
     assert summary["status"] == "completed" and summary["memory_limit_source"] in ("machine", "cgroup")

@@ -5,12 +5,10 @@ resumed on a CPU, NCCL. `pytest -m gpu`; skipped, with the reason, where torch s
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import read_metrics, read_summary, torchrun
+from conftest import holding, read_metrics, read_summary, torchrun
 from test_guards import poisoned, same_state, saved
 
 from aamperf.metrics.gpu_peaks import gpu_peak
@@ -162,22 +160,9 @@ def test_the_runs_own_gpu_memory_over_max_fraction_checkpoints_and_stops(launch)
 def test_another_programs_gpu_memory_warns_but_does_not_stop_the_run(launch):
     """A program beside the run holding 30% of the GPU puts the GPU over memory.max_fraction=0.2: a
     warning, not a stop (mem_get_info counts every process on the device; the guard reads its own)."""
-    hog = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import time, torch; total = torch.cuda.get_device_properties(0).total_memory; "
-            "x = torch.ones(int(0.3 * total) // 4, device='cuda'); print('ready', flush=True); "
-            "time.sleep(300)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert hog.stdout.readline().strip() == "ready"
+    total = torch.cuda.get_device_properties(0).total_memory
+    with holding(f"import torch; x = torch.ones({int(0.3 * total) // 4}, device='cuda')"):
         proc, run_dir = launch(*GPU, "memory.max_fraction=0.2", "memory.warn_fraction=0.2")
-    finally:
-        hog.kill()
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert read_summary(run_dir)["status"] == "completed"
     assert "the GPU's memory is" in (run_dir / "train.log").read_text()
