@@ -136,11 +136,17 @@ def test_a_checkpoint_saved_on_the_gpu_resumes_on_a_cpu(make_cfg, tmp_path, laun
     assert all(math.isfinite(r["loss"]) for r in read_metrics(run_dir) if r["step"] > 4)
 
 
-def test_ddp_on_the_gpu_joins_through_nccl(launch):
-    proc, run_dir = launch(*GPU, "distributed=ddp", launcher=torchrun(1))
+# one rank: NCCL forbids two ranks on one GPU; a machine with more GPUs can run torchrun(2) by hand
+@pytest.mark.parametrize(
+    "options",
+    [("distributed=ddp",), ("distributed=ddp", "distributed.comm_hook=bf16"), ("distributed=fsdp",)],
+)
+def test_distributed_on_the_gpu_joins_through_nccl(launch, options):
+    proc, run_dir = launch(*GPU, "precision=bf16", *options, launcher=torchrun(1))
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_summary(run_dir)
-    assert summary["phases"]["distributed"]["backend"] == "nccl" and summary["world_size"] == 1
+    assert summary["status"] == "completed" and summary["world_size"] == 1
+    assert summary["phases"]["distributed"]["backend"] == "nccl"
 
 
 def test_the_runs_own_gpu_memory_over_max_fraction_checkpoints_and_stops(launch):
