@@ -108,10 +108,11 @@ def measure_matmul(device: torch.device, shapes: list[tuple[int, int, int]]) -> 
 
 
 def measure_attention(
-    device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int]
+    device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int], backward: bool = True
 ) -> dict[str, Any]:
-    """Which SDPA kernels run on `device` in `dtype`, and forward + backward seconds of SDPA (torch's choice
-    of kernel) and of the written-out math on q, k, v of `shape` [N, heads, L, head_dim] with a key mask."""
+    """Which SDPA kernels run on `device` in `dtype`, and forward + backward seconds (forward alone with
+    `backward=False`: inference) of SDPA (torch's choice of kernel) and of the written-out math on q, k,
+    v of `shape` [N, heads, L, head_dim] with a key mask."""
     from torch.nn.attention import sdpa_kernel
 
     from aamperf.model.layers import MathAttention
@@ -135,6 +136,10 @@ def measure_attention(
 
     def step(module: torch.nn.Module) -> Callable[[], None]:
         def run() -> None:
+            if not backward:
+                with torch.no_grad():
+                    module(q, k, v, mask)
+                return
             module(q, k, v, mask).sum().backward()
             q.grad = k.grad = v.grad = None
 
@@ -148,6 +153,7 @@ def measure_attention(
     return {
         "shape": list(shape),
         "dtype": str(dtype).removeprefix("torch."),
+        "backward": backward,
         "backends": runs,
         "math_s": statistics.median(math_s),
         "sdpa_s": statistics.median(sdpa_s),
@@ -273,9 +279,12 @@ class Probe:
     def matmul(self, shapes: list[tuple[int, int, int]]) -> dict:
         return self.answer("matmul", {"shapes": shapes}, lambda: measure_matmul(self.device, shapes))
 
-    def attention(self, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> dict:
-        params = {"dtype": dtype, "shape": shape}
-        return self.answer("attention", params, lambda: measure_attention(self.device, dtype, shape))
+    def attention(self, dtype: torch.dtype, shape: tuple[int, int, int, int], backward: bool = True) -> dict:
+        # training's answers keep their key; inference's (forward alone) is its own
+        params = {"dtype": dtype, "shape": shape, **({} if backward else {"backward": False})}
+        return self.answer(
+            "attention", params, lambda: measure_attention(self.device, dtype, shape, backward)
+        )
 
     def compile(self, block: tuple[int, int, int, int, int] | None, dtype: torch.dtype) -> dict:
         params = {"block": block, "dtype": dtype}

@@ -222,6 +222,8 @@ def test_batch_size_auto_finds_the_largest_forward_pass_that_fits(launch, traine
     # with a level whose auto choices are measured at the batch's shapes: those of a real batch
     out, summary = predicted(launch, f"run={run_dir}", "batch_size=auto", "inference=fast", name="auto")
     found = summary["batch_finder"]
+    # attention=auto timed the forward pass alone: what inference runs
+    assert "SDPA forward " in summary["phases"]["attention"]["auto"]["reason"]
     # the default budget holds every sample of this tiny data set: the data limits the batch
     assert (
         found["limited_by"] == "data" and summary["batch_size"] == found["batch_size"] == summary["n_samples"]

@@ -5,6 +5,7 @@ import json
 
 import torch
 
+from aamperf.files import update_json_cache
 from aamperf.probe import Probe, device_key, measure_attention, measure_matmul, model_shapes
 
 CPU = torch.device("cpu")
@@ -21,6 +22,18 @@ def test_measure_attention_names_the_kernels_that_run_and_times_both():
     record = measure_attention(CPU, torch.float32, (4, 2, 16, 8))
     assert "math" in record["backends"] and "cuda" not in " ".join(record["backends"])
     assert record["sdpa_s"] > 0 and record["math_s"] > 0
+
+
+def test_inference_times_attention_forward_alone_under_its_own_cache_key(tmp_path):
+    probe = Probe(CPU, tmp_path / "probe.json")
+    shape = (4, 2, 16, 8)
+    trained = {"backends": ["math"], "backward": True, "sdpa_s": 123.0, "math_s": 456.0, "under_load": None}
+    key = probe._key("attention", {"dtype": torch.float32, "shape": shape})  # training's key, as before
+    update_json_cache(probe.cache_file, key, trained)
+    assert probe.attention(torch.float32, shape)["sdpa_s"] == 123.0  # training's answer, from the cache
+    inference = probe.attention(torch.float32, shape, backward=False)  # not training's: measured now
+    assert inference["backward"] is False and inference["source"] != "cache"
+    assert 0 < inference["sdpa_s"] < 123.0 and 0 < inference["math_s"] < 456.0
 
 
 def test_model_shapes_follow_the_model_config(make_cfg):

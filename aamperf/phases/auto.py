@@ -53,18 +53,24 @@ def choose_precision(device: torch.device, probe: Probe, shapes: list[tuple[int,
 
 
 def choose_attention(
-    device: torch.device, probe: Probe, dtype: torch.dtype, shape: tuple[int, int, int, int] | None
+    device: torch.device,
+    probe: Probe,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int, int] | None,
+    backward: bool = True,
 ) -> dict:
-    """sdpa or math for `device`: measured forward + backward at the model's attention shape."""
+    """sdpa or math for `device`: measured forward + backward (training) or forward alone (inference,
+    `backward=False`) at the model's attention shape."""
     shape = shape or DEFAULT_ATTENTION
-    answer = probe.attention(dtype, shape)
+    answer = probe.attention(dtype, shape, backward)
     evidence = {"sdpa_s": answer["sdpa_s"], "math_s": answer["math_s"], "source": answer["source"]}
     if not answer["backends"]:
         return decided("math", f"no SDPA kernel runs on {device.type} in {dtype}: math", **evidence)
     ratio = answer["sdpa_s"] / answer["math_s"]
     choice = "sdpa" if ratio <= 1.0 else "math"
+    timed = "forward+backward" if backward else "forward"
     reason = (
-        f"SDPA forward+backward {ratio:.2f}x the math's time at {list(shape)} in "
+        f"SDPA {timed} {ratio:.2f}x the math's time at {list(shape)} in "
         f"{str(dtype).removeprefix('torch.')} here: {choice}" + _load_note(answer)
     )
     return decided(choice, reason, backends=answer["backends"], shape=list(shape), **evidence)

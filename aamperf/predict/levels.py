@@ -71,8 +71,8 @@ def decide_auto(
     if cfg.precision.dtype == "auto":
         decisions["precision"] = choose_precision(device, probe, matmuls)
     dtype = decisions.get("precision", {}).get("chose", cfg.precision.dtype)
-    if cfg.attention.impl == "auto":  # measured forward + backward: the probe's one attention answer
-        decisions["attention"] = choose_attention(device, probe, DTYPES[dtype], attention)
+    if cfg.attention.impl == "auto":  # measured on a forward pass alone: what inference runs
+        decisions["attention"] = choose_attention(device, probe, DTYPES[dtype], attention, backward=False)
     apply_decisions(cfg, decisions)
     return decisions
 

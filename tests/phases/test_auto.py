@@ -21,7 +21,8 @@ class Injected:
     def matmul(self, shapes):
         return {"flops": self._matmul, "shapes": shapes, "source": "cache"}
 
-    def attention(self, dtype, shape):
+    def attention(self, dtype, shape, backward=True):
+        self.asked_backward = backward
         return {**self._attention, "source": "cache"}
 
 
@@ -40,6 +41,14 @@ def test_attention_auto_takes_the_faster_implementation(sdpa_s, chosen):
     answer = {"backends": ["flash", "math"], "sdpa_s": sdpa_s, "math_s": 1.0}
     decision = choose_attention(CPU, Injected(attention=answer), torch.float32, (4, 2, 16, 8))
     assert decision["chose"] == chosen and f"{sdpa_s:.2f}x the math's time" in decision["reason"]
+
+
+def test_attention_auto_for_inference_asks_for_a_forward_pass_alone():
+    probe = Injected(attention={"backends": ["math"], "sdpa_s": 0.5, "math_s": 1.0})
+    decision = choose_attention(CPU, probe, torch.float32, (4, 2, 16, 8), backward=False)
+    assert probe.asked_backward is False and "SDPA forward 0.50x the math's time" in decision["reason"]
+    choose_attention(CPU, probe, torch.float32, (4, 2, 16, 8))
+    assert probe.asked_backward is True  # training's question: forward + backward
 
 
 def test_attention_auto_takes_the_math_where_no_sdpa_kernel_runs():
