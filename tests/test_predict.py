@@ -7,13 +7,17 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import read_summary, torchrun
+from conftest import CONF_DIR, read_summary, torchrun
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from aamperf.data.dataset import Collate
 from aamperf.data.samples import read_samples
 from aamperf.data.simulate import SimParams, ensure_simulated
+from aamperf.errors import UserError
 from aamperf.model.loss import predicted_unifrac
+from aamperf.predict import predict
+from aamperf.predict.config import register_predict_configs
 from aamperf.run import train
 from aamperf.weights import load_model
 
@@ -236,3 +240,12 @@ def test_batch_size_auto_finds_the_largest_forward_pass_that_fits(launch, traine
     )  # fmt: skip
     assert proc.returncode == 2
     assert "batch_size=auto: not even one sample's forward pass fits" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_timeout_that_is_not_positive_is_refused_before_anything_is_read(tmp_path):
+    register_predict_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("predict", overrides=[f"run={tmp_path}", "timeout_s=0", "device=cpu"])
+    with pytest.raises(UserError, match=r"^timeout_s=0 must be > 0"):
+        predict(cfg, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -61,7 +61,11 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     bench.enabled=true: the latencies of the level instead of the files (aamperf/predict/bench.py)."""
     start = time.perf_counter()
     device = resolve_device(cfg.device)
-    world = join_world("auto", 600, device) if torchrun_env() else World()
+    if cfg.timeout_s <= 0:
+        raise UserError(
+            f"timeout_s={cfg.timeout_s} must be > 0 (seconds a collective may wait under torchrun)"
+        )
+    world = join_world("auto", cfg.timeout_s, device) if torchrun_env() else World()
     completed = False
     try:
         auto_batch = cfg.batch_size == "auto"

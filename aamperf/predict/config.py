@@ -85,6 +85,7 @@ class PredictConfig:
     bench: BenchConfig = field(default_factory=BenchConfig)
     export: bool = False  # also model.pt2: the model as a torch.export program (aamperf/predict/export.py)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    timeout_s: int = 600  # under torchrun: a collective waiting longer than this fails instead of hanging
     progress: bool = True  # tqdm bar with samples/s
 
 
