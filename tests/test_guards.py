@@ -1,6 +1,7 @@
 """The run's guards: a non-finite step changes nothing and too many in a row stop the run (status
 aborted, the last good state checkpointed); memory over memory.max_fraction stops the run too."""
 
+import math
 from pathlib import Path
 
 import psutil
@@ -119,6 +120,18 @@ def test_another_programs_memory_warns_but_does_not_stop_the_run(launch):
     summary = read_summary(run_dir)
     assert summary["status"] == "completed" and summary["memory_limit_source"] in ("machine", "cgroup")
     assert "by other processes too" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.parametrize(("name", "counted"), [(b"wandb-service", False), (b"loader-worker", True)])
+def test_the_memory_guard_counts_its_workers_but_not_the_loggers_process(name, counted):
+    guard = MemoryGuard(OmegaConf.create({"warn_fraction": 1.0, "max_fraction": 1.0}), torch.device("cpu"))
+    alone = guard.run_bytes()
+    # a child of this process holding 512 MiB, named (Linux's comm) as W&B's service or a worker is
+    child = f"import ctypes; ctypes.CDLL(None).prctl(15, {name!r}, 0, 0, 0); b = b'x' * (512 << 20)"
+    with holding(child):
+        guard._children_at = -math.inf  # list the children again now
+        grown = guard.run_bytes() - alone
+    assert (grown > 400 << 20) is counted, grown
 
 
 def test_memory_guard_cleans_once_per_crossing():

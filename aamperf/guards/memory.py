@@ -12,6 +12,8 @@ import psutil
 import torch
 from omegaconf import DictConfig
 
+from aamperf.metrics.monitor import is_logger
+
 log = logging.getLogger(__name__)
 
 
@@ -82,12 +84,13 @@ class MemoryGuard:
         self._children_at = -math.inf
 
     def run_bytes(self) -> int:
-        """RSS of this process and its children (dataloader workers): shared pages count in each. The
-        children are listed at most every CHILDREN_EVERY_S (listing scans /proc: ~1 ms with 70
-        processes, more on a busy node); their RSS is read at each check."""
+        """RSS of this process and its children (dataloader workers; not W&B's service process): shared
+        pages count in each. The children are listed at most every CHILDREN_EVERY_S (listing scans
+        /proc: ~1 ms with 70 processes, more on a busy node); their RSS is read at each check."""
         now = time.perf_counter()
         if now - self._children_at >= CHILDREN_EVERY_S:
-            self._children, self._children_at = self._process.children(recursive=True), now
+            children = [p for p in self._process.children(recursive=True) if not is_logger(p)]
+            self._children, self._children_at = children, now
         total = self._process.memory_info().rss
         for child in self._children:
             try:

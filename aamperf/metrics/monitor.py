@@ -114,7 +114,8 @@ def release_freed_memory() -> None:
         pass
 
 
-def _is_logger(proc: psutil.Process) -> bool:
+def is_logger(proc: psutil.Process) -> bool:
+    """W&B's service process: a child of the run, but the logger's memory, not training's."""
     try:
         return proc.name().startswith("wandb")
     except psutil.Error:
@@ -167,7 +168,7 @@ class SystemMonitor:
 
     def _tree(self) -> list[psutil.Process]:
         # W&B's service process is a child too, but it is the logger's memory, not training's.
-        live = [self._root, *(p for p in self._root.children(recursive=True) if not _is_logger(p))]
+        live = [self._root, *(p for p in self._root.children(recursive=True) if not is_logger(p))]
         # Keep Process objects across samples: cpu_percent() measures since the previous call.
         self._procs = {p.pid: self._procs.get(p.pid, p) for p in live}
         return list(self._procs.values())
