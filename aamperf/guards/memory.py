@@ -76,7 +76,7 @@ class MemoryGuard:
         else:
             self.limit_bytes, self.limit_source = memory_limit()
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's ranks on this machine
-        if self.limit_bytes is not None and local_ranks > 1:  # they share the limit: each its share
+        if device.type != "cuda" and local_ranks > 1:  # they share the RAM limit: each its share (a GPU each)
             self.limit_bytes //= local_ranks
             self.limit_source += f"/{local_ranks}"
         self._process = psutil.Process()
