@@ -18,7 +18,7 @@ die() { echo "error: $*" >&2; exit 2; }
 command -v nvidia-smi >/dev/null || die "nvidia-smi not found: run this on a machine with an NVIDIA GPU and its driver"
 gpus=$(nvidia-smi -L 2>&1) || true
 [[ $gpus == *"GPU "* ]] || die "nvidia-smi sees no GPU: ${gpus%%$'\n'*}"
-command -v python3 >/dev/null || die "python3 not found: install Python >= 3.10"
+command -v python3 >/dev/null || die "python3 not found: install Python >= 3.11"
 out=${1:-outputs/gpu/$(date +%Y-%m-%d_%H-%M-%S)}
 
 # The CUDA version the driver supports (nvidia-smi's header), e.g. 12.8; empty if it does not say.
