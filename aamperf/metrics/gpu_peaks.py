@@ -50,8 +50,8 @@ GPU_PEAKS: tuple[GpuPeak, ...] = (
         r"\bA10G\b",
         "A10G (AWS G5)",
         UNPUBLISHED,
-        "no vendor data sheet: the A10G is AWS's variant of the A10, and the figures published "
-        "for it elsewhere disagree (62.5, 70, 125 bf16 TFLOP/s); give metrics.peak_flops",
+        "no vendor data sheet: the A10G is AWS's variant of the A10, and the tensor figures that "
+        "third-party tables give it disagree (62.5 and 125 TFLOP/s among them); give metrics.peak_flops",
     ),
     GpuPeak(
         r"\bA10\b", "A10", _flops(31.2, 62.5, 125, 125), f"NVIDIA A10 Tensor Core GPU data sheet; {DENSE}"

@@ -9,17 +9,13 @@ import os
 import pytest
 import torch
 from conftest import holding, read_metrics, read_summary, torchrun
-from test_guards import poisoned, same_state, saved
+from test_guards import poisoned, rows, same_state, saved
 
 from aamperf.metrics.gpu_peaks import gpu_peak
 from aamperf.run import train
 
 pytestmark = pytest.mark.gpu
 GPU = ("device=cuda",)
-
-
-def rows(run_dir) -> dict[int, dict]:
-    return {r["step"]: r for r in read_metrics(run_dir)}
 
 
 def test_a_bf16_run_trains_on_the_gpu_with_the_data_sheets_peak(make_cfg, tmp_path):
