@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from aamperf.errors import one_line
 from aamperf.files import read_json_cache, update_json_cache
@@ -108,15 +109,23 @@ def measure_matmul(device: torch.device, shapes: list[tuple[int, int, int]]) -> 
 
 
 def measure_attention(
-    device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int], backward: bool = True
+    device: torch.device,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int, int],
+    backward: bool = True,
+    dropout: tuple[float, str] = (0.0, "standard"),
 ) -> dict[str, Any]:
     """Which SDPA kernels run on `device` in `dtype`, and forward + backward seconds (forward alone with
     `backward=False`: inference) of SDPA (torch's choice of kernel) and of the written-out math on q, k,
-    v of `shape` [N, heads, L, head_dim] with a key mask."""
+    v of `shape` [N, heads, L, head_dim] with a key mask; in training with `dropout` = (p, the dropout
+    phase's impl) on the attention weights, as the run would train them (on CPU SDPAttention then runs
+    its chunked math: no CPU kernel has dropout)."""
+    from omegaconf import OmegaConf
     from torch.nn.attention import sdpa_kernel
 
     from aamperf.model.layers import MathAttention
     from aamperf.phases.attention import BACKENDS, SDPAttention
+    from aamperf.phases.dropout import apply_dropout
 
     gen = torch.Generator().manual_seed(0)
     n, heads, length, head_dim = shape
@@ -145,15 +154,19 @@ def measure_attention(
 
         return run
 
+    p = dropout[0] if backward else 0.0
+    modules = nn.ModuleList([MathAttention(p), SDPAttention(p, [])])
+    apply_dropout(modules, OmegaConf.create({"impl": dropout[1]}), device)
     watch = LoadWatch()
-    math_s = timed(step(MathAttention(0.0)), device, min_s=MIN_WATCH_S / 2)
-    sdpa_s = timed(step(SDPAttention(0.0, [])), device, min_s=MIN_WATCH_S / 2)
+    math_s = timed(step(modules[0]), device, min_s=MIN_WATCH_S / 2)
+    sdpa_s = timed(step(modules[1]), device, min_s=MIN_WATCH_S / 2)
     load = watch.stop()
     spread = max(iqr_spread(math_s), iqr_spread(sdpa_s))
     return {
         "shape": list(shape),
         "dtype": str(dtype).removeprefix("torch."),
         "backward": backward,
+        "dropout_p": p,
         "backends": runs,
         "math_s": statistics.median(math_s),
         "sdpa_s": statistics.median(sdpa_s),
@@ -279,11 +292,22 @@ class Probe:
     def matmul(self, shapes: list[tuple[int, int, int]]) -> dict:
         return self.answer("matmul", {"shapes": shapes}, lambda: measure_matmul(self.device, shapes))
 
-    def attention(self, dtype: torch.dtype, shape: tuple[int, int, int, int], backward: bool = True) -> dict:
-        # training's answers keep their key; inference's (forward alone) is its own
-        params = {"dtype": dtype, "shape": shape, **({} if backward else {"backward": False})}
+    def attention(
+        self,
+        dtype: torch.dtype,
+        shape: tuple[int, int, int, int],
+        *,
+        backward: bool = True,
+        dropout: tuple[float, str] = (0.0, "standard"),
+    ) -> dict:
+        # training without dropout keeps its key; inference's (forward alone) and dropout's are their own
+        params: dict[str, Any] = {"dtype": dtype, "shape": shape}
+        if not backward:
+            params["backward"] = False
+        elif dropout[0] > 0:
+            params["dropout"] = [float(dropout[0]), str(dropout[1])]  # a plain key: the impl may be a StrEnum
         return self.answer(
-            "attention", params, lambda: measure_attention(self.device, dtype, shape, backward)
+            "attention", params, lambda: measure_attention(self.device, dtype, shape, backward, dropout)
         )
 
     def compile(self, block: tuple[int, int, int, int, int] | None, dtype: torch.dtype) -> dict:

@@ -36,6 +36,21 @@ def test_inference_times_attention_forward_alone_under_its_own_cache_key(tmp_pat
     assert 0 < inference["sdpa_s"] < 123.0 and 0 < inference["math_s"] < 456.0
 
 
+def test_training_with_attention_dropout_is_timed_with_it_under_its_own_cache_key(tmp_path):
+    probe = Probe(CPU, tmp_path / "probe.json")
+    shape = (4, 2, 16, 8)
+    without = {"backends": ["math"], "backward": True, "sdpa_s": 123.0, "math_s": 456.0, "under_load": None}
+    update_json_cache(
+        probe.cache_file, probe._key("attention", {"dtype": torch.float32, "shape": shape}), without
+    )
+    with_dropout = probe.attention(torch.float32, shape, dropout=(0.1, "fast"))  # not the dropout-free answer
+    assert with_dropout["dropout_p"] == 0.1 and with_dropout["source"] != "cache"
+    assert 0 < with_dropout["sdpa_s"] < 123.0 and 0 < with_dropout["math_s"] < 456.0
+    again = probe.attention(torch.float32, shape, dropout=(0.1, "fast"))
+    assert again["source"] == "cache" or again["source"] == "measured_under_load"
+    assert probe.attention(torch.float32, shape, backward=False, dropout=(0.1, "fast"))["dropout_p"] == 0.0
+
+
 def test_model_shapes_follow_the_model_config(make_cfg):
     cfg = make_cfg()
     matmuls, attention = model_shapes(cfg.model, 4, cfg.data.max_asvs)

@@ -57,18 +57,22 @@ def choose_attention(
     probe: Probe,
     dtype: torch.dtype,
     shape: tuple[int, int, int, int] | None,
+    *,
     backward: bool = True,
+    dropout: tuple[float, str] = (0.0, "standard"),
 ) -> dict:
-    """sdpa or math for `device`: measured forward + backward (training) or forward alone (inference,
-    `backward=False`) at the model's attention shape."""
+    """sdpa or math for `device`: measured forward + backward (training, with the model's attention
+    `dropout` = (p, impl)) or forward alone (inference, `backward=False`) at the model's attention shape."""
     shape = shape or DEFAULT_ATTENTION
-    answer = probe.attention(dtype, shape, backward)
+    answer = probe.attention(dtype, shape, backward=backward, dropout=dropout)
     evidence = {"sdpa_s": answer["sdpa_s"], "math_s": answer["math_s"], "source": answer["source"]}
     if not answer["backends"]:
         return decided("math", f"no SDPA kernel runs on {device.type} in {dtype}: math", **evidence)
     ratio = answer["sdpa_s"] / answer["math_s"]
     choice = "sdpa" if ratio <= 1.0 else "math"
     timed = "forward+backward" if backward else "forward"
+    if backward and dropout[0]:
+        timed += f" with dropout {dropout[0]:g}"
     reason = (
         f"SDPA {timed} {ratio:.2f}x the math's time at {list(shape)} in "
         f"{str(dtype).removeprefix('torch.')} here: {choice}" + _load_note(answer)
@@ -111,7 +115,9 @@ def measure_decisions(cfg: DictConfig, device: torch.device, micro_batch: int) -
         decisions["precision"] = choose_precision(device, probe, matmuls)
     dtype = decisions.get("precision", {}).get("chose", cfg.precision.dtype)
     if cfg.attention.impl == "auto":
-        decisions["attention"] = choose_attention(device, probe, DTYPES[dtype], attention)
+        # the model's dropout on the attention weights, as the run will train (AAM's `model.dropout`)
+        dropout = (float(cfg.model.get("dropout", 0.0)) if attention else 0.0, cfg.dropout.impl)
+        decisions["attention"] = choose_attention(device, probe, DTYPES[dtype], attention, dropout=dropout)
     if cfg.memory.checkpointing == "auto":  # recorded beside the checkpointing phase
         decisions["checkpointing"] = choose_checkpointing(dtype, cfg.memory.recompute_every)
     return decisions

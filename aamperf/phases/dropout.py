@@ -19,6 +19,14 @@ def keep_mask(shape: torch.Size, p: float, device: torch.device) -> Tensor:
     return bits >= -(2**15) + round(p * 2**16)
 
 
+def draw_keep(dropout: nn.Dropout, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The bool keep mask `dropout` would draw for an input of `shape` and `dtype`, from the same random
+    stream: FastDropout's words, or the Bernoulli draw of torch's own dropout."""
+    if isinstance(dropout, FastDropout):
+        return keep_mask(shape, dropout.p, device)
+    return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1 - dropout.p).bool()
+
+
 class FastDropout(nn.Dropout):
     """nn.Dropout with its mask from `keep_mask`: same distribution, another random stream."""
 

@@ -21,8 +21,8 @@ class Injected:
     def matmul(self, shapes):
         return {"flops": self._matmul, "shapes": shapes, "source": "cache"}
 
-    def attention(self, dtype, shape, backward=True):
-        self.asked_backward = backward
+    def attention(self, dtype, shape, *, backward=True, dropout=(0.0, "standard")):
+        self.asked_backward, self.asked_dropout = backward, dropout
         return {**self._attention, "source": "cache"}
 
 
@@ -65,7 +65,8 @@ def test_resolve_auto_reads_the_cached_probe_and_writes_the_choices_into_the_con
     # what a device where bf16 is slow and SDPA fast would have cached (keys as Probe.answer writes them)
     cache = {
         f"{key}|matmul|shapes={matmuls}": {"flops": {"fp32": 100e9, "bf16": 50e9}, "shapes": matmuls},
-        f"{key}|attention|dtype={torch.float32},shape={attention}": {
+        # aam_tiny's dropout 0.1 on the attention weights, drawn as dropout=standard draws it
+        f"{key}|attention|dropout=[0.1, 'standard'],dtype={torch.float32},shape={attention}": {
             "backends": ["flash", "math"],
             "sdpa_s": 0.2,
             "math_s": 1.0,
@@ -76,6 +77,7 @@ def test_resolve_auto_reads_the_cached_probe_and_writes_the_choices_into_the_con
     assert (cfg.precision.dtype, cfg.attention.impl) == ("fp32", "sdpa")
     assert decisions["precision"]["source"] == decisions["attention"]["source"] == "cache"
     assert "bf16 matmul 0.50x fp32" in decisions["precision"]["reason"]
+    assert "SDPA forward+backward with dropout 0.1 0.20x the math's time" in decisions["attention"]["reason"]
 
 
 def test_resolve_auto_measures_on_this_device_when_nothing_is_cached(make_cfg, tmp_path):

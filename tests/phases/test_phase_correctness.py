@@ -56,6 +56,60 @@ def test_sdpa_gives_the_math_results(tiny, make_cfg):
         assert_same(reference, loss_and_grads(other, loss_fn, batch))
 
 
+@pytest.mark.parametrize(
+    ("impl", "dtype", "heads"), [("standard", torch.float32, 4), ("fast", torch.bfloat16, 2)]
+)  # head_dim 8 (its sqrt not a power of two) and 16
+def test_sdpa_training_with_dropout_on_cpu_gives_the_math_results_in_chunks(
+    make_cfg, monkeypatch, impl, dtype, heads
+):
+    """No CPU SDPA kernel has dropout: SDPAttention runs the math a few rows at a time, drawing the same
+    keep mask from the same random stream, so loss and gradients equal the math's with that dropout."""
+    from aamperf.phases import attention
+    from aamperf.phases.dropout import apply_dropout
+
+    cfg = make_cfg("model.dropout=0.3", f"model.num_heads={heads}", f"dropout={impl}")
+    torch.manual_seed(0)
+    model, loss_fn = instantiate(cfg.model), instantiate(cfg.loss)
+    data = build_data(cfg.data, batch_size=4, seed=0, loader=cfg.dataloader)
+    batch = to_device(next(iter(data.train_loader)), torch.device("cpu"))
+    chunked = copy.deepcopy(model)
+    apply_attention(chunked, make_cfg("attention=sdpa").attention)
+    for m in (model, chunked):
+        apply_dropout(m, cfg.dropout, torch.device("cpu"))
+    monkeypatch.setattr(attention, "CHUNK_BYTES", 1)  # one row a chunk: every chunk boundary is crossed
+    autocast = lambda: torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)  # noqa: E731
+    results = []
+    for m in (model, chunked):
+        torch.manual_seed(1)
+        results.append(loss_and_grads(m, loss_fn, batch, autocast))
+    assert_same(*results)  # the same ops on the same rows (dk as d_scores^T q: rounding may differ)
+    torch.manual_seed(2)  # another keep mask: another loss (the dropout is there)
+    assert loss_and_grads(chunked, loss_fn, batch, autocast)[0] != results[1][0]
+
+
+def test_chunked_attention_with_dropout_matches_the_math_on_fully_masked_rows_too(monkeypatch):
+    """A row whose keys are all masked gets a uniform softmax in the math, and no gradient through the
+    masked scores: the chunked path must agree there too (key_padding_mask never makes one; a user's
+    mask may)."""
+    from aamperf.model.layers import MathAttention
+    from aamperf.phases import attention
+
+    monkeypatch.setattr(attention, "CHUNK_BYTES", 1)
+    gen = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(5, 2, 7, 4, generator=gen) for _ in range(3)]
+    mask = torch.rand(5, 1, 7, 7, generator=gen) < 0.6
+    mask[1, :, 3] = False  # query 3 of row 1 may attend nowhere
+    results = []
+    for module in (MathAttention(0.25), SDPAttention(0.25, [])):
+        q, k, v = (t.clone().requires_grad_() for t in qkv)
+        torch.manual_seed(3)
+        out = module(q, k, v, mask)
+        (out * torch.arange(out.numel()).view_as(out)).sum().backward()
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(b, a)
+
+
 @pytest.mark.parametrize("option", ["full", "selective"])
 def test_checkpointing_gives_the_same_loss_and_gradients(tiny, make_cfg, option):
     cfg, model, loss_fn, batch = tiny
