@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aamperf.model.layers import MathAttention
-from aamperf.phases.dropout import draw_keep
+from aamperf.phases.dropout import draw_keep, keep_scale
 from aamperf.phases.record import applied, skipped
 
 BACKENDS = {
@@ -43,7 +43,7 @@ class ChunkedDropoutAttention(torch.autograd.Function):
         ctx.chunks = [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
         # both as the math has them: scores divided by sqrt(d), kept weights times 1/(1-p) in q's dtype
         ctx.sqrt_d = math.sqrt(q.size(-1))
-        ctx.keep_scale = torch.tensor(1 / (1 - dropout.p), dtype=q.dtype).item()
+        ctx.keep_scale = keep_scale(dropout.p, q)
         ctx.save_for_backward(q, k, v, mask, keep)
         out = torch.empty_like(q)
         with torch.autocast(q.device.type, enabled=False):  # q's dtype throughout, as said above

@@ -27,15 +27,35 @@ def draw_keep(dropout: nn.Dropout, shape: torch.Size, dtype: torch.dtype, device
     return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1 - dropout.p).bool()
 
 
+def keep_scale(p: float, x: Tensor) -> Tensor:
+    """1 / (1 - p) in x's dtype (a 0-dim tensor), as torch's dropout scales the kept elements: the
+    same rounding in bf16 and fp16, and no .item() for torch.compile to break its graph at."""
+    return torch.full((), 1 / (1 - p), dtype=x.dtype, device=x.device)
+
+
+class MaskedScale(torch.autograd.Function):
+    """x where `keep`, else 0, times `scale`; backward keeps the bool mask (1 byte an element), not a
+    multiplier in x's dtype (2-4 bytes) as `x * multiplier` would."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, keep: Tensor, scale: Tensor) -> Tensor:
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return torch.where(keep, x, 0).mul_(scale)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (keep,) = ctx.saved_tensors
+        return torch.where(keep, grad, 0).mul_(ctx.scale), None, None
+
+
 class FastDropout(nn.Dropout):
     """nn.Dropout with its mask from `keep_mask`: same distribution, another random stream."""
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0:
             return x
-        # One multiplier tensor in x's dtype, scaled in place: the cheapest of the forms measured.
-        multiplier = keep_mask(x.shape, self.p, x.device).to(x.dtype).mul_(1.0 / (1.0 - self.p))
-        return x * multiplier
+        return MaskedScale.apply(x, keep_mask(x.shape, self.p, x.device), keep_scale(self.p, x))
 
 
 def apply_dropout(model: nn.Module, cfg: DictConfig, device: torch.device) -> dict:
