@@ -315,11 +315,20 @@ class Probe:
         return self.answer("compile", params, lambda: measure_compile(self.device, block, dtype))
 
 
+# ASV rows of the attention probe, at most: the headline's batches encode 223-287 distinct ASVs. Fewer
+# misled it: at 108 rows a bf16 [rows, 4, 151, 151] score tensor (20 MB) stays in a 32 MB L3 cache
+# between the probe's back-to-back trials, and the written-out math timed 0.8x the chunked one with
+# dropout, which trained as fast and in 0.8x the memory; at 256 rows 0.68x the other way round
+# (AVX-512 EPYC, 2026-11-24).
+ATTENTION_ROWS = 256
+
+
 def model_shapes(
     model_cfg: Any, micro_batch: int, max_asvs: int
 ) -> tuple[list[tuple[int, int, int]], tuple[int, int, int, int] | None]:
     """AAM's ASV-encoder matmuls ([rows * seq_len, D] x [D, 3D | 4D] and back) and attention shape
-    [rows, heads, seq_len, head_dim] at this batch, rows capped where the rate stops changing; for a
+    [rows, heads, seq_len, head_dim] at this batch, rows capped (matmuls where the rate stops changing,
+    attention at ATTENTION_ROWS); for a
     model without these config keys: no shapes (the probe's square matmul and default attention)."""
     if not {"embedding_dim", "ffn_mult", "seq_len", "num_heads"} <= set(model_cfg.keys()):
         return [], None
@@ -327,4 +336,5 @@ def model_shapes(
     tokens = min(micro_batch * max_asvs * length, MAX_ROWS)
     ffn = model_cfg.ffn_mult * dim
     matmuls = [(tokens, dim, ffn), (tokens, ffn, dim), (tokens, dim, 3 * dim)]
-    return matmuls, (max(1, tokens // length), heads, length, dim // heads)
+    rows = min(micro_batch * max_asvs, ATTENTION_ROWS)
+    return matmuls, (rows, heads, length, dim // heads)

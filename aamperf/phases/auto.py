@@ -7,10 +7,12 @@ and the evidence (the probe's figures, whether they were cached or measured in t
 - attention=auto: SDPA where one of its kernels runs here and its forward + backward at the model's
   attention shape is not slower than the written-out math, else the math.
 - memory=auto: every k-th transformer layer recomputed in backward (selective) where the activations are
-  kept in fp32, none where autocast keeps them in a 2-byte dtype. Measured on the headline's shapes
-  (experiments/memory/): in fp32, keeping every activation put advanced at 1.24-1.27x the baseline's peak RSS
-  (which recomputes every layer) and every 2nd layer recomputed at 0.87x for ~4% step time; in bf16, keeping
-  them all was 0.83x and 0.97x (two studies), and recomputing cost 12-38% step time.
+  kept in fp32 and the attention is the written-out math (which keeps its [rows, heads, L, L]
+  probabilities for backward), none otherwise. Measured at the headline's batch (experiments/memory/,
+  AVX-512 EPYC, 2026-11-24, against the baseline's 2.37 GiB peak RSS, which recomputes every layer):
+  fp32 with the math 2.52 GiB kept, 2.16 with every 2nd layer recomputed; fp32 with SDPA (on CPU with
+  dropout: the chunked math, 1-byte dropout masks) 2.01 kept, 1.86 recomputed for +17-30% step time;
+  in bf16, keeping them all was 0.83x and 0.97x the baseline (two studies of 2026-11-23).
 compile=auto and dataloader=auto need the run's own model and batches: `phases/compile.py` and
 `phases/dataloader.py` decide them by timing real steps.
 """
@@ -80,17 +82,25 @@ def choose_attention(
     return decided(choice, reason, backends=answer["backends"], shape=list(shape), **evidence)
 
 
-def choose_checkpointing(dtype: str, every: int) -> dict:
-    """selective or none for activations kept in `dtype` (the run's precision, after precision=auto)."""
-    if dtype == "fp32":
+def choose_checkpointing(dtype: str, attention: str, every: int) -> dict:
+    """selective or none for activations kept in `dtype` (the run's precision, after precision=auto)
+    by attention `attention` (after attention=auto): only fp32 with the written-out math keeps more."""
+    if dtype == "fp32" and attention == "math":
         return decided(
             "selective",
-            f"activations kept in fp32 (4 bytes each): layers 0, {every}, {2 * every}, ... of each stack "
-            "recomputed in backward (selective), so the step keeps no more than the baseline's",
+            f"activations kept in fp32 (4 bytes each) with the written-out attention's [rows, heads, L, L] "
+            f"probabilities: layers 0, {every}, {2 * every}, ... of each stack recomputed in backward "
+            "(selective), so the step keeps no more than the baseline's",
             dtype=dtype,
+            attention=attention,
         )
-    reason = f"activations kept in {dtype} by autocast (half fp32's bytes): no layer recomputed"
-    return decided("none", reason, dtype=dtype)
+    if dtype == "fp32":
+        reason = (
+            "activations kept in fp32, attention by SDPA (no [rows, heads, L, L] kept): no layer recomputed"
+        )
+    else:
+        reason = f"activations kept in {dtype} by autocast (half fp32's bytes): no layer recomputed"
+    return decided("none", reason, dtype=dtype, attention=attention)
 
 
 def resolve_auto(cfg: DictConfig, device: torch.device, micro_batch: int, world: World) -> dict[str, dict]:
@@ -119,7 +129,8 @@ def measure_decisions(cfg: DictConfig, device: torch.device, micro_batch: int) -
         dropout = (float(cfg.model.get("dropout", 0.0)) if attention else 0.0, cfg.dropout.impl)
         decisions["attention"] = choose_attention(device, probe, DTYPES[dtype], attention, dropout=dropout)
     if cfg.memory.checkpointing == "auto":  # recorded beside the checkpointing phase
-        decisions["checkpointing"] = choose_checkpointing(dtype, cfg.memory.recompute_every)
+        attention = decisions.get("attention", {}).get("chose", cfg.attention.impl)
+        decisions["checkpointing"] = choose_checkpointing(dtype, attention, cfg.memory.recompute_every)
     return decisions
 
 

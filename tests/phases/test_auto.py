@@ -89,9 +89,19 @@ def test_resolve_auto_measures_on_this_device_when_nothing_is_cached(make_cfg, t
     assert (cfg.precision.dtype == "bf16") == (flops["bf16"] / flops["fp32"] >= 1.15)
 
 
-@pytest.mark.parametrize(("dtype", "chosen"), [("fp32", "selective"), ("bf16", "none"), ("fp16", "none")])
-def test_memory_auto_recomputes_every_second_layer_only_where_activations_are_fp32(dtype, chosen):
-    decision = choose_checkpointing(dtype, 2)
+@pytest.mark.parametrize(
+    ("dtype", "attention", "chosen"),
+    [
+        ("fp32", "math", "selective"),
+        ("fp32", "sdpa", "none"),
+        ("bf16", "math", "none"),
+        ("fp16", "sdpa", "none"),
+    ],
+)
+def test_memory_auto_recomputes_only_fp32_activations_with_the_written_out_attention(
+    dtype, attention, chosen
+):
+    decision = choose_checkpointing(dtype, attention, 2)
     assert decision["chose"] == chosen and f"activations kept in {dtype}" in decision["reason"]
 
 
@@ -110,6 +120,19 @@ def test_memory_auto_follows_the_precision_that_precision_auto_chose(make_cfg, t
         decisions = resolve_auto(cfg, CPU, cfg.trainer.batch_size, World())
         assert cfg.memory.checkpointing == checkpointing == decisions["checkpointing"]["chose"]
         assert decisions["checkpointing"]["dtype"] == cfg.precision.dtype
+
+
+def test_memory_auto_follows_the_attention_that_attention_auto_chose(make_cfg, tmp_path):
+    cfg = make_cfg("precision=fp32", "attention=auto", "memory=auto", f"probe.cache={tmp_path}/probe.json")
+    _, shape = model_shapes(cfg.model, cfg.trainer.batch_size, cfg.data.max_asvs)
+    key = f"{device_key(CPU)}|attention|dropout=[0.1, 'standard'],dtype={torch.float32},shape={shape}"
+    for sdpa_s, attention, checkpointing in ((0.5, "sdpa", "none"), (2.0, "math", "selective")):
+        answer = {"backends": ["flash", "math"], "sdpa_s": sdpa_s, "math_s": 1.0}
+        (tmp_path / "probe.json").write_text(json.dumps({key: answer}))
+        cfg.attention.impl, cfg.memory.checkpointing = "auto", "auto"
+        decisions = resolve_auto(cfg, CPU, cfg.trainer.batch_size, World())
+        assert decisions["attention"]["source"] == "cache"
+        assert (cfg.attention.impl, cfg.memory.checkpointing) == (attention, checkpointing)
 
 
 def test_no_auto_no_probe(make_cfg, tmp_path):
