@@ -55,7 +55,12 @@ class FastDropout(nn.Dropout):
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0:
             return x
-        return MaskedScale.apply(x, keep_mask(x.shape, self.p, x.device), keep_scale(self.p, x))
+        keep = keep_mask(x.shape, self.p, x.device)
+        if x.element_size() >= 4:  # fp32: 1 byte an element kept for backward instead of 4, as fast
+            return MaskedScale.apply(x, keep, keep_scale(self.p, x))
+        # 2-byte dtypes: a multiplier in x's dtype (2 bytes kept) is faster than where() there (bf16, AVX-512
+        # EPYC, [256, 151, 384] forward + backward: 31-32 ms against 37-38 ms; fp32: 77-78 against 71-76)
+        return x * keep.to(x.dtype).mul_(keep_scale(self.p, x))
 
 
 def apply_dropout(model: nn.Module, cfg: DictConfig, device: torch.device) -> dict:
