@@ -22,9 +22,10 @@ BACKENDS = {
 
 
 # Scores of one chunk of rows: about this many bytes ([rows, heads, L, L]), so that the chunk's scores,
-# softmax and dropout stay in the CPU's cache between ops. Measured on a 2-core AVX-512 EPYC at
-# [400, 4, 151, 32] fp32, forward + backward: 2 to 16 rows (0.7-5.8 MB) 363-380 ms, the whole
-# tensor at once 827 ms, SDPA without dropout 202 ms.
+# softmax and dropout stay in the CPU's cache between ops. The probe's training measurement
+# (`aamperf.probe.measure_attention(cpu, float32, (256, 4, 151, 32), True, (0.1, "fast"))`, 2-core
+# AVX-512 EPYC, L2 1 MiB a core, L3 32 MiB): chunks of 0.5 / 2 / 8 / 32 MiB 413 / 321 / 303 / 355 ms
+# forward + backward, the whole tensor at once (the math) 477-577 ms.
 CHUNK_BYTES = 2 * 2**20
 
 
@@ -39,44 +40,45 @@ class ChunkedDropoutAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: nn.Dropout) -> Tensor:
         n, heads, length, _ = q.shape
         keep = draw_keep(dropout, torch.Size((n, heads, length, k.size(-2))), q.dtype, q.device)
+        dropped = keep.logical_not_()  # in place: the elements dropout zeroes
+        hidden = None if mask is None else ~mask.expand(n, *mask.shape[1:])  # keys a query may not see
         rows = max(1, CHUNK_BYTES // (heads * length * k.size(-2) * q.element_size()))
         ctx.chunks = [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
         # both as the math has them: scores divided by sqrt(d), kept weights times 1/(1-p) in q's dtype
         ctx.sqrt_d = math.sqrt(q.size(-1))
         ctx.keep_scale = keep_scale(dropout.p, q)
-        ctx.save_for_backward(q, k, v, mask, keep)
+        ctx.save_for_backward(q, k, v, hidden, dropped)
         out = torch.empty_like(q)
         with torch.autocast(q.device.type, enabled=False):  # q's dtype throughout, as said above
             for rows in ctx.chunks:
-                weights = ChunkedDropoutAttention._weights(ctx, q, k, mask, rows)
-                dropped = weights.masked_fill_(~keep[rows], 0).mul_(ctx.keep_scale)
-                torch.matmul(dropped, v[rows], out=out[rows])
+                weights = ChunkedDropoutAttention._weights(ctx, q, k, hidden, rows)
+                kept = weights.masked_fill_(dropped[rows], 0).mul_(ctx.keep_scale)
+                torch.matmul(kept, v[rows], out=out[rows])
         return out
 
     @staticmethod
-    def _weights(ctx, q: Tensor, k: Tensor, mask: Tensor | None, rows: slice) -> Tensor:
+    def _weights(ctx, q: Tensor, k: Tensor, hidden: Tensor | None, rows: slice) -> Tensor:
         scores = torch.matmul(q[rows], k[rows].transpose(-2, -1)).div_(ctx.sqrt_d)
-        if mask is not None:  # a large finite negative, as MathAttention: a fully masked row stays finite
-            scores.masked_fill_(~(mask[rows] if mask.size(0) > 1 else mask), torch.finfo(scores.dtype).min)
+        if hidden is not None:  # a large finite negative, as MathAttention: a fully masked row stays finite
+            scores.masked_fill_(hidden[rows], torch.finfo(scores.dtype).min)
         return torch.softmax(scores, dim=-1)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, k, v, mask, keep = ctx.saved_tensors
+        q, k, v, hidden, dropped = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         with torch.autocast(q.device.type, enabled=False):
             for rows in ctx.chunks:
-                weights = ChunkedDropoutAttention._weights(ctx, q, k, mask, rows)
-                dropped = weights.masked_fill(~keep[rows], 0).mul_(ctx.keep_scale)
-                torch.matmul(dropped.transpose(-2, -1), grad[rows], out=dv[rows])
-                d_dropped = torch.matmul(grad[rows], v[rows].transpose(-2, -1))
-                d_weights = d_dropped.masked_fill_(~keep[rows], 0).mul_(ctx.keep_scale)
+                weights = ChunkedDropoutAttention._weights(ctx, q, k, hidden, rows)
+                kept = weights.masked_fill(dropped[rows], 0).mul_(ctx.keep_scale)
+                torch.matmul(kept.transpose(-2, -1), grad[rows], out=dv[rows])
+                d_kept = torch.matmul(grad[rows], v[rows].transpose(-2, -1))
+                d_weights = d_kept.masked_fill_(dropped[rows], 0).mul_(ctx.keep_scale)
                 d_scores = torch._softmax_backward_data(d_weights, weights, -1, weights.dtype).div_(
                     ctx.sqrt_d
                 )
-                # masked scores are constants: no gradient reaches q or k through them
-                if mask is not None:
-                    d_scores.masked_fill_(~(mask[rows] if mask.size(0) > 1 else mask), 0)
+                if hidden is not None:  # masked scores are constants: no gradient reaches q or k through them
+                    d_scores.masked_fill_(hidden[rows], 0)
                 torch.matmul(d_scores, k[rows], out=dq[rows])
                 torch.matmul(d_scores.transpose(-2, -1), q[rows], out=dk[rows])
         return dq, dk, dv, None, None
