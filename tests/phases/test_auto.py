@@ -256,10 +256,29 @@ def test_compile_auto_skips_a_trial_whose_gain_at_the_probed_speed_is_below_its_
     inject(probe, "eager_step", {"context": "c"}, {"eager_step_s": 1.0})
     record = auto_compile(model, cfg, step, 2, 100, probe, "c")
     assert record["auto"]["chose"] == "disabled"
-    assert (
-        "100 steps of 1 s can gain at most 50.0 s; compiling 1 modules costs about 60.0 s" in record["reason"]
-    )
+    assert "100 steps of 1 s can gain at most 50.0 s; compiling costs at least 60.0 s" in record["reason"]
     assert probe.cached("compile_trial", {"context": "c"}) is None
+
+
+def test_compile_auto_counts_one_graph_for_blocks_that_share_it(tmp_path, monkeypatch):
+    """Three blocks and a 40 s block compile: the 50 s gain bound exceeds the one graph's 40 s (the blocks
+    reuse it), so the trial decides; counting 40 s a block (120 s) would have skipped it."""
+    from omegaconf import OmegaConf
+
+    from aamperf.model.layers import Block
+    from aamperf.phases import compile as compile_phase
+
+    model = torch.nn.Sequential(*(Block(8, 2, 4, 0.0) for _ in range(3)))
+    probe = Probe(CPU, tmp_path / "probe.json")
+    inject(probe, "compile", SMALL, block_answer(compile_s=40.0, eager_s=1.0, compiled_s=0.5))
+    inject(probe, "eager_step", {"context": "c"}, {"eager_step_s": 1.0})
+    trial = {"eager_step_s": 1.0, "compiled_step_s": 0.9, "compile_s": 30.0, "graphs": 1, "under_load": None}
+    trials = []
+    monkeypatch.setattr(compile_phase, "compile_trial", lambda *args: trials.append(args) or trial)
+    cfg = OmegaConf.create(COMPILE)
+    record = compile_phase.auto_compile(model, cfg, lambda i: None, 2, 100, probe, "c")
+    assert len(trials) == 1 and record["auto"]["chose"] == "default"  # the trial compiled it: 10 s saved
+    assert "10.0 s saved over 100 steps" in record["auto"]["reason"]
 
 
 def test_compile_auto_skips_the_trial_where_a_compiled_block_is_slower_here(tmp_path):
