@@ -241,3 +241,42 @@ def test_regression_check_refuses_a_file_that_is_not_a_report(sweep, tmp_path, c
         main([str(sweep), "--against", str(tmp_path / "summary.json")])
     assert exit_.value.code == 2
     assert "not a comparison.json" in capsys.readouterr().err
+
+
+def test_a_config_whose_phases_applied_the_baselines_choices_is_called_the_same_training(tmp_path):
+    """ultra whose compile=auto chose eager is advanced: its 1.1x is the machine's, not the config's.
+    A different learning rate, or another dtype chosen, is another training, whatever the phases say."""
+    phases = {
+        "precision": {"status": "applied", "dtype": "bf16", "auto": {"chose": "bf16", "reason": "4.7x"}},
+        "compile": {"status": "skipped", "reason": "compile=disabled"},
+    }
+    eager = {"status": "skipped", "reason": "compile=auto: cannot pay", "compile_time_s": 0.3, "auto": {}}
+    configs = {
+        "advanced": (phases, {"compile": {"mode": "disabled"}, "trainer": {"lr": 1e-4}}),
+        "ultra": ({**phases, "compile": eager}, {"compile": {"mode": "auto"}, "trainer": {"lr": 1e-4}}),
+        "ultra_lr": ({**phases, "compile": eager}, {"compile": {"mode": "auto"}, "trainer": {"lr": 1e-3}}),
+        "fp32": (
+            {**phases, "precision": {"status": "skipped", "dtype": "fp32"}},
+            {"compile": {"mode": "disabled"}, "trainer": {"lr": 1e-4}},
+        ),
+    }
+    for name, (run_phases, config) in configs.items():
+        for seed in range(3):
+            make_run(
+                tmp_path,
+                f"{name}{seed}",
+                [f"optim={name}", f"seed={seed}"],
+                optim=name,
+                seed=seed,
+                samples_per_s=(10.0 if name == "advanced" else 11.0) + seed * 0.1,
+                val_loss=2.0,
+                phases=run_phases,
+                config={"data": {"seed": 0}, "optim": name, "seed": seed, **config},
+            )
+    rows = {r["config"]: r for r in compare(find_runs([tmp_path]), baseline="optim=advanced")["rows"]}
+    assert rows["optim=ultra"]["same_training"]
+    assert rows["optim=ultra"]["verdict"].startswith("the same training as the baseline")
+    assert "1.10x" in rows["optim=ultra"]["verdict"]
+    for other in ("optim=ultra_lr", "optim=fp32"):
+        assert not rows[other]["same_training"]
+        assert rows[other]["verdict"].startswith("faster at equal quality")

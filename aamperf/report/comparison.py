@@ -19,7 +19,7 @@ from aamperf.report.paired import (
     time_to_quality,
 )
 from aamperf.report.render import write_report
-from aamperf.report.runs import Run, find_runs, group_runs, paired, pick_baseline
+from aamperf.report.runs import Run, find_runs, group_runs, paired, pick_baseline, same_training
 
 
 def paired_values(pairs: list[tuple[Run, Run]], value) -> list[float]:
@@ -142,6 +142,8 @@ def compare(
             "errors": [
                 f"{r.path.name}: {r.summary.get('error')}" for r in group.runs if r not in group.ok_runs
             ],
+            # every pair trained the same way (the same phases applied after `auto`, the same config else)
+            "same_training": bool(pairs) and all(same_training(r, b) for r, b in pairs),
         }
         row["verdict"], row["seeds_needed"] = verdict(
             row, group is base, speed, quality, quality_tolerance, confidence
@@ -179,12 +181,18 @@ def verdict(
             MIN_PAIRS,
         )
     pct = f"{confidence:.0%}"
+    speed_text = f"{row['speedup']:.2f}x [{row['speedup_lo']:.2f}, {row['speedup_hi']:.2f}]"
+    if row["same_training"]:  # a measured difference is the machine's (load, run order), not the config's
+        return (
+            f"the same training as the baseline (its phases applied the same choices): {speed_text} "
+            f"({pct} interval, {n} seeds) is the machine's difference, not the configuration's",
+            None,
+        )
     quality_text = f"val loss {100 * quality.mean:+.1f}% [{100 * quality.lo:+.1f}, {100 * quality.hi:+.1f}]"
     if quality.lo > tolerance:
         return f"worse: {quality_text}, beyond the +{tolerance:.0%} tolerance ({pct} interval)", None
     if quality.hi < -tolerance:
         return f"not the same training: {quality_text}, better by more than {tolerance:.0%}; check why", None
-    speed_text = f"{row['speedup']:.2f}x [{row['speedup_lo']:.2f}, {row['speedup_hi']:.2f}]"
     equal = -tolerance <= quality.lo and quality.hi <= tolerance
     decided_speed = speed.lo > 0 or speed.hi < 0
     if equal and decided_speed:

@@ -44,6 +44,58 @@ class Run:
         return [(r.get("elapsed_s"), r["val_loss"]) for r in self.metrics if r.get("val_loss") is not None]
 
 
+# Config groups whose effect is the phase record in summary.json `phases` (an `auto` option and the
+# choice it resolved to record the same thing); and keys that do not change the training at all.
+PHASE_GROUPS = frozenset(
+    (
+        "precision",
+        "compile",
+        "attention",
+        "dropout",
+        "memory",
+        "optimizer",
+        "aam_ops",
+        "system",
+        "distributed",
+    )
+    + ("dataloader",)
+)
+BOOKKEEPING = frozenset(("optim", "seed", "logger", "compare", "search", "probe", "alerts"))
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return flat
+
+
+def applied(run: Run) -> dict[str, dict[str, Any]]:
+    """What each phase applied: its record without the reason, the `auto` trial and measured figures,
+    which differ between runs of the same choices."""
+    phases = run.summary.get("phases") or {}
+    return {
+        name: {
+            k: v
+            for k, v in record.items()
+            if k not in ("reason", "auto", "notes") and not isinstance(v, float)
+        }
+        for name, record in phases.items()
+        if isinstance(record, dict)
+    }
+
+
+def same_training(run: Run, base: Run) -> bool:
+    """Whether two runs trained the same way: their phases applied the same choices (e.g. `optim=ultra`
+    whose `compile=auto` chose eager is `optim=advanced`) and the rest of their configs is equal."""
+    if not run.summary.get("phases") or applied(run) != applied(base):
+        return False
+    mine, theirs = (_flat(r.summary.get("config") or {}) for r in (run, base))
+    differ = {key for key in mine.keys() | theirs.keys() if mine.get(key) != theirs.get(key)}
+    groups = PHASE_GROUPS | BOOKKEEPING
+    return all(key.split(".")[0] in groups or key in ("trainer.progress", "data.cache_dir") for key in differ)
+
+
 @dataclass
 class Group:
     config: str
