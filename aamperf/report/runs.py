@@ -47,18 +47,7 @@ class Run:
 # Config groups whose effect is the phase record in summary.json `phases` (an `auto` option and the
 # choice it resolved to record the same thing); and keys that do not change the training at all.
 PHASE_GROUPS = frozenset(
-    (
-        "precision",
-        "compile",
-        "attention",
-        "dropout",
-        "memory",
-        "optimizer",
-        "aam_ops",
-        "system",
-        "distributed",
-    )
-    + ("dataloader",)
+    "precision compile attention dropout memory optimizer aam_ops system distributed dataloader".split()
 )
 BOOKKEEPING = frozenset(("optim", "seed", "logger", "compare", "search", "probe", "alerts"))
 
