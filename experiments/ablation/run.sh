@@ -9,12 +9,12 @@ common=(experiment=ablation trainer.progress=false "$@")
 run() { local name=$1; shift; python -m aamperf.train "${common[@]}" "$@" "hydra.run.dir=$out/$name" || true; }
 
 run baseline optim=baseline
-for phase in precision=bf16 attention=sdpa aam_ops=padding_aware aam_ops=dedup compile=default \
-             dataloader=tuned optimizer=adamw_fused system=tuned; do
+for phase in precision=bf16 attention=sdpa dropout=fast memory=none aam_ops=padding_aware aam_ops=dedup \
+             compile=default dataloader=tuned optimizer=adamw_fused system=tuned; do
   run "alone_${phase//[=\/]/_}" optim=baseline "$phase"
 done
 run ultra optim=ultra
-for phase in precision=fp32 attention=math aam_ops=plain compile=disabled \
+for phase in precision=fp32 attention=math dropout=standard memory=full aam_ops=plain compile=disabled \
              dataloader=simple optimizer=adamw_for_loop system=default; do
   run "ultra_without_${phase//[=\/]/_}" optim=ultra "$phase"
 done
