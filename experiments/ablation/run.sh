@@ -6,7 +6,8 @@ set -euo pipefail
 out=${1:-outputs/ablation/$(date +%Y-%m-%d_%H-%M-%S)}
 shift || true
 common=(experiment=ablation trainer.progress=false "$@")
-run() { local name=$1; shift; python -m aamperf.train "${common[@]}" "$@" "hydra.run.dir=$out/$name" || true; }
+# a run that fails is a row of the report; a bad override (exit code 2) stops the study
+run() { local name=$1; shift; python -m aamperf.train "${common[@]}" "$@" "hydra.run.dir=$out/$name" || (($? != 2)); }
 
 run baseline optim=baseline
 for phase in precision=bf16 attention=sdpa dropout=fast memory=none aam_ops=padding_aware aam_ops=dedup \
