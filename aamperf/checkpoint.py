@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from aamperf.config import config_diff, under
 from aamperf.distributed import rank, world_size
 from aamperf.errors import NoSpace, UserError, disk_full, no_space, one_line
 from aamperf.files import replace_durably, write_atomic
@@ -199,17 +200,11 @@ RESUME_IGNORED = ("trainer.resume", "data.cache_dir", "probe", "trainer.progress
 
 def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, list]:
     """{dotted key: [value at the checkpoint, value now]} for every key whose value differs."""
-    old, new = _flat(saved), _flat(now)
-    keys = sorted(set(old) | set(new))
-    return {
-        k: [old.get(k), new.get(k)]
-        for k in keys
-        if old.get(k) != new.get(k) and not _under(k, RESUME_IGNORED)
-    }
+    return config_diff(saved, now, RESUME_IGNORED)
 
 
 def check_resume(path: Path, changes: dict[str, list]) -> None:
-    fixed = {k: v for k, v in changes.items() if _under(k, RESUME_FIXED)}
+    fixed = {k: v for k, v in changes.items() if under(k, RESUME_FIXED)}
     if fixed:
         shown = ", ".join(f"{k}={new} (checkpoint: {old})" for k, (old, new) in list(fixed.items())[:3])
         raise UserError(
@@ -225,16 +220,6 @@ def use_run_hyperparameters(optimizer: torch.optim.Optimizer, fresh: list[dict])
     for group, mine in zip(optimizer.param_groups, fresh, strict=True):
         group.update({k: v for k, v in mine.items() if k not in ("params", "initial_lr")})
         group.pop("initial_lr", None)  # the schedulers set it from this run's lr
-
-
-def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
-    return {prefix.removesuffix("."): node}
-
-
-def _under(key: str, prefixes: tuple[str, ...]) -> bool:
-    return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
 def _plain(state: dict[str, Any]) -> dict[str, Any]:

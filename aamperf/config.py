@@ -344,6 +344,28 @@ def rank_suffix() -> str:
     return f"_rank{rank}" if rank else ""
 
 
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix.removesuffix("."): node}
+
+
+def under(key: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether dotted `key` is one of `prefixes` or inside one (`trainer.lr` is under `trainer`)."""
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any], ignored: tuple[str, ...] = ()) -> dict[str, list]:
+    """{dotted key: [old value, new value]} for every key of two resolved configs whose value differs,
+    keys `under` `ignored` left out (a resume against its checkpoint, a run against its baseline)."""
+    before, after = _flat(old), _flat(new)
+    return {
+        k: [before.get(k), after.get(k)]
+        for k in sorted(before.keys() | after.keys())
+        if before.get(k) != after.get(k) and not under(k, ignored)
+    }
+
+
 def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
     OmegaConf.register_new_resolver("aamperf.job_dirname", job_dirname, replace=True)

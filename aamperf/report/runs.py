@@ -11,6 +11,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from aamperf.config import config_diff
 from aamperf.errors import UserError
 from aamperf.files import read_json_lines
 
@@ -45,18 +46,11 @@ class Run:
 
 
 # Config groups whose effect is the phase record in summary.json `phases` (an `auto` option and the
-# choice it resolved to record the same thing); and keys that do not change the training at all.
-PHASE_GROUPS = frozenset(
+# choice it resolved to record the same thing), and keys that do not change the training at all.
+PHASE_GROUPS = tuple(
     "precision compile attention dropout memory optimizer aam_ops system distributed dataloader".split()
 )
-BOOKKEEPING = frozenset(("optim", "seed", "logger", "compare", "search", "probe", "alerts"))
-
-
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
-    return flat
+BOOKKEEPING = tuple("optim seed logger compare search probe alerts trainer.progress data.cache_dir".split())
 
 
 def applied(run: Run) -> dict[str, dict[str, Any]]:
@@ -79,10 +73,8 @@ def same_training(run: Run, base: Run) -> bool:
     whose `compile=auto` chose eager is `optim=advanced`) and the rest of their configs is equal."""
     if not run.summary.get("phases") or applied(run) != applied(base):
         return False
-    mine, theirs = (_flat(r.summary.get("config") or {}) for r in (run, base))
-    differ = {key for key in mine.keys() | theirs.keys() if mine.get(key) != theirs.get(key)}
-    groups = PHASE_GROUPS | BOOKKEEPING
-    return all(key.split(".")[0] in groups or key in ("trainer.progress", "data.cache_dir") for key in differ)
+    config = (r.summary.get("config") or {} for r in (base, run))
+    return not config_diff(*config, ignored=PHASE_GROUPS + BOOKKEEPING)
 
 
 @dataclass
