@@ -6,10 +6,11 @@ timing real steps eager and compiled (a trial, cached by device, model, phases a
 that cannot pay is not run: the device probe compiles one transformer block of the model's shape and
 times it eager and compiled; the gain per step is at most the eager step times the share the compiled
 block saved, and compiling costs at least the probe's time for that one block: the model's other blocks
-reuse its graph where their shapes match and recompile it where they do not (with `dynamic=True`, on the
-AVX-512 EPYC: the first headline-width block 15.3 s, a second of the same shapes 1.0 s, one of another
-stack's shapes 4.1 s; counting every block as a first one overstated the cost 4x). Where the gain bound
-exceeds that least cost, the trial decides on the model's own compile time.
+reuse its graph where their shapes match and recompile it where they do not
+(`experiments/compile/block_reuse.py`, `dynamic=True`, a new inductor cache, 2-core AVX-512 EPYC: the
+first headline-width block 23.3 s, a second of the same shapes 0.3 s, one of another stack's shapes
+5.0 s, its twin 0.0 s; counting every block as a first one overstated the cost about 3x). Where the gain
+bound exceeds that least cost, the trial decides on the model's own compile time.
 """
 
 import hashlib
