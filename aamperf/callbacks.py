@@ -1,5 +1,5 @@
-"""Hydra callbacks (registered in conf/config.yaml): the checks before a single run writes anything,
-and the comparison report a multirun ends with."""
+"""Hydra callbacks (registered in conf/config.yaml): the checks before a run or a sweep writes
+anything, and the comparison report a multirun ends with."""
 
 import contextlib
 import io
@@ -7,28 +7,47 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
+from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from aamperf.checks import check_config, unwritable
 from aamperf.device import resolve_device
-from aamperf.errors import RunAborted, UserError, exit_aborted, exit_bad_input, no_such_option
+from aamperf.errors import (
+    RunAborted,
+    UserError,
+    exit_aborted,
+    exit_bad_input,
+    hydra_error_message,
+    hydra_reports_wanted,
+    no_such_option,
+)
 from aamperf.files import write_atomic
 from aamperf.interrupts import RunInterrupted, exit_interrupted
 from aamperf.phases import check_phases
 from aamperf.report import find_runs, make_report, to_markdown
 
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+
 
 def check_start(config: DictConfig) -> None:
     """What can be checked without reading data and without writing: the values and the user's files
     (check_config), the phases on this device, the run directory and the chosen options."""
-    check_config(config)
-    check_phases(config, resolve_device(config.device))
+    check_job(config)
     problem = unwritable(config.hydra.run.dir, "hydra.run.dir", "the run directory")
     if problem:
         raise UserError(problem)
+
+
+def check_job(config: DictConfig) -> None:
+    """check_start but the run directory: what a sweep checks of each of its jobs before the first runs."""
+    check_config(config)
+    check_phases(config, resolve_device(config.device))
     loader = GlobalHydra.instance().config_loader()
     for group, option in config.hydra.runtime.choices.items():
         # Hydra skips an option of an optional group (experiment=...) that does not exist, silently
@@ -38,9 +57,48 @@ def check_start(config: DictConfig) -> None:
                 raise UserError(no_such_option(group, option, options))
 
 
+def sweep_jobs(config: DictConfig) -> tuple[list[list[str]], set[str]]:
+    """The overrides of each job of a sweep that runs its jobs here, one after another, and knows them
+    all before the first (Hydra's basic sweeper and launcher), and the keys it sweeps; none for any
+    other (a search picks its trials as it goes; a cluster's jobs run on other machines and devices)."""
+    hydra = config.hydra
+    if hydra.sweeper.get("_target_") != BASIC_SWEEPER or hydra.launcher.get("_target_") != BASIC_LAUNCHER:
+        return [], set()
+    loader = GlobalHydra.instance().config_loader()
+    params = [f"{key}={value}" for key, value in (hydra.sweeper.get("params") or {}).items()]
+    parsed = OverridesParser.create(config_loader=loader).parse_overrides([*params, *hydra.overrides.task])
+    swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch], swept
+
+
+def check_jobs(config: DictConfig) -> None:
+    """check_job of every job sweep_jobs lists; one UserError naming the jobs of each problem."""
+    loader = GlobalHydra.instance().config_loader()
+    jobs_of: dict[str, list[str]] = {}
+    jobs, swept = sweep_jobs(config)
+    for number, overrides in enumerate(jobs):
+        try:
+            job = loader.load_sweep_config(master_config=config, sweep_overrides=overrides)
+        except CompactHydraException as exc:  # a job that does not compose: in one line, or Hydra's report
+            if hydra_reports_wanted():
+                return
+            raise UserError(hydra_error_message(exc)) from exc
+        try:
+            check_job(job)
+        except UserError as exc:
+            values = " ".join(o for o in overrides if o.split("=", 1)[0] in swept)
+            jobs_of.setdefault(str(exc), []).append(f"#{number} ({values})")
+    if jobs_of:
+        problems = (
+            problem if len(numbers) == len(jobs) else f"sweep job {', '.join(numbers)}: {problem}"
+            for problem, numbers in jobs_of.items()
+        )
+        raise UserError("; ".join(problems))
+
+
 class CheckBeforeRun(Callback):
-    """A single run (not a sweep's job) is checked before Hydra creates its directory or writes
-    .hydra/ in it: a config mistake writes nothing at all.
+    """A single run is checked before Hydra creates its directory or writes .hydra/ in it, a sweep's
+    jobs all before the first runs: a config mistake writes nothing at all.
 
     Bad input found later (a damaged BIOM table, a checkpoint of another model, ...) refuses the start
     too, and a refused start leaves an earlier run in its directory (one with a summary.json) as it
@@ -50,6 +108,18 @@ class CheckBeforeRun(Callback):
 
     def __init__(self) -> None:
         self.earlier_files: dict[Path, bytes] = {}
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Every job of a sweep checked before the first one runs: a mistake in its last job refuses the
+        sweep at once (exit 2, nothing written), not after the others have run. What only a run can
+        find (its data, its checkpoint) still fails that job alone, and the sweep goes on."""
+        try:
+            problem = unwritable(config.hydra.sweep.dir, "hydra.sweep.dir", "the sweep directory")
+            if problem:
+                raise UserError(problem)
+            check_jobs(config)
+        except UserError as exc:
+            exit_bad_input(exc)
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:

@@ -205,18 +205,25 @@ def expected_type(cause: ValidationError) -> str:
     return f"expected {annotation.__name__ if isinstance(annotation, type) else annotation}: "
 
 
+OURS = "AAMPERF_SET_HYDRA_FULL_ERROR"  # set while HYDRA_FULL_ERROR=1 is aamperf's, not the user's
+
+
+def hydra_reports_wanted() -> bool:
+    """Did the user ask for Hydra's own full reports of its config errors (HYDRA_FULL_ERROR=1)?"""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1" and OURS not in os.environ
+
+
 @contextmanager
 def hydra_errors_raised() -> Iterator[bool]:
     """Within: Hydra raises its config errors (HYDRA_FULL_ERROR=1) instead of printing them, so the
     entry point can put them in one line. Yields whether the user asked for Hydra's own full reports:
     their HYDRA_FULL_ERROR=1, not the one a parent aamperf (a search's reference run) passed on."""
-    ours = "AAMPERF_SET_HYDRA_FULL_ERROR"
-    users = os.environ.get("HYDRA_FULL_ERROR") == "1" and ours not in os.environ
-    os.environ["HYDRA_FULL_ERROR"] = os.environ[ours] = "1"
+    users = hydra_reports_wanted()
+    os.environ["HYDRA_FULL_ERROR"] = os.environ[OURS] = "1"
     try:
         yield users
     finally:
-        del os.environ[ours]
+        del os.environ[OURS]
         if not users:
             del os.environ["HYDRA_FULL_ERROR"]
 

@@ -257,21 +257,38 @@ def test_recorded_fallbacks_keep_the_run_going(inputs, cache_dir, tmp_path, monk
     assert "no_such_backend" in summary["phases"]["compile"]["reason"]
 
 
-def test_a_bad_job_of_a_sweep_is_recorded_and_the_sweep_goes_on(cache_dir, tmp_path, monkeypatch, capfd):
+def test_a_job_failing_as_it_runs_is_recorded_and_the_sweep_goes_on(cache_dir, tmp_path, monkeypatch, capfd):
+    """What only a run finds (here: its data, empty after rarefaction) fails that job alone."""
     sweep = [
         f"hydra.sweep.dir={tmp_path}",
         "trainer.max_steps=1",
-        "trainer.batch_size=1,4",
-        "compare.baseline='trainer.batch_size=4'",
+        "data.rarefy_depth=1000000,500",
+        "compare.baseline='data.rarefy_depth=500'",
     ]
     code, _, err = invoke(monkeypatch, capfd, "-m", *TINY, f"data.cache_dir={cache_dir}", *sweep)
     assert code == 1  # a job failed: the report lists it
     summaries = [read_summary(p.parent) for p in tmp_path.glob("*/summary.json")]
-    by_batch = {s["config"]["trainer"]["batch_size"]: s for s in summaries}
-    assert by_batch[1]["status"] == "failed" and "trainer.batch_size=1 must be >= 2" in by_batch[1]["error"]
-    assert by_batch[4]["status"] == "completed" and len(summaries) == 2
-    assert "error: trainer.batch_size=1 must be >= 2" in err and "Traceback" not in err
+    by_depth = {s["config"]["data"]["rarefy_depth"]: s for s in summaries}
+    assert by_depth[1000000]["status"] == "failed" and "lower data.rarefy_depth" in by_depth[1000000]["error"]
+    assert by_depth[500]["status"] == "completed" and len(summaries) == 2
+    assert "lower data.rarefy_depth" in err and "Traceback" not in err
     assert (tmp_path / "comparison.json").exists()
+
+
+def test_a_config_mistake_in_any_job_refuses_the_sweep_before_the_first_runs(tmp_path, monkeypatch, capfd):
+    """Every job is checked before any runs: the mistake of the last job is found in seconds, not after
+    the others; each problem names its jobs, and nothing is written."""
+    sweep = [f"hydra.sweep.dir={tmp_path / 'sweep'}", f"data.cache_dir={tmp_path / 'cache'}", "seed=0,1"]
+    sweep.append("trainer.batch_size=4,1")
+    code, out, err = invoke(monkeypatch, capfd, "-m", *TINY, *sweep)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines() == [
+        "error: sweep job #2 (trainer.batch_size=1 seed=0), #3 (trainer.batch_size=1 seed=1): "
+        "trainer.batch_size=1 must be >= 2 (UniFrac compares pairs of samples)"
+    ]
+    assert not (tmp_path / "sweep").exists() and "#0" not in out  # refused before Hydra made the sweep
+    code, _, err = invoke(monkeypatch, capfd, "-m", *TINY, *sweep[:-1], "trainer.lr=-1")
+    assert code == 2 and err.strip() == "error: trainer.lr=-1.0 must be > 0"  # every job: the run's line
 
 
 def test_a_sweep_with_a_value_outside_a_choice_is_one_line(tmp_path, monkeypatch, capfd):
