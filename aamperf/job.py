@@ -54,7 +54,9 @@ def build_job(cfg: DictConfig, summary: dict[str, Any]) -> Job:
     tc = cfg.trainer
     micro_batch = smallest_batch(world.world_size) if auto_batch else tc.batch_size // tc.grad_accum_steps
     # before the data and its loader workers exist: nothing of this run competes with the measurements
-    decisions = resolve_auto(cfg, device, micro_batch, world)
+    measuring = Stopwatch()  # the time spent deciding `auto` options: summary.json auto_s
+    with measuring:
+        decisions = resolve_auto(cfg, device, micro_batch, world)
     peak, summary["peak_flops_calibration"] = measure_peak(cfg, device, world, micro_batch)
     data = build_data(
         cfg.data,
@@ -75,8 +77,11 @@ def build_job(cfg: DictConfig, summary: dict[str, Any]) -> Job:
     plan = apply_phases(model, cfg, device, warmup_step(loss_fn, trial), setup.records, world, micro_batch)
     for group, decision in decisions.items():  # each `auto` beside what its phase then did
         plan.records[group]["auto"] = decision
+    measuring.seconds += plan.records["compile"].get("decide_s", 0.0)
     if auto_batch:
-        summary["batch_finder"] = found = find_batch_size(plan, loss_fn, data, cfg, device, world.world_size)
+        with measuring:
+            found = find_batch_size(plan, loss_fn, data, cfg, device, world.world_size)
+        summary["batch_finder"] = found
         tc.batch_size, tc.grad_accum_steps = found["batch_size"], found["grad_accum_steps"]
         rebatch(data, found["micro_batch"], cfg.seed, setup.loader)
         host_batches, batch_s = timed_batches(data.train_loader, cfg.metrics.flop_batches)
@@ -86,11 +91,13 @@ def build_job(cfg: DictConfig, summary: dict[str, Any]) -> Job:
     flops = (counted, counted) if counted is not None else analytic_flops(model, host_batches)
     if cfg.dataloader.num_workers == "auto":
         step_s = None if auto_batch else plan.records["compile"].get("auto", {}).get("eager_step_s")
-        loader_workers(
-            cfg, setup, plan, data, loss_fn, host_batches[0], batch_s, step_s, flops[1], peak, device
-        )
+        with measuring:
+            loader_workers(
+                cfg, setup, plan, data, loss_fn, host_batches[0], batch_s, step_s, flops[1], peak, device
+            )
     model_flops, hardware_flops = (f * tc.grad_accum_steps for f in flops)
     summary.update(
+        auto_s=round(measuring.seconds, 3),
         model_flops_per_step=model_flops,
         hardware_flops_per_step=hardware_flops,
         flops_per_step=model_flops,  # the record's older key: the model FLOPs
@@ -104,6 +111,19 @@ def build_job(cfg: DictConfig, summary: dict[str, Any]) -> Job:
     )
     non_blocking = setup.loader.non_blocking
     return Job(device, world, data, loss_fn, plan, non_blocking, model_flops, hardware_flops, peak)
+
+
+class Stopwatch:
+    """Seconds spent inside its `with` blocks, added up; 0.0 where nothing ran in one."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __enter__(self) -> None:
+        self.started = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds += time.perf_counter() - self.started
 
 
 def build(cfg: DictConfig, name: str, **kwargs: Any) -> Any:

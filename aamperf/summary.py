@@ -74,9 +74,11 @@ class Summary(dict):
     def completed(self, job, model_flops: float, hardware_flops: float) -> None:
         """Status completed, with the figures only a whole run has: compile time, MFU / HFU."""
         self["status"] = "completed"
-        # Compilation done in the compile phase's warm-up counts too, not only the warm-up steps' excess.
-        if self.get("compile_time_s") is not None:
-            self["compile_time_s"] += job.plan.records["compile"].get("compile_time_s", 0.0)
+        # Compilation done in the compile phase's warm-up counts too, not only the warm-up steps' excess
+        # (a compile=auto trial whose compile the run did not keep is in auto_s instead).
+        compiled = job.plan.records["compile"]
+        if self.get("compile_time_s") is not None and compiled["status"] == "applied":
+            self["compile_time_s"] += compiled.get("compile_time_s", 0.0)
         # Achieved FLOP/s over the timed steps against the peak of the matmuls' dtype; above 1: null + why.
         step_time, peak = self["step_time_s"], job.peak_flops
         mfu, hfu = utilization(model_flops, step_time, peak), utilization(hardware_flops, step_time, peak)

@@ -59,6 +59,7 @@ def sweep(tmp_path):
                 seed=seed,
                 samples_per_s=sps,
                 val_loss=val_loss,
+                auto_s=(29.0, 0.2, 0.1)[seed] if level == "ultra" else 0.0,  # seed 0's run probed the device
                 **extra,
             )
     for seed in range(3):  # fast, but trained on other data: nothing to pair with
@@ -104,6 +105,7 @@ def test_paired_intervals_time_to_quality_and_verdicts(sweep):
     assert ultra["time_to_quality_speedup"] == pytest.approx(5.0)
     assert rows["optim=baseline"]["time_to_quality_s"] == 30
     assert ultra["model_flops_match_baseline"] is True
+    assert ultra["auto_s"] == 0.2 and ultra["auto_s_max"] == 29.0  # the median hides a first run's probes
     assert ultra["verdict"].startswith("faster at equal quality: 5.03x [")
     basic = rows["optim=basic"]  # speed-ups 0.9, 1.09, 1.08: the interval contains 1
     assert basic["verdict"].startswith("undecided: speed-up 1.02x [") and "contains 1" in basic["verdict"]
@@ -182,6 +184,7 @@ def test_cli_writes_every_report_file(sweep, capsys):
     table = (sweep / "comparison.md").read_text()
     assert "| `optim=ultra` | 3 (3) | 57.2 | 5.03x [" in table
     assert "| 6.0 (3/3) 5.00x [5.00, 5.00] |" in table  # time to quality and its speed-up
+    assert "| 0.2 (29.0) |" in table and "| 0.0 (0.0) |" in table  # auto s: median (max)
 
 
 def test_the_report_goes_to_an_out_directory_that_does_not_exist_yet(sweep, tmp_path):

@@ -44,6 +44,7 @@ SUMMARY_KEYS = {
     "peak_device_bytes",
     "data_wait_frac",
     "compile_time_s",
+    "auto_s",
     "time_to_first_step_s",
     "train_loss",
     "val_loss",
@@ -78,6 +79,7 @@ def test_three_step_run_writes_a_complete_summary(make_cfg, tmp_path):
     )
     assert summary["peak_rss_bytes"] > 100 * 2**20  # torch alone is bigger than this
     assert summary["nonfinite_steps"] == 0
+    assert summary["auto_s"] == 0.0  # optim=baseline: no `auto` option, nothing measured to decide one
     assert summary["config"]["trainer"]["max_steps"] == 3
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]

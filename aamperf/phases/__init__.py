@@ -5,6 +5,7 @@ precision -> attention -> dropout -> AAM ops -> channels_last -> activation chec
 -> distributed wrap (DDP / FSDP2); the optimizer is built last, over the transformed model's parameters.
 """
 
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -109,8 +110,9 @@ def decide_compile(
     model: nn.Module, cfg: DictConfig, step: Callable[[int], None], world: World, micro_batch: int, device
 ) -> dict:
     """compile=auto on the first rank (alone: ranks timing steps together would each see the others'
-    load); every rank follows its decision."""
-    record = None
+    load); every rank follows its decision. The record's `decide_s`: the seconds spent deciding, but
+    the compile the run keeps (its compile_time_s)."""
+    start, record = time.perf_counter(), None
     if world.is_main:
         probe = Probe(device, cfg.probe.cache, cfg.probe.refresh)
         context = trial_context(cfg, micro_batch)
@@ -119,11 +121,11 @@ def decide_compile(
         record = auto_compile(
             model, cfg.compile, step, TRIAL_BATCHES, cfg.trainer.max_steps, probe, context, block, dtype
         )
-    if world.world_size == 1:
-        return record
-    box = [record]
-    torch.distributed.broadcast_object_list(box, src=0)
-    record = box[0]
-    if not world.is_main and record["auto"]["chose"] == "default":
-        return {**apply_compile(model, cfg.compile, lambda: step(0)), "auto": record["auto"]}
-    return record
+    if world.world_size > 1:
+        box = [record]
+        torch.distributed.broadcast_object_list(box, src=0)
+        record = box[0]
+        if not world.is_main and record["auto"]["chose"] == "default":
+            record = {**apply_compile(model, cfg.compile, lambda: step(0)), "auto": record["auto"]}
+    kept = record.get("compile_time_s", 0.0) if record["status"] == "applied" else 0.0
+    return {**record, "decide_s": max(0.0, time.perf_counter() - start - kept)}

@@ -216,4 +216,4 @@ def auto_compile(
             mode="default", backend=cfg.backend, compile_time_s=trial_s, graphs=figures["graphs"], auto=auto
         )
     _to_eager(_targets(model, cfg))
-    return skipped(f"compile=auto: {why}", compile_time_s=trial_s, auto=auto)
+    return skipped(f"compile=auto: {why}", auto=auto)  # its trial_s: time spent deciding, no compile kept

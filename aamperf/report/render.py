@@ -37,6 +37,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         "time to quality s (speed-up [interval])",
         "first step s",
         "compile s",
+        "auto s (max)",
         "data wait",
         "MFU / HFU",
         "peak memory GiB (ratio)",
@@ -51,7 +52,10 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"until the val loss is within the tolerance of the same seed's baseline final val loss (median "
         f"over seeds; reached in k/n seeds). Equal quality: the "
         f"val-loss interval inside +-{result['quality_tolerance']:.0%}. Step s: mean over the timed steps. "
-        f"Peak memory: the process tree's PSS (the main process's VmHWM for runs without that figure).",
+        f"Peak memory: the process tree's PSS (the main process's VmHWM for runs without that figure). "
+        f"Auto s: seconds a run spent measuring to decide its `auto` options (median, and the most one "
+        f"seed's run spent: the first run on a device pays the probes, later runs read their cache); "
+        f"time to quality and first step include it.",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
@@ -69,6 +73,7 @@ def to_markdown(result: dict[str, Any]) -> str:
             + _ratio(*(r[f"time_to_quality_speedup{end}"] for end in ("", "_lo", "_hi"))),
             fmt(r["time_to_first_step_s"], ".1f"),
             fmt(r["compile_time_s"], ".1f"),
+            "n/a" if r.get("auto_s") is None else f"{r['auto_s']:.1f} ({r['auto_s_max']:.1f})",
             "n/a" if r["data_wait_frac"] is None else f"{100 * r['data_wait_frac']:.1f}%",
             f"{fmt(r['mfu'], '.3f')} / {fmt(r['hfu'], '.3f')}",
             f"{fmt(rss, '.2f')} ({fmt(r['peak_rss_ratio'], '.2f')})",

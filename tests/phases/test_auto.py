@@ -370,9 +370,9 @@ def test_a_run_with_every_auto_records_each_decision_beside_its_phase(make_cfg, 
     from aamperf.run import train
 
     cache = tmp_path / "probe.json"
-    cfg = make_cfg(
-        "precision=fp32", "attention=auto", "compile=auto", "dataloader=auto", f"probe.cache={cache}"
-    )
+    overrides = ("precision=fp32", "attention=auto", "compile=auto", "dataloader=auto")
+    overrides += (f"probe.cache={cache}",)
+    cfg = make_cfg(*overrides)
     question = {
         "block": compile_block(cfg.model, cfg.trainer.batch_size, cfg.data.max_asvs),
         "dtype": torch.float32,
@@ -390,3 +390,30 @@ def test_a_run_with_every_auto_records_each_decision_beside_its_phase(make_cfg, 
     )
     # the step compile=auto timed (a compiled block gains 2x: worth a look) is the one the loader reads
     assert phases["dataloader"]["auto"]["step_s"] == phases["compile"]["auto"]["eager_step_s"]
+    # the time spent deciding is the run's, in auto_s (compile=auto's included: it kept no compile)
+    assert summary["auto_s"] >= phases["compile"]["decide_s"] >= phases["compile"]["auto"]["trial_s"] > 0
+    # the same device and cache: every answer read, none measured
+    again = train(make_cfg(*overrides), tmp_path / "again")
+    assert again["phases"]["attention"]["auto"]["source"] == "cache"
+    assert again["auto_s"] < summary["auto_s"] / 2
+
+
+def test_the_time_compile_auto_spends_deciding_is_the_runs_auto_s(make_cfg, tmp_path):
+    """compile=auto alone (its probe injected): what it spent timing the eager step is auto_s, and no
+    compile time, since it kept none."""
+    from aamperf.probe import compile_block
+    from aamperf.run import train
+
+    cache = tmp_path / "probe.json"
+    cfg = make_cfg(
+        "precision=fp32", "attention=math", "compile=auto", "dataloader=simple", f"probe.cache={cache}"
+    )
+    question = {
+        "block": compile_block(cfg.model, cfg.trainer.batch_size, cfg.data.max_asvs),
+        "dtype": torch.float32,
+    }
+    inject(Probe(CPU, cache), "compile", question, block_answer(compile_s=1e6))
+    summary = train(cfg, tmp_path / "run")
+    compile_record = summary["phases"]["compile"]
+    assert compile_record["status"] == "skipped" and "compile_time_s" not in compile_record
+    assert summary["auto_s"] >= compile_record["decide_s"] >= compile_record["auto"]["trial_s"] > 0.1
