@@ -35,6 +35,7 @@ from aamperf.metrics.flops import (
 )
 
 TRIALS = 7  # timed repeats of each measurement; its median is the figure
+SETTLED = 4  # a low-precision matmul this many times slower than fp32 in one call: no more trials
 
 
 def device_key(device: torch.device) -> str:
@@ -73,7 +74,10 @@ def timed(
 
 def iqr_spread(values: list[float]) -> float:
     """Interquartile range / median: how far the middle half of the trials spread (one trial slowed by
-    another process's burst does not make the median untrustworthy; a busy machine does)."""
+    another process's burst does not make the median untrustworthy; a busy machine does). One value
+    (a settled matmul): none."""
+    if len(values) < 2:
+        return 0.0
     q1, middle, q3 = statistics.quantiles(values, n=4)
     return (q3 - q1) / middle if middle else 0.0
 
@@ -81,16 +85,20 @@ def iqr_spread(values: list[float]) -> float:
 def measure_matmul(device: torch.device, shapes: list[tuple[int, int, int]]) -> dict[str, Any]:
     """{dtype: median FLOP/s over the model's shapes} for fp32 and each low-precision dtype."""
     dtypes = ["fp32", *low_precision_dtypes(device)]
-    record: dict[str, Any] = {"shapes": [list(s) for s in shapes], "flops": {}, "spread": {}}
+    record: dict[str, Any] = {"shapes": [list(s) for s in shapes], "flops": {}, "spread": {}, "settled": {}}
     if device.type == "cpu":
         loads = []
         for dtype in dtypes:
             # the model's shapes only (a square one if none given): an emulated bf16 runs a square at
-            # ~1 GFLOP/s, seconds a call, and the question is what the model's matmuls gain
-            cal = calibrate_cpu(dtype, shapes, trials=TRIALS, square=False)
+            # ~1 GFLOP/s, seconds a call, and the question is what the model's matmuls gain. A shape
+            # whose one warm call is SETTLED x slower than fp32's median is not timed further: 7 trials
+            # cannot lift it to a gain (an emulated bf16 here: 30 s of trials -> a few seconds)
+            settled_below = record["flops"]["fp32"] / SETTLED if dtype != "fp32" else 0.0
+            cal = calibrate_cpu(dtype, shapes, trials=TRIALS, square=False, settled_below=settled_below)
             model_shapes = cal["shapes"]
             record["flops"][dtype] = statistics.median(s["median_flops"] for s in model_shapes)
             record["spread"][dtype] = max(iqr_spread(s["trials"]) for s in model_shapes)
+            record["settled"][dtype] = all(s["settled"] for s in model_shapes)
             record["loadavg_before"] = record.get("loadavg_before", cal["loadavg_before"])
             load = LoadWatch.verdict(cal)
             loads += [f"{dtype}: {load}"] if load else []

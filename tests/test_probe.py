@@ -119,3 +119,13 @@ def test_a_measurement_leaves_the_random_stream_as_it_was(tmp_path):
     after_measuring = torch.rand(2)
     torch.manual_seed(0)
     assert torch.equal(torch.rand(2), after_measuring)
+
+
+def test_the_cache_is_per_instruction_set_torch_uses(tmp_path, monkeypatch):
+    """oneDNN held to AVX2 (how a CPU without AVX-512 runs torch's bf16 matmuls) is another device for the
+    cache, though /proc/cpuinfo is the same: its answers are measured, not read."""
+    assert f"isa={torch.backends.cpu.get_cpu_capability()}" in device_key(CPU)
+    Probe(CPU, tmp_path / "probe.json").answer("q", {}, quiet(1))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    other = Probe(CPU, tmp_path / "probe.json").answer("q", {}, quiet(2))
+    assert (other["value"], other["source"]) == (2, "measured")

@@ -132,13 +132,21 @@ def _machine_id() -> str:
         return ""
 
 
+# Settings that hold oneDNN's and MKL's kernels below what the CPU's flags offer (the same machine, other
+# speeds); ATEN_CPU_CAPABILITY, torch's own cap, shows in torch.backends.cpu.get_cpu_capability()
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def machine_key(precision: str, threads: int) -> str:
     """The cache key of a CPU peak: this machine (machine-id + hostname: containers of one image share
-    a machine-id), its CPU model and matmul flags, the thread count, torch and the dtype."""
+    a machine-id), its CPU model and matmul flags, the instruction set torch's kernels use (its vector
+    kernels' and any cap set on oneDNN's or MKL's), the thread count, torch and the dtype."""
     name, flags = _cpuinfo()
     host = socket.gethostname()
+    isa = [f"isa={torch.backends.cpu.get_cpu_capability()}"]
+    isa += [f"{cap}={os.environ[cap]}" for cap in ISA_CAPS if os.environ.get(cap)]
     return (
-        f"{_machine_id()}|{host}|{name}|{','.join(flags)}|threads={threads}|"
+        f"{_machine_id()}|{host}|{name}|{','.join(flags)}|{','.join(isa)}|threads={threads}|"
         f"torch={torch.__version__}|{precision}"
     )
 
@@ -149,8 +157,11 @@ def _busy(times: Any) -> float:
     return sum(times) - idle - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
 
 
-def _time_matmul(shape: tuple[int, int, int], dtype: torch.dtype, trials: int, trial_s: float) -> list[float]:
-    """FLOP/s of `trials` timed runs of an [m, k] x [k, n] matmul, each repeated for >= trial_s."""
+def _time_matmul(
+    shape: tuple[int, int, int], dtype: torch.dtype, trials: int, trial_s: float, settled_below: float = 0.0
+) -> list[float]:
+    """FLOP/s of `trials` timed runs of an [m, k] x [k, n] matmul, each repeated for >= trial_s; of one
+    warm call alone where that one ran below `settled_below` FLOP/s (an emulated dtype: seconds a call)."""
     m, k, n = shape
     # its own generator: the run's seeded random stream (weights, dropout) must not depend on the calibration
     gen = torch.Generator().manual_seed(0)
@@ -158,7 +169,10 @@ def _time_matmul(shape: tuple[int, int, int], dtype: torch.dtype, trials: int, t
     torch.mm(a, b)  # the first call picks kernels and touches the pages
     start = time.perf_counter()
     torch.mm(a, b)
-    repeats = max(1, round(trial_s / max(time.perf_counter() - start, 1e-6)))
+    once_s = max(time.perf_counter() - start, 1e-6)
+    if 2 * m * k * n / once_s < settled_below:
+        return [2 * m * k * n / once_s]
+    repeats = max(1, round(trial_s / once_s))
     for _ in range(repeats):  # one untimed trial: the cores' clocks ramp up over the first tens of ms
         torch.mm(a, b)
     rates = []
@@ -233,16 +247,18 @@ def calibrate_cpu(
     trials: int = 5,
     trial_s: float = 0.03,
     square: bool = True,
+    settled_below: float = 0.0,
 ) -> dict[str, Any]:
     """Median FLOP/s over `trials` of each matmul shape (the model's, and a square one unless
     `square=False` and shapes are given), at the current torch thread count; the peak is the best
-    shape's median. The record says whether the machine was busy."""
+    shape's median. A shape whose one warm call runs below `settled_below` FLOP/s is not timed further
+    (its `settled`). The record says whether the machine was busy."""
     dtype, threads = DTYPES[precision], torch.get_num_threads()
     watch = LoadWatch()
     per_shape = []
     model_shapes = [(min(m, MAX_ROWS), k, n) for m, k, n in shapes]
     for shape in [*model_shapes, square_shape(threads)] if square or not shapes else model_shapes:
-        rates = _time_matmul(shape, dtype, trials, trial_s)
+        rates = _time_matmul(shape, dtype, trials, trial_s, settled_below)
         median = statistics.median(rates)
         per_shape.append(
             {
@@ -250,6 +266,7 @@ def calibrate_cpu(
                 "median_flops": median,
                 "spread": (max(rates) - min(rates)) / median,
                 "trials": rates,
+                "settled": len(rates) < trials,
             }
         )
     load = watch.stop()

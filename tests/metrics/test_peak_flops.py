@@ -100,6 +100,16 @@ def test_a_high_load_average_flags_the_calibration(monkeypatch):
     assert len(record["shapes"]) == 1 and len(record["shapes"][0]["trials"]) == 2
 
 
+def test_a_matmul_far_below_the_settling_rate_is_timed_once():
+    """One warm call below `settled_below` settles a shape (an emulated dtype takes seconds a call)."""
+    slow = calibrate_cpu(
+        "fp32", shapes=[(64, 32, 32)], trials=5, trial_s=0.001, square=False, settled_below=1e18
+    )
+    timed = calibrate_cpu("fp32", shapes=[(64, 32, 32)], trials=5, trial_s=0.001, square=False)
+    assert len(slow["shapes"][0]["trials"]) == 1 and slow["shapes"][0]["settled"] is True
+    assert len(timed["shapes"][0]["trials"]) == 5 and timed["shapes"][0]["settled"] is False
+
+
 def test_the_calibration_times_the_model_shape_and_a_square_one():
     record = calibrate_cpu("fp32", shapes=[(100000, 32, 128)], trials=3, trial_s=0.005)
     shapes = [s["shape"] for s in record["shapes"]]
