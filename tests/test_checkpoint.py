@@ -92,7 +92,8 @@ def test_a_corrupt_checkpoint_is_refused_with_the_fix(make_cfg, tmp_path):
         train(make_cfg("trainer.max_steps=4", "trainer.resume=auto"), tmp_path)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+# fsdp: about 20 s of two ranks, run with `pytest -m slow` (the default suite stays under 10 min)
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_distributed_checkpoint_saved_and_resumed(launch, tmp_path, strategy):
     """2 ranks: a full (DDP, rank 0) or sharded (FSDP2, torch.distributed.checkpoint) checkpoint,
     resumed by a new 2-rank launch and by one process, with the losses of the run that went through."""
@@ -125,6 +126,7 @@ def test_distributed_checkpoint_saved_and_resumed(launch, tmp_path, strategy):
     )
 
 
+@pytest.mark.slow  # about 20 s: two launches of two ranks (the default suite stays under 10 min)
 def test_torchrun_restarts_a_killed_rank_and_goes_on_from_the_last_checkpoint(launch):
     """Elastic restart (torchrun --max-restarts): one rank dies, torchrun restarts both, they resume."""
     settings = [*RESUMABLE, "model.dropout=0", "data.val_fraction=0.31", "trainer.batch_size=8"]
