@@ -37,17 +37,19 @@ BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 
 def check_start(config: DictConfig) -> None:
     """What can be checked without reading data and without writing: the values and the user's files
-    (check_config), the phases on this device, the run directory and the chosen options."""
+    (check_config), the chosen options, the phases on this device and the run directory."""
     check_job(config)
+    check_phases(config, resolve_device(config.device))
     problem = unwritable(config.hydra.run.dir, "hydra.run.dir", "the run directory")
     if problem:
         raise UserError(problem)
 
 
 def check_job(config: DictConfig) -> None:
-    """check_start but the run directory: what a sweep checks of each of its jobs before the first runs."""
+    """The values, the user's files and the chosen options: what a sweep checks of each of its jobs
+    before the first runs. Not what this device can run: a study that sweeps precision=fp16 for a GPU
+    runs its other jobs on a CPU, where fp16's refusal (with its fix) is a failed row of the report."""
     check_config(config)
-    check_phases(config, resolve_device(config.device))
     loader = GlobalHydra.instance().config_loader()
     for group, option in config.hydra.runtime.choices.items():
         # Hydra skips an option of an optional group (experiment=...) that does not exist, silently

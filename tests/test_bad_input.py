@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import CONF_DIR, TINY, read_summary
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
@@ -289,6 +290,20 @@ def test_a_config_mistake_in_any_job_refuses_the_sweep_before_the_first_runs(tmp
     assert not (tmp_path / "sweep").exists() and "#0" not in out  # refused before Hydra made the sweep
     code, _, err = invoke(monkeypatch, capfd, "-m", *TINY, *sweep[:-1], "trainer.lr=-1")
     assert code == 2 and err.strip() == "error: trainer.lr=-1.0 must be > 0"  # every job: the run's line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 runs on a CUDA GPU: nothing to refuse there")
+def test_a_job_this_device_cannot_run_fails_alone_in_a_sweep(cache_dir, tmp_path, monkeypatch, capfd):
+    """What the device decides is no config mistake: a study sweeping fp16 for a GPU runs its other
+    jobs on a CPU, and fp16 is a failed row with its fix (experiments/precision/)."""
+    sweep = [f"hydra.sweep.dir={tmp_path}", f"data.cache_dir={cache_dir}", "trainer.max_steps=1"]
+    sweep += ["precision=fp32,fp16", "compare.baseline='precision=fp32'"]
+    code, _, err = invoke(monkeypatch, capfd, "-m", *TINY, *sweep)
+    assert code == 1 and "precision=fp16 needs a CUDA GPU" in err and "Traceback" not in err
+    by_precision = {
+        s["config"]["precision"]["dtype"]: s["status"] for s in map(read_summary, tmp_path.glob("*/"))
+    }
+    assert by_precision == {"fp32": "completed", "fp16": "failed"}
 
 
 def test_a_sweep_with_a_value_outside_a_choice_is_one_line(tmp_path, monkeypatch, capfd):
