@@ -7,7 +7,6 @@ The figures behind compile=auto's least cost of one block's compile (aamperf/pha
 
 import argparse
 import os
-import platform
 import time
 
 import torch
@@ -18,20 +17,14 @@ args = parser.parse_args()
 if args.inductor_cache:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.inductor_cache
 
-from aamperf.model.layers import Block  # noqa: E402 (after the cache directory is set)
+from aamperf.metrics.flops import cpu_description  # noqa: E402 (after the cache directory is set)
+from aamperf.model.layers import Block  # noqa: E402
 from aamperf.phases.compile import compiled_graphs  # noqa: E402
 
 torch.manual_seed(0)
 asv = torch.randn(64, 151, 128, requires_grad=True)  # [ASV rows, bases, D]
 sample = torch.randn(8, 65, 128, requires_grad=True)  # [samples, ASVs + 1, D]
-info = open("/proc/cpuinfo").read().splitlines() if os.path.exists("/proc/cpuinfo") else []
-cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
-flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
-wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-print(
-    f"CPU: {cpu or platform.processor()} ({' '.join(f for f in wanted if f in flags) or 'flags unknown'}), "
-    f"{torch.get_num_threads()} threads, torch {torch.__version__}"
-)
+print(f"CPU: {cpu_description()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
 for i, (name, x) in enumerate([("ASV 1", asv), ("ASV 2", asv), ("sample 1", sample), ("sample 2", sample)]):
     block = Block(128, 4, 4, 0.1)
     block.compile(dynamic=True)
