@@ -49,7 +49,8 @@ class Interrupts:
     inside) a signal stops the run at once; inside it, `requested()` says so at the end of a step."""
 
     def __init__(self) -> None:
-        self.signum: int | None = None
+        self.received: int | None = None  # the signal this process was sent
+        self.signum: int | None = None  # the one the run stops for: its own, or (distributed) a peer's
         self.in_loop = False
         self._previous: dict[int, Any] = {}
 
@@ -66,24 +67,28 @@ class Interrupts:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None:  # a second signal: no more waiting
+        if self.received is not None:  # a second signal to this process: no more waiting
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.signum = signum
+        self.received = signum
         name = signal.Signals(signum).name
         if not self.in_loop:
+            self.signum = signum
             raise RunInterrupted(f"{name} received before training began; nothing to keep", None, signum)
         log.warning(f"{name} received: stopping after this step with a checkpoint (again: at once)")
 
     def requested(self, device: torch.device) -> bool:
         """Did a signal arrive? Distributed, every rank learns whether any rank received one (one
-        all-reduce of a number per step), so all of them stop after the same step."""
+        all-reduce of a number per step), so all of them stop after the same step. The answer is the
+        all-reduce's on every rank: a signal that comes while it runs counts at the next step."""
         if world_size() == 1:
-            return self.signum is not None
-        got = torch.tensor([self.signum or 0], device=device)
-        dist.all_reduce(got, op=dist.ReduceOp.MAX)
-        self.signum = int(got.item()) or None  # host sync: once per step, distributed runs only
+            agreed = self.received or 0
+        else:
+            got = torch.tensor([self.received or 0], device=device)
+            dist.all_reduce(got, op=dist.ReduceOp.MAX)
+            agreed = int(got.item())  # host sync: once per step, distributed runs only
+        self.signum = agreed or None
         return self.signum is not None
 
     def hand_on(self) -> None:

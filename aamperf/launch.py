@@ -20,6 +20,10 @@ from aamperf.phases.system import usable_cores
 
 OUR_EXIT_CODES = (EXIT_BAD_INPUT, EXIT_ABORTED, 130, 143)  # a rank that ends so writes one line
 OUR_PREFIXES = ("error: ", "aborted: ")  # `interrupted:` lines: each rank prints its own
+KILLED = (
+    "a rank did not finish its step within torchrun's --shutdown-timeout (default 30 s) and was killed "
+    "without a checkpoint; give it longer than a step takes: --shutdown-timeout=<seconds>"
+)
 
 
 def job_result(exc: ChildFailedError) -> tuple[int, list[str]] | None:
@@ -81,8 +85,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 raise
             held.records.clear()
         except SignalException as exc:  # the agent passed it on to the ranks, which said where they stopped
-            held.records.clear()
-            sys.exit(128 + exc.sigval)
+            # news only where a rank did not stop in time: the agent killed it, before its checkpoint
+            held.records[:] = [r for r in held.records if r.getMessage().startswith("Unable to shutdown")]
+            result = 128 + exc.sigval, [f"interrupted: {KILLED}"] if held.records else []
     code, lines = result
     for line in lines:
         print(line, file=sys.stderr)

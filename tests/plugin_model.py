@@ -1,5 +1,7 @@
 """Plug-ins for the tests: a model that is not AAM (any nn.Module plugs in through model._target_),
-and losses that go wrong on purpose (NaN, a memory leak, memory that grows with the batch)."""
+and losses that go wrong on purpose (NaN, a memory leak, memory that grows with the batch, a slow step)."""
+
+import time
 
 import torch
 from torch import nn
@@ -90,3 +92,17 @@ class HungryLoss(AAMLoss):
         weight = next(model.parameters())
         held = torch.ones(len(batch["unifrac"]) * self.numel, device=weight.device)  # [b, B]: b samples here
         return loss + 0 * (held * weight.flatten()[0]).sum(), parts  # `held` is saved for backward
+
+
+class SlowLoss(AAMLoss):
+    """AAM's loss that takes `seconds` longer from step `from_step` on: a step longer than a launcher
+    waits for."""
+
+    def __init__(self, seconds: float = 5.0, from_step: int = 3, **kwargs):
+        super().__init__(**kwargs)
+        self.seconds, self.from_step = seconds, from_step
+
+    def forward(self, model: nn.Module, batch: dict, step: int):
+        if step >= self.from_step:
+            time.sleep(self.seconds)
+        return super().forward(model, batch, step)

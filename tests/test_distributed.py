@@ -4,9 +4,11 @@ import math
 import os
 import signal
 import socket
+from unittest.mock import patch
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import PYTHON, read_metrics, read_summary, torchrun, wait_for_steps
 from hydra.utils import instantiate
@@ -15,6 +17,8 @@ from omegaconf import OmegaConf
 from aamperf.data import build_data
 from aamperf.device import to_device
 from aamperf.distributed import close_world, init_world
+from aamperf.interrupts import Interrupts
+from aamperf.launch import KILLED
 from aamperf.phases import apply_phases, setup_phases
 
 # Dropout off: its masks are drawn per rank. Everything else (nucleotide masks, batch order) does
@@ -120,11 +124,65 @@ def test_sigterm_to_aamperf_launch_stops_every_rank_after_its_step_with_a_checkp
     wait_for_steps(proc, run_dir, 2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-3000:]
-    assert "Traceback" not in err and err.count("interrupted: SIGTERM received") == 2  # one per rank
+    # where each rank was, should one not say where it stopped (CI saw neither rank's line once)
+    logs = "".join(f"{p.name}: ...{p.read_text()[-1500:]}\n" for p in sorted(run_dir.glob("train*.log")))
+    assert proc.returncode == 143, err[-3000:] + logs
+    assert "Traceback" not in err and err.count("interrupted: SIGTERM received") == 2, err[-3000:] + logs
     summary = read_summary(run_dir)
     assert summary["status"] == "interrupted"
     assert (run_dir / "checkpoints" / f"step_{summary['steps']:08d}.pt").exists()
+
+
+@pytest.mark.slow  # about 15 s of two ranks
+def test_a_rank_killed_for_a_step_longer_than_the_shutdown_timeout_is_said_so(launch):
+    settings = ["distributed=ddp", "trainer.max_steps=500", "loss._target_=plugin_model.SlowLoss"]
+    launcher = torchrun(2, "--shutdown-timeout=1", module="aamperf.launch")
+    proc, run_dir = launch(*settings, launcher=launcher, wait=False)
+    wait_for_steps(proc, run_dir, 2)  # step 3 takes 5 s: SIGTERM comes in it
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Unable to shutdown process" in err and "interrupted: SIGTERM received" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == f"interrupted: {KILLED}"
+    assert not (run_dir / "checkpoints").exists()
+
+
+def _stop_signals_of_two_ranks(rank: int, port: int, out: str) -> None:
+    """Two ranks of a real gloo group at the ends of their steps: `Interrupts.requested` must make them
+    stop after the same step whenever the signal comes, and no rank may be killed by the one signal it
+    was sent. Each rank saves what `requested` answered at each step."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    all_reduce, calls = dist.all_reduce, []
+
+    def signal_during(tensor, op):  # SIGTERM on both ranks while they wait in the first step's all-reduce
+        all_reduce(tensor, op=op)
+        calls.append(op)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    answers, cpu = [], torch.device("cpu")
+    with Interrupts() as interrupts, patch.object(dist, "all_reduce", signal_during):
+        interrupts.in_loop = True
+        answers += [interrupts.requested(cpu) for _ in range(3)]  # steps 1, 2, 3
+    # a run on its own: rank 0 has its signal first, rank 1 learns of it from the step's all-reduce and
+    # its own signal (torchrun sends it to every rank) comes after that
+    with Interrupts() as interrupts:
+        interrupts.in_loop = True
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        answers.append(interrupts.requested(cpu))
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # the first signal this rank was sent: it must live on
+        answers.append(int(interrupts.signum or 0))
+    dist.destroy_process_group()
+    torch.save(answers, f"{out}.{rank}")
+
+
+def test_a_stop_signal_that_comes_during_the_step_end_all_reduce_is_kept_for_the_next_step(tmp_path):
+    mp.spawn(_stop_signals_of_two_ranks, args=(free_port(), str(tmp_path / "answers")), nprocs=2, join=True)
+    for rank in (0, 1):  # not lost: both stop after the next step; both live on to say where they stopped
+        assert torch.load(tmp_path / f"answers.{rank}") == [False, True, True, True, signal.SIGTERM]
 
 
 def free_port() -> int:
