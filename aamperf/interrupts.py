@@ -52,6 +52,7 @@ class Interrupts:
         self.received: int | None = None  # the signal this process was sent
         self.signum: int | None = None  # the one the run stops for: its own, or (distributed) a peer's
         self.in_loop = False
+        self.loop_ended = False  # set when the loop ends: a signal then comes while the run is being saved
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "Interrupts":
@@ -75,7 +76,12 @@ class Interrupts:
         name = signal.Signals(signum).name
         if not self.in_loop:
             self.signum = signum
-            raise RunInterrupted(f"{name} received before training began; nothing to keep", None, signum)
+            when = (
+                "after the last step, before the run's model and summary were written"
+                if self.loop_ended
+                else "before training began; nothing to keep"
+            )
+            raise RunInterrupted(f"{name} received {when}", None, signum)
         log.warning(f"{name} received: stopping after this step with a checkpoint (again: at once)")
 
     def requested(self, device: torch.device) -> bool:

@@ -16,6 +16,7 @@ from conftest import PYTHON, losses, on_tmpfs, read_metrics, read_summary, torch
 
 from aamperf import checkpoint, rng
 from aamperf.errors import UserError
+from aamperf.interrupts import Interrupts, RunInterrupted
 
 LONG = ["trainer.max_steps=40", "trainer.val_every=8", "trainer.resume=auto"]
 
@@ -61,6 +62,19 @@ def test_a_second_signal_ends_the_process_at_once(launch):
     # killed by the second, whichever was handled first: no step finished, nothing written
     assert proc.returncode in (-signal.SIGTERM, -signal.SIGINT)
     assert not checkpoint.checkpoints(run_dir)
+
+
+@pytest.mark.parametrize(
+    ("loop_ended", "when"),
+    [(False, "before training began; nothing to keep"), (True, "after the last step, before the run's")],
+)
+def test_a_signal_outside_the_training_loop_stops_the_run_at_once_and_says_when(loop_ended, when):
+    stop = pytest.raises(RunInterrupted, match=f"^SIGTERM received {when}")
+    with stop as stopped, Interrupts() as interrupts:
+        interrupts.loop_ended = loop_ended
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises here, at once
+    assert stopped.value.exit_code == 143 and interrupts.signum == signal.SIGTERM
 
 
 @pytest.mark.slow  # about 40 s: submitit's runner, a requeue and a resumed run (the suite stays under 10 min)

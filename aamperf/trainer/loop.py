@@ -232,7 +232,7 @@ def fit(
             if interrupts.requested(device):  # a stop signal: this step is whole; keep it, then stop
                 raise interrupted(interrupts, step, checkpoints, result)
     finally:  # however the loop ended
-        interrupts.in_loop = False
+        interrupts.in_loop, interrupts.loop_ended = False, True
         bar.close()
         result.nonfinite_steps = int(guards.nonfinite.total.item())
     result.profile = profiler.result
