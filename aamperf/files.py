@@ -2,6 +2,8 @@
 half of one, and a full disk is one line that names the file and what to do (`errors.NoSpace`). JSON
 caches and JSON-lines records read back whatever a crash left."""
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -9,7 +11,7 @@ import math
 import os
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
@@ -65,6 +67,27 @@ def replace_durably(tmp: Path, final: Path, fix: str = FREE_SPACE) -> None:
         fsync_directory(final.parent)
     except BaseException as exc:
         _give_up(exc, tmp, final, fix)
+
+
+@contextlib.contextmanager
+def one_builder(directory: Path) -> Iterator[None]:
+    """Around the check-and-build of a cache entry in `directory`: one process at a time builds (torchrun
+    ranks, a sweep's jobs started together); the others wait, then find the entry whole, where each would
+    have built its own copy. An advisory lock on the directory itself (no lock file; released when its
+    process ends, even killed). Where none can be taken (a read-only file system, one without locks),
+    the block runs unlocked, as it would alone: each entry's write is atomic anyway."""
+    held = None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        held = os.open(directory, os.O_RDONLY)
+        fcntl.flock(held, fcntl.LOCK_EX)
+    except OSError:
+        pass
+    try:
+        yield
+    finally:
+        if held is not None:
+            os.close(held)  # the lock goes with its descriptor
 
 
 def sha256_of(path: Path) -> str:

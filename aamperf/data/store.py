@@ -42,7 +42,7 @@ from aamperf.data.samples import (
 )
 from aamperf.data.tables import read_target, table_chunks, table_ids
 from aamperf.errors import UserError, disk_full, no_space
-from aamperf.files import replace_durably, sha256_of
+from aamperf.files import one_builder, replace_durably, sha256_of
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,12 @@ def sample_store(cfg: DictConfig, files: dict, with_branches: bool) -> tuple[Sam
     path = Path(cfg.cache_dir).expanduser() / "samples" / store_key(cfg, files, with_branches)
     cached = readable(path)
     if not cached:
-        if path.exists():
-            log.warning("sample store %s is damaged: rebuilding it", path)
-        build_store(cfg, files, with_branches, path)
+        with one_builder(path.parent):  # another process building it: wait, then read its store
+            cached = readable(path)
+            if not cached:
+                if path.exists():
+                    log.warning("sample store %s is damaged: rebuilding it", path)
+                build_store(cfg, files, with_branches, path)
     return open_store(path, cfg, files), cached
 
 

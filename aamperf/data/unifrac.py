@@ -11,7 +11,7 @@ import numpy as np
 
 from aamperf.data.tables import check_tips, read_tree
 from aamperf.errors import NoSpace, UserError, one_line
-from aamperf.files import write_atomic
+from aamperf.files import one_builder, write_atomic
 
 if TYPE_CHECKING:  # scikit-bio costs ~2 s to import; a cache hit never needs it
     from skbio import TreeNode
@@ -54,29 +54,44 @@ def compute_unifrac(table: biom.Table, tree: "TreeNode") -> np.ndarray:
 def cached_unifrac(table: biom.Table, tree_path: Path, cache_dir: Path) -> tuple[np.ndarray, bool]:
     """UniFrac of `table` with the tree in `tree_path`: (matrix, served from the cache).
 
-    The cache is `<cache_dir>/unifrac/<key>.npz`; on a hit the tree is not even parsed.
+    The cache is `<cache_dir>/unifrac/<key>.npz`; on a hit the tree is not even parsed. One process
+    computes a missing matrix; others started with it (torchrun ranks) wait and read it.
     """
     path = cache_dir / "unifrac" / f"{cache_key(table, tree_path.read_bytes())}.npz"
     sample_ids = np.asarray(table.ids(), dtype=str)
-    if path.is_file():
-        try:
-            with np.load(path) as cached:  # a zip: each member's CRC is checked as it is read
-                if np.array_equal(cached["ids"], sample_ids):  # guards against a hash collision
-                    return cached["matrix"], True
-            problem = "does not match the table"
-        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:  # truncated, garbage
-            problem = f"is damaged ({type(exc).__name__}: {one_line(exc)[:120]})"
-        log.warning("UniFrac cache %s %s; recomputing it", path, problem)
-    matrix = compute_unifrac(table, read_tree(tree_path))
-    try:  # atomic: a reader sees the old file, no file, or the whole new one
-        write_atomic(path, lambda f: np.savez(f, matrix=matrix, ids=sample_ids))
-    except NoSpace:  # the run has its matrix: a cache it cannot keep costs the next run only
-        log.warning(
-            "UniFrac not cached: no space left in %s (free space, or set data.cache_dir)", path.parent
-        )
-        return matrix, False
+    matrix = read_cached(path, sample_ids, warn=False)
+    if matrix is not None:
+        return matrix, True
+    with one_builder(path.parent):
+        matrix = read_cached(path, sample_ids, warn=True)
+        if matrix is not None:  # another process computed it meanwhile
+            return matrix, True
+        matrix = compute_unifrac(table, read_tree(tree_path))
+        try:  # atomic: a reader sees the old file, no file, or the whole new one
+            write_atomic(path, lambda f: np.savez(f, matrix=matrix, ids=sample_ids))
+        except NoSpace:  # the run has its matrix: a cache it cannot keep costs the next run only
+            log.warning(
+                "UniFrac not cached: no space left in %s (free space, or set data.cache_dir)", path.parent
+            )
+            return matrix, False
     log.info("UniFrac for %d samples cached in %s", len(sample_ids), path)
     return matrix, False
+
+
+def read_cached(path: Path, sample_ids: np.ndarray, warn: bool) -> np.ndarray | None:
+    """The cached matrix of these samples, or None (absent; or damaged, said where `warn`)."""
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path) as cached:  # a zip: each member's CRC is checked as it is read
+            if np.array_equal(cached["ids"], sample_ids):  # guards against a hash collision
+                return cached["matrix"]
+        problem = "does not match the table"
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:  # truncated, garbage
+        problem = f"is damaged ({type(exc).__name__}: {one_line(exc)[:120]})"
+    if warn:
+        log.warning("UniFrac cache %s %s; recomputing it", path, problem)
+    return None
 
 
 def select_unifrac(matrix: np.ndarray, ids: list[str], sample_ids: list[str]) -> np.ndarray:

@@ -1,7 +1,13 @@
-"""UniFrac: equal to scikit-bio and to a hand computation, cached on disk, errors that name the fix."""
+"""UniFrac: equal to scikit-bio and to a hand computation, cached on disk (one process builds a missing
+entry, the others wait for it), errors that name the fix."""
 
+import fcntl
 import io
+import json
 import os
+import subprocess
+import sys
+import time
 
 import biom
 import numpy as np
@@ -12,6 +18,8 @@ from skbio.diversity import beta_diversity
 
 from aamperf.config import DataConfig, DataloaderConfig
 from aamperf.data import build_data
+from aamperf.data.store import build_store, store_key
+from aamperf.data.tables import resolve_files
 from aamperf.data.unifrac import cached_unifrac, compute_unifrac, select_unifrac
 from aamperf.errors import UserError
 
@@ -141,3 +149,37 @@ def test_a_store_built_by_worker_processes_is_the_one_built_in_process(tmp_path,
     (a,), (b,) = (tmp_path / "samples").iterdir(), (tmp_path / "here" / "samples").iterdir()
     for name in ("rows", "reads", "branches"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+BUILD = """
+import json, sys
+from omegaconf import OmegaConf
+from aamperf.config import DataConfig, DataloaderConfig
+from aamperf.data import build_data
+cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), json.loads(sys.argv[1]))
+print("building", flush=True)
+data = build_data(cfg, batch_size=4, seed=0, loader=OmegaConf.structured(DataloaderConfig))
+print(json.dumps(data.samples_cached), flush=True)
+"""
+
+
+def test_a_process_finding_the_store_being_built_waits_and_reads_it(tmp_path):
+    """What torchrun's ranks do on a first run: one builds the sample store; another, started with it,
+    waits for it and reads that copy (where it would have built its own)."""
+    overrides = {"cache_dir": str(tmp_path), "max_asvs": 16, "n_samples": 24, "n_asvs": 48}
+    cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), overrides)
+    files = resolve_files(cfg)
+    path = tmp_path / "samples" / store_key(cfg, files, with_branches=True)  # batch mode: branch sets
+    path.parent.mkdir()
+    builder = os.open(path.parent, os.O_RDONLY)  # this process is the one building
+    fcntl.flock(builder, fcntl.LOCK_EX)
+    other = subprocess.Popen(
+        [sys.executable, "-c", BUILD, json.dumps(overrides)], stdout=subprocess.PIPE, text=True
+    )
+    assert other.stdout.readline() == "building\n"
+    time.sleep(1.0)  # the other is at the store now
+    assert not path.exists()  # it waits: it has not built its own
+    build_store(cfg, files, True, path)
+    os.close(builder)
+    out, _ = other.communicate(timeout=120)
+    assert other.returncode == 0 and json.loads(out) is True  # it read the store this process built
