@@ -21,8 +21,9 @@ from aamperf.phases.system import usable_cores
 OUR_EXIT_CODES = (EXIT_BAD_INPUT, EXIT_ABORTED, 130, 143)  # a rank that ends so writes one line
 OUR_PREFIXES = ("error: ", "aborted: ")  # `interrupted:` lines: each rank prints its own
 KILLED = (
-    "a rank did not finish its step within torchrun's --shutdown-timeout (default 30 s) and was killed "
-    "without a checkpoint; give it longer than a step takes: --shutdown-timeout=<seconds>"
+    "a rank had not ended within torchrun's --shutdown-timeout (default 30 s) of the signal and was "
+    "killed (before its checkpoint, if still in its step); give it longer than a step takes: "
+    "--shutdown-timeout=<seconds>"
 )
 
 

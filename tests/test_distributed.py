@@ -4,6 +4,7 @@ import math
 import os
 import signal
 import socket
+import time
 from unittest.mock import patch
 
 import pytest
@@ -135,10 +136,12 @@ def test_sigterm_to_aamperf_launch_stops_every_rank_after_its_step_with_a_checkp
 
 @pytest.mark.slow  # about 15 s of two ranks
 def test_a_rank_killed_for_a_step_longer_than_the_shutdown_timeout_is_said_so(launch):
-    settings = ["distributed=ddp", "trainer.max_steps=500", "loss._target_=plugin_model.SlowLoss"]
+    settings = ["distributed=ddp", "trainer.max_steps=500"]
+    settings += ["loss._target_=plugin_model.SlowLoss", "+loss.seconds=20"]
     launcher = torchrun(2, "--shutdown-timeout=1", module="aamperf.launch")
     proc, run_dir = launch(*settings, launcher=launcher, wait=False)
-    wait_for_steps(proc, run_dir, 2)  # step 3 takes 5 s: SIGTERM comes in it
+    wait_for_steps(proc, run_dir, 2)
+    time.sleep(2.0)  # step 3 takes 20 s: SIGTERM comes in it, not at the end of step 2
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]

@@ -353,22 +353,22 @@ def test_a_full_disk_while_the_sample_store_is_built_is_one_line_and_leaves_no_p
     if not tmpfs_works(tmp_path):
         pytest.skip("no tmpfs can be mounted here (unshare or mount refused): a full disk needs one")
     sized_cache, cache, kept = tmp_path / "sized_cache", tmp_path / "cache", tmp_path / "kept"
-    sizing, _ = launch(f"data.cache_dir={sized_cache}", "trainer.max_steps=1", name="sized")
+    # the CPU calibration's cache elsewhere: a calibration under load is not written (a CI run's full run
+    # wrote one page less than its sizing run, and the index fitted)
+    calibration = f"metrics.peak_flops_cache={tmp_path / 'peak_flops.json'}"
+    sizing, _ = launch(f"data.cache_dir={sized_cache}", calibration, "trainer.max_steps=1", name="sized")
     assert sizing.returncode == 0, sizing.stderr[-3000:]
     (index,) = (sized_cache / "samples").glob("*/index.npz")  # the store's largest file, written last
 
     def pages(path: Path) -> int:  # a tmpfs holds whole pages
         return -(-path.stat().st_size // 4096) * 4096
 
-    # room for what the run wrote before the store's index (the simulated data set, a calibration, the
-    # store's raw files) and for the index less one page: it cannot fit. (Half the index came to one
-    # page once rounded to whole pages; a CI sizing run that counted one page more let the index fit.)
-    before = [
-        p for p in sized_cache.rglob("*") if p.is_file() and p.stat().st_mtime_ns < index.stat().st_mtime_ns
-    ]
+    # room for the simulated data set and the store's raw files, and for the index less one page
+    written = [p for p in sized_cache.rglob("*") if p.is_file() and p != index]
+    assert {p.relative_to(sized_cache).parts[0] for p in written} == {"simulated", "samples"}
     cache.mkdir()
-    tmpfs = on_tmpfs(sum(map(pages, before)) + pages(index) - 4096, cache, kept)
-    run, run_dir = launch(f"data.cache_dir={cache}", name="full", launcher=[*tmpfs, *PYTHON])
+    tmpfs = on_tmpfs(sum(map(pages, written)) + pages(index) - 4096, cache, kept)
+    run, run_dir = launch(f"data.cache_dir={cache}", calibration, name="full", launcher=[*tmpfs, *PYTHON])
     assert run.returncode == 2, run.stderr[-3000:]
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith(
