@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 raise
             held.records.clear()
         except SignalException as exc:  # the agent passed it on to the ranks, which said where they stopped
-            # news only where a rank did not stop in time: the agent killed it, before its checkpoint
+            # news only where a rank had not ended in time: the agent killed it
             held.records[:] = [r for r in held.records if r.getMessage().startswith("Unable to shutdown")]
             result = 128 + exc.sigval, [f"interrupted: {KILLED}"] if held.records else []
     code, lines = result
