@@ -92,8 +92,8 @@ def measure_matmul(device: torch.device, shapes: list[tuple[int, int, int]]) -> 
             # the model's shapes only (a square one if none given): an emulated bf16 runs a square at
             # ~1 GFLOP/s, seconds a call, and the question is what the model's matmuls gain. A shape
             # whose one warm call is SETTLED x slower than fp32's median is not timed further: 7 trials
-            # cannot lift it to a gain (bf16 with torch's kernels held to AVX2, the headline's shapes on
-            # the 2-core EPYC: 20.4 s -> 4.9 s, the same 0.02x; experiments/precision/settled_probe.py)
+            # cannot lift it to a gain (what it saves, measured by experiments/precision/settled_probe.py:
+            # experiments/precision/README.md)
             settled_below = record["flops"]["fp32"] / SETTLED if dtype != "fp32" else 0.0
             cal = calibrate_cpu(dtype, shapes, trials=TRIALS, square=False, settled_below=settled_below)
             model_shapes = cal["shapes"]

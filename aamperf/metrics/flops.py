@@ -163,6 +163,7 @@ def _time_matmul(
     """FLOP/s of `trials` timed runs of an [m, k] x [k, n] matmul, each repeated for >= trial_s; of one
     warm call alone where that one ran below `settled_below` FLOP/s (an emulated dtype: seconds a call)."""
     m, k, n = shape
+    flop = 2 * m * k * n
     # its own generator: the run's seeded random stream (weights, dropout) must not depend on the calibration
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(m, k, generator=gen).to(dtype), torch.randn(k, n, generator=gen).to(dtype)
@@ -170,8 +171,8 @@ def _time_matmul(
     start = time.perf_counter()
     torch.mm(a, b)
     once_s = max(time.perf_counter() - start, 1e-6)
-    if 2 * m * k * n / once_s < settled_below:
-        return [2 * m * k * n / once_s]
+    if flop / once_s < settled_below:
+        return [flop / once_s]
     repeats = max(1, round(trial_s / once_s))
     for _ in range(repeats):  # one untimed trial: the cores' clocks ramp up over the first tens of ms
         torch.mm(a, b)
@@ -180,7 +181,7 @@ def _time_matmul(
         start = time.perf_counter()
         for _ in range(repeats):
             torch.mm(a, b)
-        rates.append(2 * m * k * n * repeats / (time.perf_counter() - start))
+        rates.append(flop * repeats / (time.perf_counter() - start))
     return rates
 
 
