@@ -130,9 +130,11 @@ def hydra_error_message(exc: CompactHydraException) -> str:
         group, _, option = exc.missing_cfg_file.rpartition("/")
         return no_such_option(group, option, list(exc.options))
     if isinstance(exc, OverrideParseException):
-        reason = exc.message.splitlines()[1:2]  # the line after "Error parsing override ..."
+        lines = exc.message.splitlines()  # ["Error parsing override ..."], the parser's words, "See <docs>"
+        reason = [line for line in lines if not line.startswith(("Error parsing override", "See https://"))]
         return (
-            f"cannot parse the override {exc.override!r} ({' '.join(reason)}); write key=value, see "
+            f"cannot parse the override {exc.override!r} ({' '.join(reason)}); write key=value, a value that "
+            f"holds = or spaces in quotes ('key=\"a=b\"'), see "
             "https://hydra.cc/docs/advanced/override_grammar/basic/"
         )
     if isinstance(cause, ConfigAttributeError | ConfigKeyError) and cause.full_key:

@@ -45,7 +45,7 @@ class SelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, dropout: float):
         super().__init__()
         if dim % num_heads:
-            raise ValueError(f"embedding_dim={dim} is not divisible by num_heads={num_heads}: fix model.*")
+            raise ValueError(f"embedding_dim={dim} is not divisible by num_heads={num_heads}")
         self.num_heads = num_heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
