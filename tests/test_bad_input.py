@@ -108,6 +108,10 @@ RUN_CASES = {
     "empty after rarefaction": (["data.rarefy_depth=1000000"], "lower data.rarefy_depth"),
     "missing metadata column": (["data.target=bmi"], "data.target: no column 'bmi'"),
     "unknown model argument": (["+model.x=1"], "fix the model.* overrides or conf/model/"),
+    "width the heads do not divide": (
+        ["model.embedding_dim=47"],
+        "is not divisible by num_heads=2; fix the model.* overrides or conf/model/",
+    ),
     "a model that is not an nn.Module": (
         ["~model", "+model._target_=collections.OrderedDict", "data.max_asvs=16"],
         "returned a OrderedDict, not a torch.nn.Module; fix model._target_",
