@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
@@ -66,6 +65,10 @@ def sweep_jobs(config: DictConfig) -> tuple[list[list[str]], set[str]]:
     hydra = config.hydra
     if hydra.sweeper.get("_target_") != BASIC_SWEEPER or hydra.launcher.get("_target_") != BASIC_LAUNCHER:
         return [], set()
+    # imported here, where Hydra's config has just named it: a Hydra whose private module moved names
+    # another _target_ and returns above, instead of failing every run at import
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
     loader = GlobalHydra.instance().config_loader()
     params = [f"{key}={value}" for key, value in (hydra.sweeper.get("params") or {}).items()]
     parsed = OverridesParser.create(config_loader=loader).parse_overrides([*params, *hydra.overrides.task])
