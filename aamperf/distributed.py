@@ -8,7 +8,10 @@ Losses that need the whole batch (UniFrac pairs) gather across ranks with autogr
 
 import datetime
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -134,8 +137,37 @@ def close_world(completed: bool = True) -> None:
     dist.destroy_process_group()
 
 
+_alone = False  # set by `alone()`
+
+
+@contextmanager
+def alone() -> Iterator[None]:
+    """This process as if it were the only one: the global batch's collectives (`gather`, `all_sum`)
+    act on its own slice. For steps one rank runs by itself while the others wait for its answer
+    (compile=auto's trial): a collective there would wait for ranks that never join it."""
+    global _alone
+    before, _alone = _alone, True
+    try:
+        yield
+    finally:
+        _alone = before
+
+
 def world_size() -> int:
+    """The ranks of the process group; 1 for a single process, or inside `alone()`."""
+    if _alone:
+        return 1
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def from_main(value: Any) -> Any:
+    """The first rank's `value` on every rank (any picklable object; itself for one process): what the
+    ranks must agree on, decided or measured by the first."""
+    if world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def rank() -> int:

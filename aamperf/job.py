@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from aamperf.batch_size import find_batch_size, smallest_batch
 from aamperf.data import build_data, rebatch
 from aamperf.device import resolve_device, to_device
-from aamperf.distributed import World, init_world
+from aamperf.distributed import World, from_main, init_world
 from aamperf.errors import UserError
 from aamperf.metrics import count_flops, matmul_dtype, peak_flops
 from aamperf.phases import TRIAL_BATCHES, Plan, apply_phases, check_phases, setup_phases
@@ -93,8 +93,9 @@ def build_job(cfg: DictConfig, summary: dict[str, Any]) -> Job:
         step_s = None if auto_batch else plan.records["compile"].get("auto", {}).get("eager_step_s")
         with measuring:
             loader_workers(
-                cfg, setup, plan, data, loss_fn, host_batches[0], batch_s, step_s, flops[1], peak, device
-            )
+                cfg, setup, plan, data, loss_fn, host_batches[0], batch_s, step_s, flops[1], peak, device,
+                world,
+            )  # fmt: skip
     model_flops, hardware_flops = (f * tc.grad_accum_steps for f in flops)
     summary.update(
         auto_s=round(measuring.seconds, 3),
@@ -163,21 +164,23 @@ def build_model(cfg: DictConfig, device: torch.device, world: World, data, summa
 
 
 def loader_workers(
-    cfg, setup, plan, data, loss_fn, batch, batch_s, step_s, hardware_flops, peak, device
+    cfg, setup, plan, data, loss_fn, batch, batch_s, step_s, hardware_flops, peak, device, world
 ) -> None:
     """dataloader=auto, now that a step can be timed: a worker where making a batch would hold the step
     up. The step's seconds: `step_s` (compile=auto timed it on this batch where it did not compile),
-    else a floor from its FLOPs where that settles it, else one step timed now."""
+    else a floor from its FLOPs where that settles it (the first rank's: only it calibrated the peak),
+    else one step timed now, by every rank together (a step's collectives pair up across the ranks).
+    Every rank loads as the first rank decided."""
     floor = False
     if step_s is None:
         step_s = step_floor_s(hardware_flops, peak, batch_s)
         floor = step_s is not None
+    step_s, floor = from_main((step_s, floor))
     if step_s is None:
         step_s = warm_step_s(warmup_step(loss_fn, [to_device(batch, device)]), plan, device)
     notes = plan.records["dataloader"]["notes"]
-    loader, plan.records["dataloader"] = decide_workers(
-        setup.loader, cfg.dataloader, batch_s, step_s, notes, floor=floor
-    )
+    decision = decide_workers(setup.loader, cfg.dataloader, batch_s, step_s, notes, floor=floor)
+    loader, plan.records["dataloader"] = from_main(decision)
     if loader is not None:
         setup.loader = loader
         rebatch(data, data.train_loader.batch_size, cfg.seed, loader)

@@ -1,5 +1,6 @@
 """torch.distributed with real processes on CPU (gloo): 2 ranks train exactly as 1 process with the batch."""
 
+import itertools
 import math
 import os
 import signal
@@ -245,6 +246,62 @@ def test_ddp_gradients_equal_one_process_parameter_by_parameter(make_cfg, tmp_pa
         torch.testing.assert_close(distributed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def _auto_phases_on_two_ranks(rank: int, config: dict, port: int, out: str) -> None:
+    """compile=auto and dataloader=auto decided as a torchrun job decides them, and the first step after.
+    compile=auto: a cached trial says compiling pays (backend eager: no C++ compiler in the test), so
+    the first rank compiles, running a step with the loss's gather, while the other waits for its
+    decision, then compiles too. dataloader=auto: only the first rank calibrated the peak, so only it
+    knows the step's FLOP floor; each rank must take the first rank's path (a rank timing a step on its
+    own would wait in the DDP step's all-reduce for a peer that never joins it)."""
+    from aamperf.job import loader_workers, warmup_step
+    from aamperf.phases.compile import trial_context
+    from aamperf.probe import Probe
+
+    cfg = OmegaConf.create(config)
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cpu")
+    world = init_world(cfg, device)
+    setup = setup_phases(cfg, device)
+    torch.manual_seed(cfg.seed)
+    shard = {"rank": rank, "world_size": 2, "loader": setup.loader, "pad_to": setup.pad_to}
+    data = build_data(cfg.data, batch_size=8, seed=cfg.seed, **shard)  # the global batch, sliced per rank
+    model, loss_fn = instantiate(cfg.model), instantiate(cfg.loss)
+    batches = [to_device(b, device) for b in itertools.islice(data.train_loader, 4)]  # the first: step 1's
+    if rank == 0:
+        pays = {"eager_step_s": 1.0, "compiled_step_s": 0.5, "compile_s": 0.1, "graphs": 1}
+        trial = {"context": trial_context(cfg, 8)}
+        Probe(device, cfg.probe.cache).answer("compile_trial", trial, lambda: {**pays, "under_load": None})
+    plan = apply_phases(model, cfg, device, warmup_step(loss_fn, batches), setup.records, world, 8)
+    # making a batch: a millionth of the first rank's floor (its FLOPs at a peak of 1e9 FLOP/s)
+    peak = 1e9 if rank == 0 else None
+    loader_workers(cfg, setup, plan, data, loss_fn, batches[0], 1e-9, None, 1e9, peak, device, world)
+    loss, _ = loss_fn(plan.model, batches[0], 1)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    records = {group: plan.records[group] for group in ("compile", "dataloader")}
+    close_world()
+    torch.save({"grads": grads, "records": records}, f"{out}.{rank}")
+
+
+def test_auto_phases_decided_on_two_ranks_train_like_one_process(make_cfg, tmp_path):
+    auto = ["compile=auto", "compile.backend=eager", "dataloader=auto", f"probe.cache={tmp_path / 'p.json'}"]
+    # a rank that waits for a collective its peer never joins fails the test in 30 s, not in 10 min
+    ddp = make_cfg(*SAME_TRAINING, "distributed=ddp", "distributed.timeout_s=30", *auto)
+    single = OmegaConf.to_container(make_cfg(*SAME_TRAINING), resolve=True)
+    reference = first_step_gradients(single, 0, 1, 0, None)
+    config, out = OmegaConf.to_container(ddp, resolve=True), str(tmp_path / "out")
+    mp.spawn(_auto_phases_on_two_ranks, args=(config, free_port(), out), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"out.{rank}", weights_only=False) for rank in (0, 1)]
+    for saved in ranks:  # both compiled, both decided from the first rank's floor; the same training
+        assert saved["records"]["compile"]["status"] == "applied", saved["records"]["compile"]
+        assert saved["records"]["compile"]["auto"]["source"] == "cache"
+        assert "(its FLOPs at the calibrated peak)" in saved["records"]["dataloader"]["auto"]["reason"]
+        assert saved["grads"].keys() == reference.keys()
+        for name, grad in reference.items():
+            torch.testing.assert_close(saved["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_slurm_tasks_train_like_torchrun_ranks(launch):
     """Two tasks of a SLURM job step on one node, as srun (or hydra/launcher=slurm) starts them."""
     pytest.importorskip("submitit")
@@ -269,6 +326,21 @@ def test_slurm_tasks_train_like_torchrun_ranks(launch):
     assert summary["world_size"] == 2 and summary["phases"]["distributed"]["backend"] == "gloo"
     rows = read_metrics(run_dir)
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+
+
+@pytest.mark.slow  # about 40 s: rank 0 answers every probe of ultra on a new cache, a block compile too
+def test_ultra_under_aamperf_launch_decides_on_rank_0_and_every_rank_trains(launch, tmp_path):
+    """The command that waited 10 minutes for a collective: rank 0's compile=auto trial step gathered
+    the UniFrac embeddings while rank 1 waited for the decision."""
+    new_cache = [f"probe.cache={tmp_path / 'probe.json'}", "distributed.timeout_s=120"]
+    settings = ["distributed=ddp", "optim=ultra", "trainer.max_steps=4", *new_cache]
+    proc, run_dir = launch(*settings, launcher=torchrun(2, module="aamperf.launch"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["world_size"] == 2 and summary["status"] == "completed"
+    decided = {group: record["auto"] for group, record in summary["phases"].items() if "auto" in record}
+    assert {"precision", "attention", "compile", "dataloader"} <= decided.keys(), summary["phases"]
+    assert all(auto["reason"] for auto in decided.values())
 
 
 @pytest.mark.slow

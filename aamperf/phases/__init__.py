@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from aamperf.distributed import World
+from aamperf.distributed import World, alone, from_main
 from aamperf.errors import UserError
 from aamperf.guards import MemoryGuard
 from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to
@@ -110,22 +110,23 @@ def decide_compile(
     model: nn.Module, cfg: DictConfig, step: Callable[[int], None], world: World, micro_batch: int, device
 ) -> dict:
     """compile=auto on the first rank (alone: ranks timing steps together would each see the others'
-    load); every rank follows its decision. The record's `decide_s`: the seconds spent deciding, but
-    the compile the run keeps (its compile_time_s)."""
+    load); every rank follows its decision. Each rank's steps here run `alone()`: the loss's collectives
+    over the global batch would wait for ranks that wait for the decision. The record's `decide_s`: the
+    seconds spent deciding, but the compile the run keeps (its compile_time_s)."""
     start, record = time.perf_counter(), None
     if world.is_main:
         probe = Probe(device, cfg.probe.cache, cfg.probe.refresh)
         context = trial_context(cfg, micro_batch)
         block = compile_block(cfg.model, micro_batch, cfg.data.max_asvs)
         dtype = DTYPES.get(cfg.precision.dtype, torch.float32)
-        record = auto_compile(
-            model, cfg.compile, step, TRIAL_BATCHES, cfg.trainer.max_steps, probe, context, block, dtype
-        )
+        with alone():
+            record = auto_compile(
+                model, cfg.compile, step, TRIAL_BATCHES, cfg.trainer.max_steps, probe, context, block, dtype
+            )
     if world.world_size > 1:
-        box = [record]
-        torch.distributed.broadcast_object_list(box, src=0)
-        record = box[0]
+        record = from_main(record)
         if not world.is_main and record["auto"]["chose"] == "default":
-            record = {**apply_compile(model, cfg.compile, lambda: step(0)), "auto": record["auto"]}
+            with alone():
+                record = {**apply_compile(model, cfg.compile, lambda: step(0)), "auto": record["auto"]}
     kept = record.get("compile_time_s", 0.0) if record["status"] == "applied" else 0.0
     return {**record, "decide_s": max(0.0, time.perf_counter() - start - kept)}

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from aamperf.distributed import World
+from aamperf.distributed import World, from_main
 from aamperf.phases.precision import DTYPES
 from aamperf.probe import Probe, low_precision_dtypes, model_shapes
 
@@ -109,11 +109,9 @@ def resolve_auto(cfg: DictConfig, device: torch.device, micro_batch: int, world:
     rank takes its decisions: they must all run the same phases."""
     if "auto" not in (cfg.precision.dtype, cfg.attention.impl, cfg.memory.checkpointing):
         return {}
-    decisions = [measure_decisions(cfg, device, micro_batch) if world.is_main else None]
-    if world.world_size > 1:
-        torch.distributed.broadcast_object_list(decisions, src=0)
-    apply_decisions(cfg, decisions[0])
-    return decisions[0]
+    decisions = from_main(measure_decisions(cfg, device, micro_batch) if world.is_main else None)
+    apply_decisions(cfg, decisions)
+    return decisions
 
 
 def measure_decisions(cfg: DictConfig, device: torch.device, micro_batch: int) -> dict[str, dict]:
