@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -91,6 +92,13 @@ def make_cfg(cache_dir: Path) -> Iterator[Callable[..., DictConfig]]:
 PYTHON = (sys.executable,)
 # Set by a torchrun that started pytest: a run launched here is not one of its ranks.
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+
+
+def free_port() -> int:
+    """A local TCP port free now, for a process group of ranks spawned by a test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def torchrun(ranks: int, *options: str, module: str = "torch.distributed.run") -> list[str]:

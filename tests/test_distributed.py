@@ -4,7 +4,6 @@ import itertools
 import math
 import os
 import signal
-import socket
 import time
 from unittest.mock import patch
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import PYTHON, read_metrics, read_summary, torchrun, wait_for_steps
+from conftest import PYTHON, free_port, read_metrics, read_summary, torchrun, wait_for_steps
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -187,12 +186,6 @@ def test_a_stop_signal_that_comes_during_the_step_end_all_reduce_is_kept_for_the
     mp.spawn(_stop_signals_of_two_ranks, args=(free_port(), str(tmp_path / "answers")), nprocs=2, join=True)
     for rank in (0, 1):  # not lost: both stop after the next step; both live on to say where they stopped
         assert torch.load(tmp_path / f"answers.{rank}") == [False, True, True, True, signal.SIGTERM]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def first_step_gradients(config: dict, rank: int, world: int, port: int, out: str | None) -> dict:

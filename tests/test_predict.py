@@ -2,12 +2,16 @@
 never saw; one row per sample, the predicted UniFrac of the embeddings written, bad input one line."""
 
 import json
+import os
+from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import CONF_DIR, read_summary, torchrun
+import torch.multiprocessing as mp
+from conftest import CONF_DIR, free_port, read_summary, torchrun
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -114,6 +118,56 @@ def test_two_ranks_write_what_one_process_writes(launch, trained_run):
         assert (two / name).read_text() == (one / name).read_text(), name  # the same rows, in the same order
     assert np.array_equal(np.load(two / "unifrac.npy"), np.load(one / "unifrac.npy"))
     assert not (two / "shares").exists()  # the ranks' shares were merged and removed
+
+
+def _levels_of_two_ranks(rank: int, config: dict, run_dir: str, port: int, out: str) -> None:
+    """apply_levels on two ranks of a gloo group: rank 0 measures (precision, attention) and decides
+    compile from a cached trial that pays (backend eager); rank 1 must measure nothing and take them."""
+    from aamperf.distributed import close_world, join_world
+    from aamperf.predict import levels
+    from aamperf.probe import Probe
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cpu, cfg = torch.device("cpu"), OmegaConf.create(config)
+    world = join_world("gloo", 60, cpu)
+    model, payload = load_model(Path(run_dir))
+    model_cfg = OmegaConf.create(payload["config"]["model"])
+    samples = read_samples(OmegaConf.create(payload["config"]["data"]))
+    batch = Collate(samples.tokens, None, pad_to=None)([samples.dataset[i] for i in range(4)])
+    context = levels.compile_context
+    pays = {"eager_step_s": 1.0, "compiled_step_s": 0.5, "compile_s": 0.1, "graphs": 1, "under_load": None}
+
+    def paying_trial_cached(cfg, model_cfg, batch) -> str:  # asked once precision and attention are decided
+        trial = {"context": context(cfg, model_cfg, batch)}
+        Probe(cpu, cfg.probe.cache).answer("compile_trial", trial, lambda: pays)
+        return trial["context"]
+
+    def measured_on_rank_1(*args, **kwargs):
+        raise AssertionError("rank 1 measured the device: it must take rank 0's level")
+
+    patched = {"compile_context": paying_trial_cached} if rank == 0 else {"Probe": measured_on_rank_1}
+    with patch.multiple(levels, **patched):
+        _, records = levels.apply_levels(model, cfg, cpu, model_cfg, batch, 10, world)
+    close_world()
+    torch.save(records, f"{out}.{rank}")
+
+
+def test_two_ranks_predict_with_the_level_the_first_rank_chose(trained_run, tmp_path):
+    run_dir, _ = trained_run
+    register_predict_configs()
+    auto = ["precision=auto", "attention=auto", "compile=auto", "compile.backend=eager"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(
+            "predict", [f"run={run_dir}", "device=cpu", *auto, f"probe.cache={tmp_path / 'p.json'}"]
+        )
+    config, out = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), str(tmp_path / "records")
+    mp.spawn(_levels_of_two_ranks, args=(config, str(run_dir), free_port(), out), nprocs=2, join=True)
+    first, second = (torch.load(f"{out}.{rank}", weights_only=False) for rank in (0, 1))
+    for group in ("precision", "attention"):
+        assert second[group]["auto"] == first[group]["auto"], group  # rank 0's measurement, its reason
+    assert first["compile"]["status"] == second["compile"]["status"] == "applied"
+    assert second["compile"]["auto"] == first["compile"]["auto"]
 
 
 def test_the_exported_program_gives_the_models_outputs_at_other_shapes(launch, trained_run):

@@ -125,7 +125,7 @@ def decide_compile(
             )
     if world.world_size > 1:
         record = from_main(record)
-        if not world.is_main and record["auto"]["chose"] == "default":
+        if not world.is_main and record.get("auto", {}).get("chose") == "default":
             with alone():
                 record = {**apply_compile(model, cfg.compile, lambda: step(0)), "auto": record["auto"]}
     kept = record.get("compile_time_s", 0.0) if record["status"] == "applied" else 0.0

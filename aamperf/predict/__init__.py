@@ -86,7 +86,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         model_cfg = OmegaConf.create(payload["config"]["model"])
         total = len(samples.ids) if chunks == [None] else sum(len(chunk) for chunk in chunks)
         calls = -(-total // (warm if auto_batch else cfg.batch_size))  # forward passes: compile=auto's stake
-        autocast, phases = apply_levels(model, cfg, device, model_cfg, first_batch, calls)
+        autocast, phases = apply_levels(model, cfg, device, model_cfg, first_batch, calls, world)
         found = None
         if auto_batch:  # measured with the level applied: what it keeps in memory is what counts
             run = partial(forward, model, autocast=autocast)

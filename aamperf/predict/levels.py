@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from aamperf.distributed import World, from_main
 from aamperf.model.loss import predicted_unifrac
 from aamperf.phases.aam_ops import apply_aam_ops
 from aamperf.phases.attention import apply_attention
@@ -24,25 +25,41 @@ from aamperf.probe import Probe, compile_block, model_shapes
 
 
 def apply_levels(
-    model: nn.Module, cfg: DictConfig, device: torch.device, model_cfg: Any, batch: dict[str, Any], calls: int
+    model: nn.Module,
+    cfg: DictConfig,
+    device: torch.device,
+    model_cfg: Any,
+    batch: dict[str, Any],
+    calls: int,
+    world: World,
 ) -> tuple[Callable, dict[str, dict]]:
     """(autocast factory, {group: record}); `batch`, a real one on the device: compile's warm-up and
-    trial; `calls`: the forward passes the run will make (compile=auto compiles where they repay it)."""
+    trial; `calls`: the forward passes the run will make (compile=auto compiles where they repay it).
+    Under torchrun the first rank measures alone and every rank applies its decisions, as in training:
+    the ranks' shares are predicted by one level."""
     records: dict[str, dict] = {}
-    decisions = decide_auto(cfg, device, model_cfg, batch)
+    decisions = from_main(decide_auto(cfg, device, model_cfg, batch) if world.is_main else None)
+    apply_decisions(cfg, decisions)
     autocast, _, records["precision"] = apply_precision(cfg.precision, device)
     records["attention"] = apply_attention(model, cfg.attention)
     records["aam_ops"] = apply_aam_ops(model, cfg.aam_ops)
     records["quantize"] = apply_quantize(model, cfg.quantize.mode, autocast)
+    warmup = lambda: forward(model, batch, autocast)  # noqa: E731 - compile's warm-up, the trial's one batch
     if cfg.compile.mode == "auto":  # training's decision, with a forward pass for a step
-        probe = Probe(device, cfg.probe.cache, cfg.probe.refresh)
-        context = compile_context(cfg, model_cfg, batch)
-        block = compile_block(model_cfg, len(batch["tokens"]), batch["tokens"].shape[1])
-        dtype = DTYPES.get(cfg.precision.dtype, torch.float32)
-        step = lambda i: forward(model, batch, autocast)  # noqa: E731 - the trial's one batch
-        records["compile"] = auto_compile(model, cfg.compile, step, 1, calls, probe, context, block, dtype)
+        record = None
+        if world.is_main:
+            probe = Probe(device, cfg.probe.cache, cfg.probe.refresh)
+            context = compile_context(cfg, model_cfg, batch)
+            block = compile_block(model_cfg, len(batch["tokens"]), batch["tokens"].shape[1])
+            dtype = DTYPES.get(cfg.precision.dtype, torch.float32)
+            step = lambda i: warmup()  # noqa: E731
+            record = auto_compile(model, cfg.compile, step, 1, calls, probe, context, block, dtype)
+        record = from_main(record)
+        if not world.is_main and record.get("auto", {}).get("chose") == "default":
+            record = {**apply_compile(model, cfg.compile, warmup), "auto": record["auto"]}
+        records["compile"] = record
     else:
-        records["compile"] = apply_compile(model, cfg.compile, lambda: forward(model, batch, autocast))
+        records["compile"] = apply_compile(model, cfg.compile, warmup)
     for group, decision in decisions.items():  # each `auto` beside what its phase then did
         records[group]["auto"] = decision
     return autocast, records
