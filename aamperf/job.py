@@ -5,6 +5,7 @@ trainer.batch_size=auto), loader workers (dataloader=auto), and the FLOPs of a s
 import itertools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from aamperf.phases.auto import resolve_auto
 from aamperf.phases.dataloader import decide_workers, step_floor_s
 from aamperf.probe import timed
 from aamperf.rng import seed_everything
+from aamperf.trainer.checkpoints import steps_left
 
 
 @dataclass
@@ -38,8 +40,9 @@ class Job:
     peak_flops: float | None
 
 
-def build_job(cfg: DictConfig, summary: dict[str, Any]) -> Job:
-    """Build the run; `summary` gets what each part decided as it is decided (a failed start keeps it)."""
+def build_job(cfg: DictConfig, summary: dict[str, Any], run_dir: Path | None = None) -> Job:
+    """Build the run; `summary` gets what each part decided as it is decided (a failed start keeps it).
+    `run_dir`: where trainer.resume=auto finds the checkpoint the run goes on from."""
     device = resolve_device(cfg.device)
     summary["device"] = str(device)
     if device.type == "cuda":  # what the GPU held before this job (an earlier job, a notebook): not its peak
@@ -74,7 +77,8 @@ def build_job(cfg: DictConfig, summary: dict[str, Any]) -> Job:
     # (FlopCounterMode cannot see inside compiled kernels); AAM is counted after its phases.
     counted = None if hasattr(model, "flops_per_step") else counted_flops(model, loss_fn, first)
     trial = [first] + [to_device(b, device) for b in host_batches[1:TRIAL_BATCHES]]
-    plan = apply_phases(model, cfg, device, warmup_step(loss_fn, trial), setup.records, world, micro_batch)
+    warmup, steps = warmup_step(loss_fn, trial), steps_left(tc, run_dir)
+    plan = apply_phases(model, cfg, device, warmup, setup.records, world, micro_batch, steps)
     for group, decision in decisions.items():  # each `auto` beside what its phase then did
         plan.records[group]["auto"] = decision
     measuring.seconds += plan.records["compile"].get("decide_s", 0.0)

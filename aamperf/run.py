@@ -63,7 +63,7 @@ def train(cfg: DictConfig, run_dir: Path, interrupts: Interrupts | None = None) 
     job = monitor = None
     try:
         check_config(cfg)
-        job = build_job(cfg, summary)
+        job = build_job(cfg, summary, run_dir)
         graphs = compiled_graphs()
         with SystemMonitor(job.device, cfg.metrics.monitor_interval_s) as monitor:
             result = fit(

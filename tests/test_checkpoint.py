@@ -152,3 +152,24 @@ def test_torchrun_restarts_a_killed_rank_and_goes_on_from_the_last_checkpoint(la
     assert [loss for _, loss, _ in losses(restarted)] == pytest.approx(
         [loss for _, loss, _ in losses(whole)], rel=1e-6
     )
+
+
+def test_compile_auto_on_a_resume_counts_only_the_steps_left(make_cfg, tmp_path):
+    """A trial that pays over a run's 30 steps (0.5 s saved a step, 10 s to compile) does not over the 15
+    a resume from step 15 has left: the resumed run stays eager and says so."""
+    from aamperf.phases.compile import trial_context
+    from aamperf.probe import Probe
+
+    common = ["trainer.checkpoint_every=15", "trainer.resume=auto", f"probe.cache={tmp_path / 'probe.json'}"]
+    train(make_cfg(*common, "trainer.max_steps=15"), tmp_path / "run")
+    cfg = make_cfg(*common, "trainer.max_steps=30", "compile=auto")
+    figures = {"eager_step_s": 1.0, "compiled_step_s": 0.5, "compile_s": 10.0, "graphs": 1}
+    trial = {"context": trial_context(cfg, cfg.trainer.batch_size)}
+    Probe(torch.device("cpu"), cfg.probe.cache).answer(
+        "compile_trial", trial, lambda: {**figures, "under_load": None}
+    )
+    summary = train(cfg, tmp_path / "run")
+    auto = summary["phases"]["compile"]["auto"]
+    assert summary["resumed_from_step"] == 15 and summary["status"] == "completed"
+    assert auto["chose"] == "disabled"
+    assert "7.5 s saved over 15 steps <= 10.0 s of compiling" in auto["reason"]

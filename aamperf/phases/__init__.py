@@ -82,9 +82,11 @@ def apply_phases(
     records: dict[str, dict],
     world: World,
     micro_batch: int,
+    steps: int | None = None,
 ) -> Plan:
     """Transform `model` in the fixed order; `warmup(model, autocast, scaler, i)` runs one forward + backward
-    of the run's i-th batch (i < TRIAL_BATCHES)."""
+    of the run's i-th batch (i < TRIAL_BATCHES); `steps`: those the run will train (compile=auto's stake;
+    default trainer.max_steps)."""
     autocast, scaler, records["precision"] = apply_precision(cfg.precision, device)
     records["attention"] = apply_attention(model, cfg.attention)
     records["dropout"] = apply_dropout(model, cfg.dropout, device)  # after attention: reaches its dropout too
@@ -93,7 +95,8 @@ def apply_phases(
     records["checkpointing"] = apply_checkpointing(model, cfg.memory)
     step = partial(warmup, model, autocast, scaler)
     if cfg.compile.mode == "auto":
-        records["compile"] = decide_compile(model, cfg, step, world, micro_batch, device)
+        steps = cfg.trainer.max_steps if steps is None else steps
+        records["compile"] = decide_compile(model, cfg, step, world, micro_batch, device, steps)
     else:
         records["compile"] = apply_compile(model, cfg.compile, lambda: step(0))
     param_dtype = DTYPES.get(cfg.precision.dtype, torch.float32)
@@ -107,12 +110,19 @@ def apply_phases(
 
 
 def decide_compile(
-    model: nn.Module, cfg: DictConfig, step: Callable[[int], None], world: World, micro_batch: int, device
+    model: nn.Module,
+    cfg: DictConfig,
+    step: Callable[[int], None],
+    world: World,
+    micro_batch: int,
+    device: torch.device,
+    steps: int,
 ) -> dict:
-    """compile=auto on the first rank (alone: ranks timing steps together would each see the others'
-    load); every rank follows its decision. Each rank's steps here run `alone()`: the loss's collectives
-    over the global batch would wait for ranks that wait for the decision. The record's `decide_s`: the
-    seconds spent deciding, but the compile the run keeps (its compile_time_s)."""
+    """compile=auto over the `steps` the run will train, on the first rank (alone: ranks timing steps
+    together would each see the others' load); every rank follows its decision. Each rank's steps here
+    run `alone()`: the loss's collectives over the global batch would wait for ranks that wait for the
+    decision. The record's `decide_s`: the seconds spent deciding, but the compile the run keeps (its
+    compile_time_s)."""
     start, record = time.perf_counter(), None
     if world.is_main:
         probe = Probe(device, cfg.probe.cache, cfg.probe.refresh)
@@ -121,7 +131,7 @@ def decide_compile(
         dtype = DTYPES.get(cfg.precision.dtype, torch.float32)
         with alone():
             record = auto_compile(
-                model, cfg.compile, step, TRIAL_BATCHES, cfg.trainer.max_steps, probe, context, block, dtype
+                model, cfg.compile, step, TRIAL_BATCHES, steps, probe, context, block, dtype
             )
     if world.world_size > 1:
         record = from_main(record)

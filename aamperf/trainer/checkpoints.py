@@ -12,6 +12,13 @@ from aamperf import checkpoint
 from aamperf.summary import resolved_config
 
 
+def steps_left(tc: DictConfig, run_dir: Path | None) -> int:
+    """The optimizer steps this process will train: trainer.max_steps, less the newest checkpoint's
+    where trainer.resume=auto goes on from one (what a decision that must pay back over the run counts)."""
+    saved = checkpoint.checkpoints(run_dir) if run_dir and tc.resume == "auto" else []
+    return max(0, tc.max_steps - (checkpoint.step_of(saved[-1]) if saved else 0))
+
+
 class Checkpoints:
     """`state`: the loop's objects by name, each with state_dict() / load_state_dict() (scaler, batch
     stream, meter, guards' counters, interval, result so far)."""
