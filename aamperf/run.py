@@ -44,10 +44,13 @@ def target_r2(val: dict[str, float], data, loss_fn) -> dict[str, float]:
     return {"val_target_r2": 1.0 - mse / data.val_target_var}
 
 
-def train(cfg: DictConfig, run_dir: Path, interrupts: Interrupts | None = None) -> dict[str, Any]:
+def train(
+    cfg: DictConfig, run_dir: Path, interrupts: Interrupts | None = None, sweep_job: bool = False
+) -> dict[str, Any]:
     """Run one training job into `run_dir`; the summary is written there on success and on failure.
-    `interrupts`: the stop signals caught while it runs (aamperf/interrupts.py)."""
-    origin, origin_kind = job_origin()  # every elapsed time of the job counts from here
+    `interrupts`: the stop signals caught while it runs (aamperf/interrupts.py); `sweep_job`: a job of
+    a multirun (its clock starts with it, `job_origin`)."""
+    origin, origin_kind = job_origin(sweep_job)  # every elapsed time of the job counts from here
     if origin_kind == "job_start":  # an earlier job ran in this process: its peak is not this job's
         start_job_peak_rss()
     release_freed_memory()  # what earlier jobs of a multirun freed: not this job's memory

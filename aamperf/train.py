@@ -35,7 +35,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         with Interrupts() as interrupts:
             try:
-                summary = train(cfg, run_dir, interrupts)
+                summary = train(cfg, run_dir, interrupts, sweep_job=in_sweep)
             finally:
                 interrupts.hand_on()  # the summary is written: submitit's requeue, on its preemption signal
     except RunInterrupted:

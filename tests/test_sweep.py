@@ -49,6 +49,8 @@ def test_sweep_ends_with_the_report_of_its_own_runs(sweep):
     assert ultra["speedup_lo"] is None and ultra["verdict"].startswith("undecided: 2 seed(s) paired")
     # both configurations trained on the same data: the same data.seed in every job
     assert {s["config"]["data"]["seed"] for s in summaries} == {0}
+    # every job's clock starts with it: the first does not carry the sweep's start (imports, set-up)
+    assert [s["clock_origin"] for s in summaries] == ["job_start"] * 4
 
 
 def test_each_job_is_an_offline_wandb_run_with_group_job_type_config_and_metrics(sweep):

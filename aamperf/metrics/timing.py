@@ -25,11 +25,14 @@ def process_age_s() -> float:
         return time.time() - psutil.Process().create_time()
 
 
-def job_origin() -> tuple[float, str]:
+def job_origin(sweep_job: bool = False) -> tuple[float, str]:
     """(perf_counter value every elapsed time of this job counts from, what it is). The first job of a
     process counts from the process's start; a later one (an in-process sweep, a test, a notebook) from
-    now, its own start, since the process's earlier time belongs to the jobs before it."""
-    first = _jobs_started[0] == 0
+    now, its own start, since the process's earlier time belongs to the jobs before it. A job of a
+    sweep (`sweep_job`) always counts from its own start: the sweep's start (imports, the sweeper's
+    set-up, a search's reference run) belongs to all its jobs, and the first job paired with the others
+    must not carry it."""
+    first = _jobs_started[0] == 0 and not sweep_job
     _jobs_started[0] += 1
     now = time.perf_counter()
     return (now - process_age_s(), "process_start") if first else (now, "job_start")

@@ -48,7 +48,7 @@ def relative_delta(run: Run, base: Run) -> float | None:
 def quality_times(
     pairs: list[tuple[Run, Run]], tolerance: float
 ) -> tuple[list[float | None], list[float | None]]:
-    """Per pair: seconds from launch until the run, and the baseline, first reach the baseline's
+    """Per pair: seconds from the run's start until the run, and the baseline, first reach the baseline's
     final validation loss, within `tolerance` (the report's "equal quality"; None: not reached).
     Without the tolerance a run of equal quality would miss the exact figure half the time."""
     mine, theirs = [], []

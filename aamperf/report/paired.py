@@ -68,8 +68,8 @@ def seeds_needed(interval: Interval, bound: float, confidence: float, inside: bo
 
 
 def time_to_quality(validations: list[tuple[float, float]], target: float) -> float | None:
-    """Seconds from launch to the first validation whose loss is <= `target`, or None if never.
-    `validations`: (elapsed_s from launch, val_loss) in the order they were logged."""
+    """Seconds from the run's start to the first validation whose loss is <= `target`, or None if never.
+    `validations`: (elapsed_s from the run's start, val_loss) in the order they were logged."""
     for elapsed_s, val_loss in validations:
         if val_loss is not None and elapsed_s is not None and val_loss <= target:
             return elapsed_s

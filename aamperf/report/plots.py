@@ -14,7 +14,7 @@ from aamperf.files import write_atomic  # noqa: E402
 
 def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> plt.Figure:
     """Six panels: the two verdict intervals (speed-up, val-loss change), peak memory, MFU / HFU,
-    the train loss per step and the val loss over wall time from launch (time to quality)."""
+    the train loss per step and the val loss over wall time from the run's start (time to quality)."""
     rows = result["rows"]
     labels = [r["config"] for r in rows]
     ticks = [textwrap.fill(label, 40) for label in labels]  # long override strings on several lines
@@ -91,8 +91,8 @@ def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> plt.Figu
             val_ax.axhline(run.summary["val_loss"], color="tab:gray", ls=":", lw=0.8)
     train_ax.set_title("train loss per logged step (each seed)")
     train_ax.set_xlabel("step")
-    val_ax.set_title("val loss over time from launch (dotted: the baseline's final, per seed)")
-    val_ax.set_xlabel("seconds from launch")
+    val_ax.set_title("val loss over time from the run's start (dotted: the baseline's final, per seed)")
+    val_ax.set_xlabel("seconds from the run's start")
     # one legend for the curves, below the panels: however many configurations, it covers none
     handles = [plt.Line2D([], [], color=color, marker="o", ms=3, lw=1) for color in colors]
     columns = min(len(labels), 3)

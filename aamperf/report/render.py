@@ -48,9 +48,10 @@ def to_markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Baseline: `{result['baseline']}`. Each run is paired with the baseline run of its seed on the same "
         f"data; speed-ups are geometric means of the per-seed ratios, val-loss deltas means of the per-seed "
-        f"changes, each with a {confidence:.0%} bootstrap interval. Time to quality: seconds from launch "
-        f"until the val loss is within the tolerance of the same seed's baseline final val loss (median "
-        f"over seeds; reached in k/n seeds). Equal quality: the "
+        f"changes, each with a {confidence:.0%} bootstrap interval. Time to quality: seconds from the run's "
+        f"start (its process's launch; a sweep job's own start) until the val loss is within the tolerance "
+        f"of the same seed's baseline final val loss (median over seeds; reached in k/n seeds). Equal "
+        f"quality: the "
         f"val-loss interval inside +-{result['quality_tolerance']:.0%}. Step s: mean over the timed steps. "
         f"Peak memory: the process tree's PSS (the main process's VmHWM for runs without that figure). "
         f"Auto s: seconds a run spent measuring to decide its `auto` options (median, and the most one "

@@ -41,7 +41,7 @@ class Run:
 
     @property
     def validations(self) -> list[tuple[float, float]]:
-        """(elapsed_s from launch, val_loss) of each validation in metrics.jsonl, in order."""
+        """(elapsed_s from the run's start, val_loss) of each validation in metrics.jsonl, in order."""
         return [(r.get("elapsed_s"), r["val_loss"]) for r in self.metrics if r.get("val_loss") is not None]
 
 
