@@ -15,10 +15,21 @@ def usable_cores() -> list[int]:
     )
 
 
+# The cores and intra-op threads the process had before its first job changed them: a later job of an
+# in-process sweep that asks for neither gets these back, not the previous job's.
+_given: tuple[list[int], int] | None = None
+
+
 def apply_system(cfg: DictConfig, device: torch.device) -> dict[str, dict]:
     """Records per switch, since each can apply or not on its own."""
+    global _given
+    if _given is None:
+        _given = usable_cores(), torch.get_num_threads()
+    given_cores, given_threads = _given
     records = {}
     if cfg.cpu_cores is None:
+        if hasattr(os, "sched_setaffinity") and usable_cores() != given_cores:
+            os.sched_setaffinity(0, given_cores)  # an earlier job of this process pinned it
         records["cpu_affinity"] = skipped("system.cpu_cores=null: the process keeps the cores it was given")
     elif not hasattr(os, "sched_setaffinity"):
         records["cpu_affinity"] = skipped("this OS has no sched_setaffinity")
@@ -28,6 +39,8 @@ def apply_system(cfg: DictConfig, device: torch.device) -> dict[str, dict]:
     if cfg.num_threads is not None or cfg.cpu_cores is not None:
         # One intra-op thread per usable core: more only time-slice the same cores.
         torch.set_num_threads(cfg.num_threads or len(usable_cores()))
+    elif torch.get_num_threads() != given_threads:
+        torch.set_num_threads(given_threads)  # an earlier job of this process set its own
     records["threads"] = applied(intra_op=torch.get_num_threads(), inter_op=torch.get_num_interop_threads())
     if cfg.interop_threads is not None:
         try:

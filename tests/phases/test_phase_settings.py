@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 from aamperf.phases.dataloader import resolve_dataloader
@@ -58,6 +59,23 @@ def test_cpu_cores_pin_the_process_and_size_the_thread_pool(make_cfg):
         records = apply_system(make_cfg("system=tuned", f"system.cpu_cores=[{cores[-1]}]").system, CPU)
         assert os.sched_getaffinity(0) == {cores[-1]}
         assert records["cpu_affinity"]["cores"] == [cores[-1]] and torch.get_num_threads() == 1
+    finally:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(before)
+
+
+def test_a_later_job_that_asks_for_no_cores_or_threads_gets_the_process_ones_back(make_cfg):
+    """An in-process sweep (Hydra's basic launcher): a job pinned to one core with one thread, then a
+    job of system defaults, which must not train with the first job's settings."""
+    cores, before = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    if len(cores) < 2 or before < 2:
+        pytest.skip("needs 2 cores and 2 threads to tell a job's settings from the process's")
+    try:
+        apply_system(make_cfg().system, CPU)  # the process's first job: what it was given
+        apply_system(make_cfg(f"system.cpu_cores=[{cores[-1]}]", "system.num_threads=1").system, CPU)
+        records = apply_system(make_cfg().system, CPU)
+        assert sorted(os.sched_getaffinity(0)) == cores and torch.get_num_threads() == before
+        assert records["threads"]["intra_op"] == before
     finally:
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(before)
