@@ -53,6 +53,7 @@ class Interrupts:
         self.signum: int | None = None  # the one the run stops for: its own, or (distributed) a peer's
         self.in_loop = False
         self.loop_ended = False  # set when the loop ends: a signal then comes while the run is being saved
+        self.sigint_keeps = True  # SIGINT writes a checkpoint only where the run keeps them (fit sets it)
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "Interrupts":
@@ -82,7 +83,8 @@ class Interrupts:
                 else "before training began; nothing to keep"
             )
             raise RunInterrupted(f"{name} received {when}", None, signum)
-        log.warning(f"{name} received: stopping after this step with a checkpoint (again: at once)")
+        kept = "with a checkpoint" if signum != signal.SIGINT or self.sigint_keeps else "(no checkpoint)"
+        log.warning(f"{name} received: stopping after this step {kept} (again: at once)")
 
     def requested(self, device: torch.device) -> bool:
         """Did a signal arrive? Distributed, every rank learns whether any rank received one (one

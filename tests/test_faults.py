@@ -49,6 +49,8 @@ def test_sigint_stops_after_the_step_in_one_line_without_a_checkpoint_when_none_
     assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert "no checkpoint (trainer.checkpoint_every=0" in err.strip().splitlines()[-1]
+    warned = (run_dir / "train.log").read_text()  # the warning when it came says so too
+    assert "SIGINT received: stopping after this step (no checkpoint)" in warned
     assert read_summary(run_dir)["status"] == "interrupted" and not checkpoint.checkpoints(run_dir)
 
 

@@ -136,7 +136,7 @@ def interrupted(
 ) -> RunInterrupted:
     """A stop signal arrived during `step`, which is whole: keep it (SIGINT only where checkpoints are
     kept anyway), and say where it is."""
-    keep = interrupts.signum != signal.SIGINT or checkpoints.tc.checkpoint_every
+    keep = interrupts.signum != signal.SIGINT or interrupts.sigint_keeps
     path = checkpoints.save(step) if keep else None
     where = (
         f"checkpoint of step {step}: {path} (trainer.resume=auto goes on)"
@@ -185,6 +185,7 @@ def fit(
     plan.model.train()
     interrupts = interrupts or Interrupts()
     interrupts.in_loop, result.steps = True, done
+    interrupts.sigint_keeps = bool(tc.checkpoint_every)  # SIGTERM always writes one (a preemption)
     try:
         for step in range(done + 1, tc.max_steps + 1):
             profiler.begin(step)
