@@ -15,12 +15,18 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from aamperf.distributed import World, alone, from_main
+from aamperf.distributed import World
 from aamperf.errors import UserError
 from aamperf.guards import MemoryGuard
 from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to
 from aamperf.phases.attention import apply_attention, check_attention
-from aamperf.phases.compile import apply_compile, auto_compile, trial_context
+from aamperf.phases.compile import (
+    apply_compile,
+    auto_compile,
+    cached_decision,
+    compile_on_ranks,
+    trial_context,
+)
 from aamperf.phases.dataloader import check_dataloader, resolve_dataloader
 from aamperf.phases.distributed import check_comm_hook, grad_sync, wrap_model
 from aamperf.phases.dropout import apply_dropout
@@ -118,25 +124,23 @@ def decide_compile(
     device: torch.device,
     steps: int,
 ) -> dict:
-    """compile=auto over the `steps` the run will train, on the first rank (alone: ranks timing steps
-    together would each see the others' load); every rank follows its decision. Each rank's steps here
-    run `alone()`: the loss's collectives over the global batch would wait for ranks that wait for the
-    decision. The record's `decide_s`: the seconds spent deciding, but the compile the run keeps (its
+    """compile=auto over the `steps` the run will train, decided by the first rank alone (ranks timing
+    steps together would each see the others' load) and followed by every rank (`compile_on_ranks`).
+    The record's `decide_s`: the seconds spent deciding, but the compile the run keeps (its
     compile_time_s)."""
-    start, record = time.perf_counter(), None
-    if world.is_main:
-        probe = Probe(device, cfg.probe.cache, cfg.probe.refresh)
-        context = trial_context(cfg, micro_batch)
+    start, context = time.perf_counter(), trial_context(cfg, micro_batch)
+
+    def probe() -> Probe:
+        return Probe(device, cfg.probe.cache, cfg.probe.refresh)
+
+    def decide() -> dict:
         block = compile_block(cfg.model, micro_batch, cfg.data.max_asvs)
         dtype = DTYPES.get(cfg.precision.dtype, torch.float32)
-        with alone():
-            record = auto_compile(
-                model, cfg.compile, step, TRIAL_BATCHES, steps, probe, context, block, dtype
-            )
-    if world.world_size > 1:
-        record = from_main(record)
-        if not world.is_main and record.get("auto", {}).get("chose") == "default":
-            with alone():
-                record = {**apply_compile(model, cfg.compile, lambda: step(0)), "auto": record["auto"]}
+        return auto_compile(model, cfg.compile, step, TRIAL_BATCHES, steps, probe(), context, block, dtype)
+
+    def known() -> dict | None:
+        return cached_decision(probe(), context, steps)
+
+    record = compile_on_ranks(model, cfg.compile, step, world, known, decide)
     kept = record.get("compile_time_s", 0.0) if record["status"] == "applied" else 0.0
     return {**record, "decide_s": max(0.0, time.perf_counter() - start - kept)}

@@ -24,6 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from aamperf.distributed import World, alone, from_main
 from aamperf.errors import one_line
 from aamperf.metrics.flops import MIN_WATCH_S, LoadWatch
 from aamperf.model.layers import Block
@@ -143,6 +144,55 @@ def pays(figures: dict[str, Any], steps: int, compiled_already: bool = False) ->
     return verdict, why
 
 
+def cached_decision(probe: Probe, context: str, steps: int) -> dict | None:
+    """compile=auto's decision (its `auto` record) from the figures of an earlier trial here, found
+    without compiling anything; None where no trial of this context is cached."""
+    cached = probe.cached("compile_trial", {"context": context})
+    if cached is None:
+        return None
+    if "error" in cached:
+        return {"chose": "disabled", "reason": f"an earlier trial here failed ({cached['error']})"}
+    compile_it, why = pays(cached, steps)
+    return {"chose": "default" if compile_it else "disabled", "reason": why, "source": "cache", **cached}
+
+
+def as_decided(model: nn.Module, cfg: DictConfig, step: Callable[[int], None], auto: dict) -> dict:
+    """The compile phase's record for a known compile=auto decision: compiled (warm-up `step(0)`) or
+    eager."""
+    if auto["chose"] == "default":
+        return {**apply_compile(model, cfg, lambda: step(0)), "auto": auto}
+    return skipped(f"compile=auto: {auto['reason']}", auto=auto)
+
+
+def compile_on_ranks(
+    model: nn.Module,
+    cfg: DictConfig,
+    step: Callable[[int], None],
+    world: World,
+    known: Callable[[], dict | None],
+    decide: Callable[[], dict],
+) -> dict:
+    """compile=auto with every rank doing as the first decides (for one process: `decide()`). The first
+    rank looks for a cached decision (`known()`), said before anyone compiles so that every rank then
+    compiles at once; else it runs `decide()` (probes, trial) while the others wait, and they compile
+    after it where it chose to. Every rank's steps run `alone()`: a collective of the loss would wait
+    for ranks that wait for the decision."""
+    record = decision = None
+    if world.is_main:
+        decision = known() if world.world_size > 1 else None
+        if decision is None:
+            with alone():
+                record = decide()
+    if world.world_size > 1:
+        decision, record = from_main((decision, record))
+        with alone():
+            if decision is not None:
+                record = as_decided(model, cfg, step, decision)
+            elif not world.is_main and record.get("auto", {}).get("chose") == "default":
+                record = {**apply_compile(model, cfg, lambda: step(0)), "auto": record["auto"]}
+    return record
+
+
 def auto_compile(
     model: nn.Module,
     cfg: DictConfig,
@@ -161,16 +211,10 @@ def auto_compile(
     def eager(reason: str, **figures: Any) -> dict:
         return skipped(f"compile=auto: {reason}", auto={"chose": "disabled", "reason": reason, **figures})
 
+    known = cached_decision(probe, context, steps)
+    if known is not None:  # an earlier trial here decides, without one
+        return as_decided(model, cfg, step, known)
     params = {"context": context}
-    cached = probe.cached("compile_trial", params)
-    if cached is not None and "error" in cached:
-        return eager(f"an earlier trial here failed ({cached['error']})")
-    if cached is not None:  # the figures of an earlier trial here: decide without one
-        compile_it, why = pays(cached, steps)
-        if not compile_it:
-            return eager(why, source="cache", **cached)
-        auto = {"chose": "default", "reason": why, "source": "cache", **cached}
-        return {**apply_compile(model, cfg, lambda: step(0)), "auto": auto}
     start = time.perf_counter()  # the probes' time counts: a first run here pays them
 
     def timed_eager_step() -> float:  # one warm step of the first batch, once per device, model and batch

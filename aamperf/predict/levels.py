@@ -18,7 +18,7 @@ from aamperf.model.loss import predicted_unifrac
 from aamperf.phases.aam_ops import apply_aam_ops
 from aamperf.phases.attention import apply_attention
 from aamperf.phases.auto import apply_decisions, choose_attention, choose_precision
-from aamperf.phases.compile import apply_compile, auto_compile
+from aamperf.phases.compile import apply_compile, auto_compile, cached_decision, compile_on_ranks
 from aamperf.phases.precision import DTYPES, apply_precision
 from aamperf.phases.record import applied, skipped
 from aamperf.probe import Probe, compile_block, model_shapes
@@ -46,18 +46,21 @@ def apply_levels(
     records["quantize"] = apply_quantize(model, cfg.quantize.mode, autocast)
     warmup = lambda: forward(model, batch, autocast)  # noqa: E731 - compile's warm-up, the trial's one batch
     if cfg.compile.mode == "auto":  # training's decision, with a forward pass for a step
-        record = None
-        if world.is_main:
-            probe = Probe(device, cfg.probe.cache, cfg.probe.refresh)
+        step = lambda i: warmup()  # noqa: E731
+
+        def probe() -> Probe:
+            return Probe(device, cfg.probe.cache, cfg.probe.refresh)
+
+        def decide() -> dict:
             context = compile_context(cfg, model_cfg, batch)
             block = compile_block(model_cfg, len(batch["tokens"]), batch["tokens"].shape[1])
             dtype = DTYPES.get(cfg.precision.dtype, torch.float32)
-            step = lambda i: warmup()  # noqa: E731
-            record = auto_compile(model, cfg.compile, step, 1, calls, probe, context, block, dtype)
-        record = from_main(record)
-        if not world.is_main and record.get("auto", {}).get("chose") == "default":
-            record = {**apply_compile(model, cfg.compile, warmup), "auto": record["auto"]}
-        records["compile"] = record
+            return auto_compile(model, cfg.compile, step, 1, calls, probe(), context, block, dtype)
+
+        def known() -> dict | None:
+            return cached_decision(probe(), compile_context(cfg, model_cfg, batch), calls)
+
+        records["compile"] = compile_on_ranks(model, cfg.compile, step, world, known, decide)
     else:
         records["compile"] = apply_compile(model, cfg.compile, warmup)
     for group, decision in decisions.items():  # each `auto` beside what its phase then did
