@@ -322,7 +322,7 @@ def test_a_sweep_with_a_value_outside_a_choice_is_one_line(tmp_path, monkeypatch
 
 
 def test_a_bug_keeps_its_traceback(cache_dir, tmp_path, monkeypatch, capfd):
-    def broken(cfg, run_dir, interrupts=None):
+    def broken(cfg, run_dir, interrupts=None, sweep_job=False):
         raise RuntimeError("a bug")
 
     monkeypatch.setattr("aamperf.train.train", broken)
