@@ -38,8 +38,14 @@ def main(cfg: DictConfig) -> float | None:
                 summary = train(cfg, run_dir, interrupts, sweep_job=in_sweep)
             finally:
                 interrupts.hand_on()  # the summary is written: submitit's requeue, on its preemption signal
-    except RunInterrupted:
-        raise  # a signal stops the whole sweep, not one job
+    except RunInterrupted as exc:
+        if not in_sweep:
+            raise
+        # a signal stops the whole sweep, not one job: its report is left to be asked for
+        report = f"python -m aamperf.compare {hydra_cfg.sweep.dir} reports those before it"
+        raise RunInterrupted(
+            f"{exc}; sweep job #{hydra_cfg.job.num}: {report}", exc.result, exc.signum
+        ) from None
     except (UserError, RunAborted) as exc:  # bad input, or a guard stopped the run (state kept)
         if not in_sweep:
             raise  # a failed job for Hydra's callbacks (aamperf/callbacks.py): one line, exit 2 or 3

@@ -412,3 +412,22 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_and_it_resumes(launch):
     resumed, _ = launch(*settings, "trainer.max_steps=12", launcher=torchrun(2))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert read_summary(run_dir)["resumed_from_step"] >= 2
+
+
+@pytest.mark.slow  # about 10 s: a sweep of two jobs, stopped in the second (the default suite is at 8 min)
+def test_a_signal_to_a_sweep_says_in_its_line_how_to_report_the_jobs_before_it(launch):
+    proc, sweep_dir = launch("seed=0,1", "trainer.max_steps=40", name="sweep", multirun=True, wait=False)
+    deadline = time.time() + 240
+    while not any(d.name.startswith("1_") and (d / "metrics.jsonl").exists() for d in sweep_dir.glob("*")):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline, "the sweep's second job logged no steps"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("interrupted: SIGINT received") and "Traceback" not in err
+    assert line.endswith(f"sweep job #1: python -m aamperf.compare {sweep_dir} reports those before it")
+    compare = [*PYTHON, "-m", "aamperf.compare", str(sweep_dir)]
+    report = subprocess.run(compare, capture_output=True, text=True)
+    assert report.returncode == 0 and (sweep_dir / "comparison.md").exists(), report.stderr[-3000:]
