@@ -172,24 +172,23 @@ def compile_on_ranks(
     known: Callable[[], dict | None],
     decide: Callable[[], dict],
 ) -> dict:
-    """compile=auto with every rank doing as the first decides (for one process: `decide()`). The first
-    rank looks for a cached decision (`known()`), said before anyone compiles so that every rank then
-    compiles at once; else it runs `decide()` (probes, trial) while the others wait, and they compile
-    after it where it chose to. Every rank's steps run `alone()`: a collective of the loss would wait
-    for ranks that wait for the decision."""
+    """compile=auto with every rank doing as the first decides. The first rank looks for a cached
+    decision (`known()`), said before anyone compiles so that every rank then compiles at once; else it
+    runs `decide()` (probes, trial) while the others wait, and they compile after it where it chose to.
+    Every rank's steps run `alone()`: a collective of the loss would wait for ranks that wait for the
+    decision."""
     record = decision = None
     if world.is_main:
-        decision = known() if world.world_size > 1 else None
+        decision = known()
         if decision is None:
             with alone():
                 record = decide()
-    if world.world_size > 1:
-        decision, record = from_main((decision, record))
-        with alone():
-            if decision is not None:
-                record = as_decided(model, cfg, step, decision)
-            elif not world.is_main and record.get("auto", {}).get("chose") == "default":
-                record = {**apply_compile(model, cfg, lambda: step(0)), "auto": record["auto"]}
+    decision, record = from_main((decision, record))  # as they are, for one process
+    with alone():
+        if decision is not None:
+            record = as_decided(model, cfg, step, decision)
+        elif not world.is_main and record.get("auto", {}).get("chose") == "default":
+            record = {**apply_compile(model, cfg, lambda: step(0)), "auto": record["auto"]}
     return record
 
 

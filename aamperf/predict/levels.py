@@ -47,18 +47,18 @@ def apply_levels(
     warmup = lambda: forward(model, batch, autocast)  # noqa: E731 - compile's warm-up, the trial's one batch
     if cfg.compile.mode == "auto":  # training's decision, with a forward pass for a step
         step = lambda i: warmup()  # noqa: E731
+        context = compile_context(cfg, model_cfg, batch)
 
         def probe() -> Probe:
             return Probe(device, cfg.probe.cache, cfg.probe.refresh)
 
         def decide() -> dict:
-            context = compile_context(cfg, model_cfg, batch)
             block = compile_block(model_cfg, len(batch["tokens"]), batch["tokens"].shape[1])
             dtype = DTYPES.get(cfg.precision.dtype, torch.float32)
             return auto_compile(model, cfg.compile, step, 1, calls, probe(), context, block, dtype)
 
         def known() -> dict | None:
-            return cached_decision(probe(), compile_context(cfg, model_cfg, batch), calls)
+            return cached_decision(probe(), context, calls)
 
         records["compile"] = compile_on_ranks(model, cfg.compile, step, world, known, decide)
     else:
