@@ -239,16 +239,18 @@ def test_ddp_gradients_equal_one_process_parameter_by_parameter(make_cfg, tmp_pa
         torch.testing.assert_close(distributed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def _auto_phases_on_two_ranks(rank: int, config: dict, port: int, out: str) -> None:
+def _auto_phases_on_two_ranks(rank: int, config: dict, port: int, out: str, how: str) -> None:
     """compile=auto and dataloader=auto decided as a torchrun job decides them, and the first step after.
-    compile=auto: a cached trial says compiling pays (backend eager: no C++ compiler in the test), so
-    the first rank compiles, running a step with the loss's gather, while the other waits for its
-    decision, then compiles too. dataloader=auto: only the first rank calibrated the peak, so only it
-    knows the step's FLOP floor; each rank must take the first rank's path (a rank timing a step on its
-    own would wait in the DDP step's all-reduce for a peer that never joins it)."""
+    compile=auto (backend eager: no C++ compiler in the test) where compiling pays, `how` the first rank
+    learns it: "cached", an earlier trial's figures (every rank compiles once it is said); "trial", its
+    own trial (it times an eager step and compiles in the trial, running steps with the loss's gather,
+    while the other waits for its decision, then compiles alone). dataloader=auto: only the first rank
+    calibrated the peak, so only it knows the step's FLOP floor; each rank must take the first rank's
+    path (a rank timing a step on its own would wait in the DDP step's all-reduce for a peer that never
+    joins it)."""
     from aamperf.job import loader_workers, warmup_step
-    from aamperf.phases.compile import trial_context
-    from aamperf.probe import Probe
+    from aamperf.phases import compile as compile_phase
+    from aamperf.probe import Probe, compile_block
 
     cfg = OmegaConf.create(config)
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
@@ -261,10 +263,20 @@ def _auto_phases_on_two_ranks(rank: int, config: dict, port: int, out: str) -> N
     data = build_data(cfg.data, batch_size=8, seed=cfg.seed, **shard)  # the global batch, sliced per rank
     model, loss_fn = instantiate(cfg.model), instantiate(cfg.loss)
     batches = [to_device(b, device) for b in itertools.islice(data.train_loader, 4)]  # the first: step 1's
-    if rank == 0:
-        pays = {"eager_step_s": 1.0, "compiled_step_s": 0.5, "compile_s": 0.1, "graphs": 1}
-        trial = {"context": trial_context(cfg, 8)}
-        Probe(device, cfg.probe.cache).answer("compile_trial", trial, lambda: {**pays, "under_load": None})
+    pays = {"eager_step_s": 1.0, "compiled_step_s": 0.5, "compile_s": 0.1, "graphs": 1, "under_load": None}
+    probe = Probe(device, cfg.probe.cache)
+    if rank == 0 and how == "cached":
+        probe.answer("compile_trial", {"context": compile_phase.trial_context(cfg, 8)}, lambda: pays)
+    if rank == 0 and how == "trial":  # the probe says a block compiles for free and runs 2x faster
+        block = {"block": compile_block(cfg.model, 8, cfg.data.max_asvs), "dtype": torch.float32}
+        fast = {"works": True, "block_compile_s": 0.0, "eager_block_s": 1.0, "compiled_block_s": 0.5}
+        probe.answer("compile", block, lambda: {**fast, "block": block["block"], "under_load": None})
+
+        def trial(model, cfg, step, batches):  # compiles as the real trial does; its figures say it pays
+            compile_phase.apply_compile(model, cfg, lambda: step(0))
+            return pays
+
+        compile_phase.compile_trial = trial
     plan = apply_phases(model, cfg, device, warmup_step(loss_fn, batches), setup.records, world, 8)
     # making a batch: a millionth of the first rank's floor (its FLOPs at a peak of 1e9 FLOP/s)
     peak = 1e9 if rank == 0 else None
@@ -277,18 +289,19 @@ def _auto_phases_on_two_ranks(rank: int, config: dict, port: int, out: str) -> N
     torch.save({"grads": grads, "records": records}, f"{out}.{rank}")
 
 
-def test_auto_phases_decided_on_two_ranks_train_like_one_process(make_cfg, tmp_path):
+@pytest.mark.parametrize("how", ["cached", "trial"])
+def test_auto_phases_decided_on_two_ranks_train_like_one_process(make_cfg, tmp_path, how):
     auto = ["compile=auto", "compile.backend=eager", "dataloader=auto", f"probe.cache={tmp_path / 'p.json'}"]
     # a rank that waits for a collective its peer never joins fails the test in 30 s, not in 10 min
     ddp = make_cfg(*SAME_TRAINING, "distributed=ddp", "distributed.timeout_s=30", *auto)
     single = OmegaConf.to_container(make_cfg(*SAME_TRAINING), resolve=True)
     reference = first_step_gradients(single, 0, 1, 0, None)
     config, out = OmegaConf.to_container(ddp, resolve=True), str(tmp_path / "out")
-    mp.spawn(_auto_phases_on_two_ranks, args=(config, free_port(), out), nprocs=2, join=True)
+    mp.spawn(_auto_phases_on_two_ranks, args=(config, free_port(), out, how), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"out.{rank}", weights_only=False) for rank in (0, 1)]
     for saved in ranks:  # both compiled, both decided from the first rank's floor; the same training
         assert saved["records"]["compile"]["status"] == "applied", saved["records"]["compile"]
-        assert saved["records"]["compile"]["auto"]["source"] == "cache"
+        assert saved["records"]["compile"]["auto"]["source"] == ("cache" if how == "cached" else "measured")
         assert "(its FLOPs at the calibrated peak)" in saved["records"]["dataloader"]["auto"]["reason"]
         assert saved["grads"].keys() == reference.keys()
         for name, grad in reference.items():
