@@ -220,7 +220,8 @@ class DistributedConfig:
 
     strategy: Strategy = Strategy.none  # none: one process; fsdp: FSDP2, fully_shard per layer + root
     backend: DistBackend = DistBackend.auto  # auto: nccl on GPU, gloo on CPU
-    timeout_s: int = 600  # a collective waiting longer than this fails instead of hanging
+    timeout_s: int = 600  # a collective waiting longer than this fails instead of hanging (a wait for
+    # rank 0's measuring or a rank's compile lasts while that rank works: aamperf/distributed.py Waits)
     # ddp
     bucket_cap_mb: float = 25.0  # gradients all-reduced in buckets of this size, overlapping backward
     static_graph: bool = False  # the same used parameters every step: lets DDP skip per-step bookkeeping

@@ -8,10 +8,13 @@ Losses that need the whole batch (UniFrac pairs) gather across ranks with autogr
 
 import datetime
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+import pickle
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -19,6 +22,8 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from aamperf.errors import one_line
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -84,12 +89,14 @@ def join_world(backend: str, timeout_s: float, device: torch.device) -> World:
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
+        global _waits, _joins
         timeout = datetime.timedelta(seconds=timeout_s)
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = attempt_store(rank, world, timeout)
         # the timeout reaches every collective too: a stopped or dead peer ends the run, not hangs it
-        dist.init_process_group(
-            backend, store=attempt_store(rank, world, timeout), rank=rank, world_size=world, timeout=timeout
-        )
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        _joins += 1  # every rank joins as often (a sweep's jobs): the count keeps one job's waits apart
+        _waits = Waits(dist.PrefixStore(f"waits_{_joins}", store), timeout_s)
     return World(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]))
 
 
@@ -132,9 +139,11 @@ def close_world(completed: bool = True) -> None:
     never reach it): torchrun stops the others."""
     if not dist.is_initialized():
         return
+    global _waits
     if completed:
         dist.barrier()
     dist.destroy_process_group()
+    _waits = None
 
 
 _alone = False  # set by `alone()`
@@ -168,6 +177,117 @@ def from_main(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+class Waits:
+    """Waits for a rank that works alone (the first rank's probes and compile trial, a rank's compile),
+    through the rendezvous store instead of a collective: a collective would give up after
+    distributed.timeout_s, and a first compile can take longer. A working rank beats in the store (every
+    second, or a quarter of `timeout_s` where that is shorter); a waiting rank gives up when the beat of
+    a rank it waits for stops for `timeout_s` (that rank stopped or died), however long the work takes,
+    and at once where that rank failed. Every rank makes the same waits in the same order, so their
+    count names each one."""
+
+    POLL_S = 0.05
+
+    def __init__(self, store: dist.Store, timeout_s: float):
+        self.store, self.timeout_s, self.count = store, timeout_s, 0
+        self.beat_s = min(1.0, timeout_s / 4)
+
+    def main_decides(self, decide: Callable[[], T]) -> T:
+        wait = self._next()
+        if dist.get_rank() == 0:
+            return self._work(wait, decide)
+        self._wait_for(wait, [0])
+        return self._outcome(wait, 0)
+
+    def every_rank(self, work: Callable[[], T]) -> T:
+        wait = self._next()
+        result = self._work(wait, work)
+        others = [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
+        self._wait_for(wait, others)
+        for other in others:
+            self._outcome(wait, other)  # raises where that rank failed
+        return result
+
+    def _next(self) -> str:
+        self.count += 1
+        return f"wait_{self.count}"
+
+    def _work(self, wait: str, work: Callable[[], T]) -> T:
+        """`work()` with this rank's beat; its result (or its failure's line) left for the others."""
+        me, stop = dist.get_rank(), threading.Event()
+
+        def beat() -> None:
+            n = 0
+            while True:
+                try:
+                    self.store.set(f"{wait}/beat_{me}", str(n))
+                except Exception:  # the store is gone (its host died): the waiting ranks fail on their own
+                    return
+                n += 1
+                if stop.wait(self.beat_s):
+                    return
+
+        beating = threading.Thread(target=beat, name=f"aamperf-{wait}-beat", daemon=True)
+        beating.start()
+        try:
+            result = work()
+        except BaseException as exc:
+            with suppress(Exception):  # the store may be gone: this rank's own error is what counts
+                self.store.set(f"{wait}/done_{me}", pickle.dumps(("failed", one_line(exc))))
+            raise
+        finally:
+            stop.set()
+            beating.join()
+        self.store.set(f"{wait}/done_{me}", pickle.dumps(("done", result)))
+        return result
+
+    def _wait_for(self, wait: str, ranks: list[int]) -> None:
+        heard = {r: (None, time.monotonic()) for r in ranks}  # each rank's last beat, and when it changed
+        while pending := [r for r in ranks if not self.store.check([f"{wait}/done_{r}"])]:
+            now = time.monotonic()
+            for r in pending:
+                key = f"{wait}/beat_{r}"
+                beat = self.store.get(key) if self.store.check([key]) else None
+                if beat != heard[r][0]:
+                    heard[r] = (beat, now)
+                elif now - heard[r][1] > self.timeout_s:
+                    raise dist.DistError(f"timed out: rank {r} gave no sign of work for {self.timeout_s:g} s")
+            time.sleep(self.POLL_S)
+
+    def _outcome(self, wait: str, r: int) -> Any:
+        status, value = pickle.loads(self.store.get(f"{wait}/done_{r}"))
+        if status == "failed":
+            raise dist.DistError(f"rank {r} failed: {value}")
+        return value
+
+
+_waits: Waits | None = None  # the group `join_world` joined; None for one process or a group joined elsewhere
+_joins = 0
+
+
+def main_decides(decide: Callable[[], T]) -> T:
+    """`decide()` run by the first rank alone, its result on every rank (itself for one process): what
+    the ranks must agree on, measured by the first (ranks measuring together would see each other's
+    load). The others wait as long as it works on it (`Waits`)."""
+    if world_size() == 1:
+        return decide()
+    if _waits is None:  # a group this module did not join: a broadcast, waiting distributed's timeout
+        return from_main(decide() if dist.get_rank() == 0 else None)
+    return _waits.main_decides(decide)
+
+
+def every_rank(work: Callable[[], T]) -> T:
+    """`work()` on every rank, each alone and for as long as it takes (a compile), then every rank waits
+    for the others (`Waits`); this rank's result."""
+    if world_size() == 1:
+        return work()
+    if _waits is None:
+        result = work()
+        dist.barrier()
+        return result
+    return _waits.every_rank(work)
 
 
 def rank() -> int:

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from aamperf.batch_size import find_batch_size, smallest_batch
 from aamperf.data import build_data, rebatch
 from aamperf.device import resolve_device, to_device
-from aamperf.distributed import World, from_main, init_world
+from aamperf.distributed import World, from_main, init_world, main_decides
 from aamperf.errors import UserError
 from aamperf.metrics import count_flops, matmul_dtype, peak_flops
 from aamperf.phases import TRIAL_BATCHES, Plan, apply_phases, check_phases, setup_phases
@@ -59,8 +59,8 @@ def build_job(cfg: DictConfig, summary: dict[str, Any], run_dir: Path | None = N
     # before the data and its loader workers exist: nothing of this run competes with the measurements
     measuring = Stopwatch()  # the time spent deciding `auto` options: summary.json auto_s
     with measuring:
-        decisions = resolve_auto(cfg, device, micro_batch, world)
-    peak, summary["peak_flops_calibration"] = measure_peak(cfg, device, world, micro_batch)
+        decisions = resolve_auto(cfg, device, micro_batch)
+    peak, summary["peak_flops_calibration"] = measure_peak(cfg, device, micro_batch)
     data = build_data(
         cfg.data,
         batch_size=micro_batch,  # one micro-batch, all ranks
@@ -172,7 +172,7 @@ def loader_workers(
 ) -> None:
     """dataloader=auto, now that a step can be timed: a worker where making a batch would hold the step
     up. The step's seconds: `step_s` (compile=auto timed it on this batch where it did not compile),
-    else a floor from its FLOPs where that settles it (the first rank's: only it calibrated the peak),
+    else a floor from its FLOPs where that settles it (the first rank's, from the peak it calibrated),
     else one step timed now, by every rank together (a step's collectives pair up across the ranks).
     Every rank loads as the first rank decided."""
     floor = False
@@ -213,21 +213,16 @@ def calibration_shapes(model_cfg: DictConfig, micro_batch: int, max_asvs: int) -
     return [(micro_batch * max_asvs * model_cfg.seq_len, dim, model_cfg.ffn_mult * dim)]
 
 
-def measure_peak(cfg: DictConfig, device: torch.device, world, micro_batch: int) -> tuple[float | None, dict]:
+def measure_peak(cfg: DictConfig, device: torch.device, micro_batch: int) -> tuple[float | None, dict]:
     """The device's peak FLOP/s for the dtype the matmuls run in: metrics.peak_flops where given, else
-    the table (GPU) or a calibration (CPU) by the first rank alone while the others wait: ranks
-    calibrating together would each see the others' load."""
+    the table (GPU) or a calibration (CPU) by the first rank alone while the others wait, and every rank
+    takes it: ranks calibrating together would each see the others' load."""
     dtype = matmul_dtype(device, cfg.precision.dtype, cfg.precision.matmul_precision)
     if cfg.metrics.peak_flops is not None:
         given = f"metrics.peak_flops={cfg.metrics.peak_flops}"
         return cfg.metrics.peak_flops, {"status": "given", "dtype": dtype, "reason": given}
-    peak, record = None, {"status": "not_measured", "reason": "only the first rank measures the peak"}
-    if world.is_main:
-        shapes = calibration_shapes(cfg.model, micro_batch, cfg.data.max_asvs)
-        peak, record = peak_flops(device, dtype, cfg.metrics.peak_flops_cache, shapes)
-    if world.world_size > 1:
-        torch.distributed.barrier()
-    return peak, record
+    shapes = calibration_shapes(cfg.model, micro_batch, cfg.data.max_asvs)
+    return main_decides(lambda: peak_flops(device, dtype, cfg.metrics.peak_flops_cache, shapes))
 
 
 def warmup_step(loss_fn, batches: list[dict[str, Any]]):

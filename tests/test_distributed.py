@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from aamperf.data import build_data
 from aamperf.device import to_device
-from aamperf.distributed import close_world, init_world
+from aamperf.distributed import close_world, every_rank, init_world, join_world, main_decides
 from aamperf.interrupts import Interrupts
 from aamperf.launch import KILLED
 from aamperf.phases import apply_phases, setup_phases
@@ -337,13 +337,15 @@ def test_slurm_tasks_train_like_torchrun_ranks(launch):
 @pytest.mark.slow  # about 40 s: rank 0 answers every probe of ultra on a new cache, a block compile too
 def test_ultra_under_aamperf_launch_decides_on_rank_0_and_every_rank_trains(launch, tmp_path):
     """The command that waited 10 minutes for a collective: rank 0's compile=auto trial step gathered
-    the UniFrac embeddings while rank 1 waited for the decision."""
-    new_cache = [f"probe.cache={tmp_path / 'probe.json'}", "distributed.timeout_s=120"]
+    the UniFrac embeddings while rank 1 waited for the decision. With a collective timeout shorter than
+    rank 0's measuring (its probes take 20 s or more on a new cache): rank 1 waits for it all the same."""
+    new_cache = [f"probe.cache={tmp_path / 'probe.json'}", "distributed.timeout_s=5"]
     settings = ["distributed=ddp", "optim=ultra", "trainer.max_steps=4", *new_cache]
-    proc, run_dir = launch(*settings, launcher=torchrun(2, module="aamperf.launch"), timeout=300)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # as on a new machine
+    proc, run_dir = launch(*settings, launcher=torchrun(2, module="aamperf.launch"), timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_summary(run_dir)
-    assert summary["world_size"] == 2 and summary["status"] == "completed"
+    assert summary["world_size"] == 2 and summary["status"] == "completed" and summary["auto_s"] > 10
     decided = {group: record["auto"] for group, record in summary["phases"].items() if "auto" in record}
     assert {"precision", "attention", "compile", "dataloader"} <= decided.keys(), summary["phases"]
     assert all(auto["reason"] for auto in decided.values())
@@ -359,3 +361,49 @@ def test_fsdp_with_activation_checkpointing_and_compile_trains_like_one_process(
         k: summary["phases"][k]["status"] for k in ("checkpointing", "compile", "distributed")
     } == dict.fromkeys(("checkpointing", "compile", "distributed"), "applied")
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+
+
+def _long_waits_of_two_ranks(rank: int, port: int, out: str) -> None:
+    """Two ranks of a real gloo group with distributed.timeout_s=1, where one works alone for longer
+    (2.5 s: a first compile) while the other waits; each rank saves what it got."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    join_world("gloo", 1.0, torch.device("cpu"))
+    got = []
+
+    def work(seconds: float, value):
+        def run():
+            time.sleep(seconds)
+            return value
+
+        return run
+
+    got.append(main_decides(work(2.5 if rank == 0 else 0.0, f"decided by {rank}")))
+    got.append(every_rank(work(2.5 if rank == 1 else 0.0, f"compiled on {rank}")))
+
+    def fails():
+        raise ValueError("no C++ compiler")
+
+    try:  # the first rank fails while deciding: the other says so at once, not after the timeout
+        main_decides(fails)
+    except (ValueError, dist.DistError) as exc:
+        got.append(f"{type(exc).__name__}: {exc}")
+    start = time.monotonic()
+    if rank == 1:  # the first rank stops answering (it sleeps, never deciding): the wait ends
+        try:
+            main_decides(work(0.0, "never"))
+        except dist.DistError as exc:
+            got.append(f"{exc} after {time.monotonic() - start:.2f} s")
+    else:
+        time.sleep(3.0)
+    close_world(completed=False)
+    torch.save(got, f"{out}.{rank}")
+
+
+def test_a_rank_waits_for_another_that_works_alone_longer_than_the_timeout_and_no_longer(tmp_path):
+    mp.spawn(_long_waits_of_two_ranks, args=(free_port(), str(tmp_path / "got")), nprocs=2, join=True)
+    first, second = torch.load(tmp_path / "got.0"), torch.load(tmp_path / "got.1")
+    assert first == ["decided by 0", "compiled on 0", "ValueError: no C++ compiler"]
+    assert second[:3] == ["decided by 0", "compiled on 1", "DistError: rank 0 failed: no C++ compiler"]
+    line, _, seconds = second[3].partition(" after ")
+    assert line == "timed out: rank 0 gave no sign of work for 1 s" and 1.0 <= float(seconds.split()[0]) < 2.0

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from aamperf.distributed import World, from_main
+from aamperf.distributed import main_decides
 from aamperf.phases.precision import DTYPES
 from aamperf.probe import Probe, low_precision_dtypes, model_shapes
 
@@ -103,13 +103,13 @@ def choose_checkpointing(dtype: str, attention: str, every: int) -> dict:
     return decided("none", reason, dtype=dtype, attention=attention)
 
 
-def resolve_auto(cfg: DictConfig, device: torch.device, micro_batch: int, world: World) -> dict[str, dict]:
+def resolve_auto(cfg: DictConfig, device: torch.device, micro_batch: int) -> dict[str, dict]:
     """Decide every probe-decided `auto` of `cfg` and write the choices into it; {group: decision}.
     The first rank measures alone (ranks measuring together would see each other's load) and every
     rank takes its decisions: they must all run the same phases."""
     if "auto" not in (cfg.precision.dtype, cfg.attention.impl, cfg.memory.checkpointing):
         return {}
-    decisions = from_main(measure_decisions(cfg, device, micro_batch) if world.is_main else None)
+    decisions = main_decides(lambda: measure_decisions(cfg, device, micro_batch))
     apply_decisions(cfg, decisions)
     return decisions
 

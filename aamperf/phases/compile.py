@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from aamperf.distributed import World, alone, from_main
+from aamperf.distributed import World, alone, every_rank, main_decides
 from aamperf.errors import one_line
 from aamperf.metrics.flops import MIN_WATCH_S, LoadWatch
 from aamperf.model.layers import Block
@@ -176,20 +176,27 @@ def compile_on_ranks(
     decision (`known()`), said before anyone compiles so that every rank then compiles at once; else it
     runs `decide()` (probes, trial) while the others wait, and they compile after it where it chose to.
     Every rank's steps run `alone()`: a collective of the loss would wait for ranks that wait for the
-    decision."""
-    record = decision = None
-    if world.is_main:
+    decision; the waits last as long as the work does (`main_decides`, `every_rank`), not
+    distributed.timeout_s."""
+
+    def on_first_rank() -> tuple[dict | None, dict | None]:  # (a cached decision, or the trial's record)
         decision = known()
-        if decision is None:
-            with alone():
-                record = decide()
-    decision, record = from_main((decision, record))  # as they are, for one process
-    with alone():
         if decision is not None:
-            record = as_decided(model, cfg, step, decision)
-        elif not world.is_main and record.get("auto", {}).get("chose") == "default":
-            record = {**apply_compile(model, cfg, lambda: step(0)), "auto": record["auto"]}
-    return record
+            return decision, None
+        with alone():
+            return None, decide()
+
+    decision, record = main_decides(on_first_rank)
+
+    def on_this_rank() -> dict:
+        with alone():
+            if decision is not None:
+                return as_decided(model, cfg, step, decision)
+            if not world.is_main and record.get("auto", {}).get("chose") == "default":
+                return {**apply_compile(model, cfg, lambda: step(0)), "auto": record["auto"]}
+            return record
+
+    return every_rank(on_this_rank)
 
 
 def auto_compile(

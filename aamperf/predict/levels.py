@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from aamperf.distributed import World, from_main
+from aamperf.distributed import World, main_decides
 from aamperf.model.loss import predicted_unifrac
 from aamperf.phases.aam_ops import apply_aam_ops
 from aamperf.phases.attention import apply_attention
@@ -38,7 +38,7 @@ def apply_levels(
     Under torchrun the first rank measures alone and every rank applies its decisions, as in training:
     the ranks' shares are predicted by one level."""
     records: dict[str, dict] = {}
-    decisions = from_main(decide_auto(cfg, device, model_cfg, batch) if world.is_main else None)
+    decisions = main_decides(lambda: decide_auto(cfg, device, model_cfg, batch))
     apply_decisions(cfg, decisions)
     autocast, _, records["precision"] = apply_precision(cfg.precision, device)
     records["attention"] = apply_attention(model, cfg.attention)

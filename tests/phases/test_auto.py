@@ -8,7 +8,6 @@ import sys
 import pytest
 import torch
 
-from aamperf.distributed import World
 from aamperf.phases.auto import (
     MIN_MATMUL_GAIN,
     choose_attention,
@@ -109,7 +108,7 @@ def test_resolve_auto_reads_the_cached_probe_and_writes_the_choices_into_the_con
         },
     }
     (tmp_path / "probe.json").write_text(json.dumps(cache))
-    decisions = resolve_auto(cfg, CPU, micro_batch, World())
+    decisions = resolve_auto(cfg, CPU, micro_batch)
     assert (cfg.precision.dtype, cfg.attention.impl) == ("fp32", "sdpa")
     assert decisions["precision"]["source"] == decisions["attention"]["source"] == "cache"
     assert "bf16 matmul 0.50x fp32" in decisions["precision"]["reason"]
@@ -118,7 +117,7 @@ def test_resolve_auto_reads_the_cached_probe_and_writes_the_choices_into_the_con
 
 def test_resolve_auto_measures_on_this_device_when_nothing_is_cached(make_cfg, tmp_path):
     cfg = make_cfg("precision=auto", "attention=auto", f"probe.cache={tmp_path}/probe.json")
-    decisions = resolve_auto(cfg, CPU, cfg.trainer.batch_size, World())
+    decisions = resolve_auto(cfg, CPU, cfg.trainer.batch_size)
     assert decisions["precision"]["source"] in ("measured", "measured_under_load")
     assert cfg.precision.dtype in ("fp32", "bf16") and cfg.attention.impl in ("math", "sdpa")
     flops = decisions["precision"]["matmul_flops"]
@@ -153,7 +152,7 @@ def test_memory_auto_follows_the_precision_that_precision_auto_chose(make_cfg, t
         }
         (tmp_path / "probe.json").write_text(json.dumps(cache))
         cfg.precision.dtype, cfg.memory.checkpointing = "auto", "auto"
-        decisions = resolve_auto(cfg, CPU, cfg.trainer.batch_size, World())
+        decisions = resolve_auto(cfg, CPU, cfg.trainer.batch_size)
         assert cfg.memory.checkpointing == checkpointing == decisions["checkpointing"]["chose"]
         assert decisions["checkpointing"]["dtype"] == cfg.precision.dtype
 
@@ -166,14 +165,14 @@ def test_memory_auto_follows_the_attention_that_attention_auto_chose(make_cfg, t
         answer = {"backends": ["flash", "math"], "sdpa_s": sdpa_s, "math_s": 1.0}
         (tmp_path / "probe.json").write_text(json.dumps({key: answer}))
         cfg.attention.impl, cfg.memory.checkpointing = "auto", "auto"
-        decisions = resolve_auto(cfg, CPU, cfg.trainer.batch_size, World())
+        decisions = resolve_auto(cfg, CPU, cfg.trainer.batch_size)
         assert decisions["attention"]["source"] == "cache"
         assert (cfg.attention.impl, cfg.memory.checkpointing) == (attention, checkpointing)
 
 
 def test_no_auto_no_probe(make_cfg, tmp_path):
     cfg = make_cfg(f"probe.cache={tmp_path}/probe.json")
-    assert resolve_auto(cfg, CPU, 4, World()) == {}
+    assert resolve_auto(cfg, CPU, 4) == {}
     assert not (tmp_path / "probe.json").exists()
     assert Probe(CPU, tmp_path / "probe.json").key == device_key(CPU)
 
