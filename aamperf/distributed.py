@@ -92,18 +92,20 @@ def join_world(backend: str, timeout_s: float, device: torch.device) -> World:
         global _waits, _joins
         timeout = datetime.timedelta(seconds=timeout_s)
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = attempt_store(rank, world, timeout)
+        _joins += 1  # every rank joins as often (one per job of a sweep)
+        store = attempt_store(rank, world, timeout, _joins)
         # the timeout reaches every collective too: a stopped or dead peer ends the run, not hangs it
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-        _joins += 1  # every rank joins as often (a sweep's jobs): the count keeps one job's waits apart
-        _waits = Waits(dist.PrefixStore(f"waits_{_joins}", store), timeout_s)
+        _waits = Waits(dist.PrefixStore("waits", store), timeout_s)
     return World(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]))
 
 
-def attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+def attempt_store(rank: int, world: int, timeout: datetime.timedelta, join: int) -> dist.Store:
     """The rendezvous store of env:// (torchrun's agent store, or one hosted by rank 0), with keys under
-    this restart attempt: after torchrun --max-restarts, the process group of the new ranks must not
-    read the addresses the killed attempt left in the agent's store."""
+    this restart attempt and the process's `join`-th process group: after torchrun --max-restarts, the
+    process group of the new ranks must not read the addresses the killed attempt left in the agent's
+    store, nor a sweep's next job those of the job before it (a rank that did joined a dead group and
+    went on alone)."""
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
@@ -113,7 +115,8 @@ def attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.St
         timeout=timeout,
         multi_tenant=not agent_store,
     )
-    return dist.PrefixStore(f"aamperf/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"aamperf/attempt_{attempt}/join_{join}", store)
 
 
 PEER_LOST = ("timed out", "timeout", "connection closed by peer", "connection reset", "broken pipe")
