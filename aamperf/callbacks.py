@@ -3,6 +3,7 @@ anything, and the comparison report a multirun ends with."""
 
 import contextlib
 import io
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,8 @@ class CompareReport(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():  # every job refused before it made its directory
+            return
+        if int(os.environ.get("RANK", "0")) > 0:  # under torchrun every rank ran the sweep: the first reports
             return
         try:
             settings = config.compare

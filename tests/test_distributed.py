@@ -363,6 +363,24 @@ def test_fsdp_with_activation_checkpointing_and_compile_trains_like_one_process(
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
 
 
+@pytest.mark.slow
+def test_a_sweep_under_aamperf_launch_joins_a_new_group_per_job_and_reports_once(launch, tmp_path):
+    """Each rank runs the sweep's jobs in turn, joining a process group per job: the second job's group
+    must not meet the first's addresses in the rendezvous store (a rank that did went on alone while the
+    other waited for it), and the report is the first rank's alone."""
+    settings = ["distributed=ddp", "optim=baseline,ultra", "trainer.max_steps=4", "distributed.timeout_s=30"]
+    settings.append(f"probe.cache={tmp_path / 'probe.json'}")  # ultra measures: waits of its own
+    launcher = torchrun(2, module="aamperf.launch")
+    proc, sweep_dir = launch(*settings, name="sweep", launcher=launcher, multirun=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [read_summary(run) for run in sorted(sweep_dir.glob("[01]_*"))]
+    assert [(s["optim"], s["world_size"], s["status"]) for s in summaries] == [
+        ("baseline", 2, "completed"),
+        ("ultra", 2, "completed"),
+    ]
+    assert proc.stdout.count("report: ") == 1 and (sweep_dir / "comparison.md").is_file()
+
+
 def _long_waits_of_two_ranks(rank: int, port: int, out: str) -> None:
     """Two ranks of a real gloo group with distributed.timeout_s=1, where one works alone for longer
     (2.5 s: a first compile) while the other waits; each rank saves what it got."""
