@@ -33,6 +33,28 @@ class RunInterrupted(RunAborted):
         self.exit_code = 128 + signum
 
 
+class StopSignal(BaseException):  # noqa: N818 - named for what it is, as KeyboardInterrupt
+    """What the handler raises outside the training loop. A BaseException, as KeyboardInterrupt is, so
+    that code catching Exception lets it through: inductor's compile caught a RunInterrupted raised in
+    it, the compile went on, and the device probe cached "torch.compile does not work here". The run
+    ends with its `interrupted` (aamperf/run.py; `Interrupts` turns one raised elsewhere into it)."""
+
+    def __init__(self, interrupted: RunInterrupted):
+        super().__init__(str(interrupted))
+        self.interrupted = interrupted
+
+
+_active: "Interrupts | None" = None  # the run's, while it catches the stop signals
+
+
+def stop_if_signalled() -> None:
+    """Stop the run where a signal came during its set-up and the code it interrupted caught even the
+    handler's StopSignal (a bare `except:`). Called after each measurement, before it is kept, and as
+    the training loop begins."""
+    if _active is not None:
+        _active.stop_if_received()
+
+
 def exit_interrupted(exc: RunInterrupted) -> NoReturn:
     exit_with(f"interrupted: {one_line(exc)}", exc.exit_code)
 
@@ -57,16 +79,23 @@ class Interrupts:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "Interrupts":
+        global _active
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
             for signum in (signal.SIGTERM, signal.SIGINT, preemption_signal()):
                 if signum is not None:
                     self._previous[signum] = signal.signal(signum, self._handle)
+            _active = self
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: object) -> None:
+        global _active
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
+        if _active is self:
+            _active = None
+        if isinstance(exc, StopSignal):
+            raise exc.interrupted from None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:  # a second signal to this process: no more waiting
@@ -74,17 +103,26 @@ class Interrupts:
             os.kill(os.getpid(), signum)
             return
         self.received = signum
-        name = signal.Signals(signum).name
         if not self.in_loop:
-            self.signum = signum
-            when = (
-                "after the last step, before the run's model and summary were written"
-                if self.loop_ended
-                else "before training began; nothing to keep"
-            )
-            raise RunInterrupted(f"{name} received {when}", None, signum)
+            raise StopSignal(self._stopped())
         kept = "with a checkpoint" if signum != signal.SIGINT or self.sigint_keeps else "(no checkpoint)"
+        name = signal.Signals(signum).name
         log.warning(f"{name} received: stopping after this step {kept} (again: at once)")
+
+    def stop_if_received(self) -> None:
+        """Outside the training loop, a signal received stops the run at once: the handler raises, and
+        this raises again where code in between caught what it raised (`stop_if_signalled`)."""
+        if self.received is not None and not self.in_loop:
+            raise self._stopped()
+
+    def _stopped(self) -> RunInterrupted:
+        self.signum = self.received
+        when = (
+            "after the last step, before the run's model and summary were written"
+            if self.loop_ended
+            else "before training began; nothing to keep"
+        )
+        return RunInterrupted(f"{signal.Signals(self.received).name} received {when}", None, self.received)
 
     def requested(self, device: torch.device) -> bool:
         """Did a signal arrive? Distributed, every rank learns whether any rank received one (one

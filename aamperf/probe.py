@@ -25,6 +25,7 @@ from torch import nn
 
 from aamperf.errors import one_line
 from aamperf.files import read_json_cache, update_json_cache
+from aamperf.interrupts import stop_if_signalled
 from aamperf.metrics.flops import (
     DTYPES,
     MAX_ROWS,
@@ -291,6 +292,7 @@ class Probe:
             return {**cached, "source": "cache"}
         with torch.random.fork_rng(devices=[]):  # a measurement leaves the run's random stream as it was
             record = {**measure(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        stop_if_signalled()  # a stop signal the measured code caught: its answer is not kept
         if record.get("under_load") is None:
             update_json_cache(self.cache_file, key, record)
             return {**record, "source": "measured"}

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from aamperf.checks import check_config
 from aamperf.distributed import adopt_slurm_env, close_world, peer_lost
 from aamperf.errors import RunAborted, UserError
-from aamperf.interrupts import Interrupts, RunInterrupted
+from aamperf.interrupts import Interrupts, RunInterrupted, StopSignal
 from aamperf.job import build_job
 from aamperf.loggers import open_sinks
 from aamperf.metrics import (
@@ -82,9 +82,12 @@ def train(
             summary["per_rank"] = per_rank(summary, ("peak_rss_bytes", "step_time_s", "peak_device_bytes"))
             summary["peak_rss_bytes_all_ranks"] = sum(r["peak_rss_bytes"] for r in summary["per_rank"])
         summary.completed(job, job.model_flops, job.hardware_flops)
-    except RunAborted as exc:  # a guard, or a stop signal (interrupted)
+    except (RunAborted, StopSignal) as caught:  # a guard, or a stop signal (interrupted)
+        exc = caught.interrupted if isinstance(caught, StopSignal) else caught
         summary.trained(exc.result, job and job.plan, monitor)
         summary.ended("interrupted" if isinstance(exc, RunInterrupted) else "aborted", str(exc))
+        if exc is not caught:
+            raise exc from None
         raise
     except BaseException as exc:
         summary.trained(None)

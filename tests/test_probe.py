@@ -2,10 +2,18 @@
 machine never writes."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 
+import pytest
 import torch
 
 from aamperf.files import update_json_cache
+from aamperf.interrupts import Interrupts, RunInterrupted
 from aamperf.probe import Probe, device_key, measure_attention, measure_matmul, model_shapes
 
 CPU = torch.device("cpu")
@@ -129,3 +137,57 @@ def test_the_cache_is_per_instruction_set_torch_uses(tmp_path, monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     other = Probe(CPU, tmp_path / "probe.json").answer("q", {}, quiet(2))
     assert (other["value"], other["source"]) == (2, "measured")
+
+
+def _measured_through_a_stop_signal(caught: type[BaseException], went_on: list) -> Callable[[], dict]:
+    """A measurement that catches `caught` around a stop signal, then goes on: Exception, as inductor's
+    compile does (a RunInterrupted raised there read as "compile does not work here", and the compile
+    went on), or even BaseException."""
+
+    def measure() -> dict:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.0)  # the handler runs here, in the main thread
+        except caught:
+            pass
+        went_on.append(caught)
+        return {"works": False, "error": "what the signal's exception became", "under_load": None}
+
+    return measure
+
+
+@pytest.mark.parametrize("caught", [Exception, BaseException])
+def test_a_stop_signal_in_a_measurement_stops_the_run_and_caches_nothing(tmp_path, caught):
+    cache, went_on = tmp_path / "probe.json", []
+    measure = _measured_through_a_stop_signal(caught, went_on)
+    with pytest.raises(RunInterrupted, match="^SIGTERM received before training began"), Interrupts():
+        Probe(CPU, cache).answer("compile", {"block": None}, measure)
+    assert not cache.exists()  # neither way
+    # the handler's exception passes `except Exception` (at once: a compile does not go on for minutes)
+    assert went_on == ([] if caught is Exception else [BaseException])
+    quiet = {"works": True, "error": None, "under_load": None}  # a run after it measures and keeps it
+    assert Probe(CPU, cache).answer("compile", {"block": None}, lambda: quiet)["source"] == "measured"
+    assert Probe(CPU, cache).answer("compile", {"block": None}, lambda: quiet)["source"] == "cache"
+
+
+@pytest.mark.slow
+def test_a_stop_signal_during_inductors_first_compile_stops_the_probe_and_caches_nothing(tmp_path):
+    """The real case: SIGTERM 2 s into the compile probe, in a new inductor cache (a first compile takes
+    7 s or more on 2 cores): inductor caught the handler's exception (in its instruction-set check or the
+    compile) and the run went on, with "torch.compile does not work here" cached for the device."""
+    script = f"""
+import os, signal, threading, torch
+from aamperf.interrupts import Interrupts, RunInterrupted
+from aamperf.probe import Probe
+threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+try:
+    with Interrupts():
+        print(Probe(torch.device("cpu"), {str(tmp_path / "probe.json")!r}).compile(None, torch.float32))
+except RunInterrupted as exc:
+    print("stopped:", exc)
+"""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    cmd = [sys.executable, "-c", script]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.stdout.strip() == "stopped: SIGTERM received before training began; nothing to keep", proc
+    assert not (tmp_path / "probe.json").exists()

@@ -184,6 +184,7 @@ def fit(
     profiler = StepProfiler(cfg.metrics.profile_steps, cfg.metrics.skip_steps, run_dir, plan.rank)
     plan.model.train()
     interrupts = interrupts or Interrupts()
+    interrupts.stop_if_received()  # a signal in the set-up that the code it came in caught
     interrupts.in_loop, result.steps = True, done
     interrupts.sigint_keeps = bool(tc.checkpoint_every)  # SIGTERM always writes one (a preemption)
     try:
