@@ -12,6 +12,8 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any, NoReturn
 
@@ -57,6 +59,27 @@ def stop_if_signalled() -> None:
 
 def exit_interrupted(exc: RunInterrupted) -> NoReturn:
     exit_with(f"interrupted: {one_line(exc)}", exc.exit_code)
+
+
+@contextmanager
+def stop_at_once(left: str) -> Iterator[None]:
+    """For a command with nothing to save midway (`python -m aamperf.predict`): SIGTERM or SIGINT ends it
+    at once with one `interrupted:` line saying what is `left`, and exit code 128 + the signal (not a
+    KeyboardInterrupt's traceback, or SIGTERM's silent death)."""
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        raise StopSignal(RunInterrupted(f"{name} received; {left}", None, signum))
+
+    stops = (signal.SIGTERM, signal.SIGINT)
+    previous = {signum: signal.signal(signum, handle) for signum in stops}
+    try:
+        yield
+    except StopSignal as stop:
+        exit_interrupted(stop.interrupted)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def preemption_signal() -> signal.Signals | None:

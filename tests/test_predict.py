@@ -3,6 +3,8 @@ never saw; one row per sample, the predicted UniFrac of the embeddings written, 
 
 import json
 import os
+import signal
+import time
 from pathlib import Path
 from unittest.mock import patch
 
@@ -303,3 +305,19 @@ def test_a_timeout_that_is_not_positive_is_refused_before_anything_is_read(tmp_p
     with pytest.raises(UserError, match=r"^timeout_s=0 must be > 0"):
         predict(cfg, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_stop_signal_ends_predict_in_one_line_with_no_file_half_written(launch, trained_run, tmp_path):
+    run_dir, _ = trained_run
+    new_probe = f"probe.cache={tmp_path / 'probe.json'}"  # inference=fast measures the device: seconds
+    options = {"name": "p", "module": "aamperf.predict", "tiny": False, "wait": False}
+    proc, out = launch(f"run={run_dir}", "inference=fast", new_probe, **options)
+    deadline = time.monotonic() + 60
+    while not (out / "predict.log").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # Hydra made the directory: the command is under way
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    left = "stopped before all predictions were written (each file is whole or absent): run it again"
+    assert err.strip().splitlines()[-1] == f"interrupted: SIGINT received; {left}"
+    assert sorted(p.name for p in out.iterdir()) == [".hydra", "predict.log"]  # no predictions

@@ -8,6 +8,7 @@ from omegaconf import DictConfig
 
 from aamperf.config import CONF_DIR
 from aamperf.errors import UserError, bad_input_exits, exit_bad_input
+from aamperf.interrupts import stop_at_once
 from aamperf.predict import predict
 from aamperf.predict.config import register_predict_configs
 
@@ -39,8 +40,9 @@ def main(cfg: DictConfig) -> None:
 
 def cli() -> None:
     """main() with bad input (a run without a model, files that cannot be read, Hydra's config errors)
-    as one `error:` line and exit code 2."""
-    with bad_input_exits():
+    as one `error:` line and exit code 2; SIGTERM / SIGINT as one `interrupted:` line, exit 143 / 130."""
+    left = "stopped before all predictions were written (each file is whole or absent): run it again"
+    with bad_input_exits(), stop_at_once(left):
         main()
 
 
