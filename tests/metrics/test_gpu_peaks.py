@@ -101,11 +101,7 @@ def test_the_table_holds_dense_figures_with_a_source():
 
 def test_a_given_peak_is_used_without_a_calibration(make_cfg):
     cfg = make_cfg("metrics.peak_flops=1.25e14")
-
-    class World:
-        is_main, world_size = True, 1
-
-    peak, record = measure_peak(cfg, torch.device("cpu"), World(), 4)
+    peak, record = measure_peak(cfg, torch.device("cpu"), 4)
     assert peak == 1.25e14
     assert record == {"status": "given", "dtype": "fp32", "reason": "metrics.peak_flops=125000000000000.0"}
 
