@@ -252,10 +252,12 @@ def test_recorded_fallbacks_keep_the_run_going(inputs, cache_dir, tmp_path, monk
     tests/phases/test_phase_correctness.py)."""
     monkeypatch.setenv("WANDB_API_KEY", "not-a-key")  # W&B refuses it at init, with no network call
     overrides = ["logger=wandb", "logger.mode=online", "compile=default", "compile.backend=no_such_backend"]
-    code, _, err = invoke(
+    code, out, err = invoke(
         monkeypatch, capfd, *TINY, f"data.cache_dir={cache_dir}", f"hydra.run.dir={tmp_path}", *overrides
     )
     assert code == 0, err
+    # said as it happens, not only in summary.json: the user asked for a compiled run
+    assert "compile=default compile.backend=no_such_backend: torch.compile failed, running eager" in out
     summary = read_summary(tmp_path)
     assert summary["status"] == "completed"
     assert summary["logger"][0]["mode"] == "offline" and "API key" in summary["logger"][0]["fallback"]

@@ -15,6 +15,7 @@ bound exceeds that least cost, the trial decides on the model's own compile time
 
 import hashlib
 import json
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -30,6 +31,8 @@ from aamperf.metrics.flops import MIN_WATCH_S, LoadWatch
 from aamperf.model.layers import Block
 from aamperf.phases.record import applied, fallback, skipped
 from aamperf.probe import Probe, timed
+
+log = logging.getLogger(__name__)
 
 TRIAL_PASSES = 1  # timed passes over the trial batches, eager and compiled, after one that warms up
 
@@ -66,8 +69,9 @@ def apply_compile(model: nn.Module, cfg: DictConfig, warmup: Callable[[], None])
         warmup()
     except Exception as exc:  # a backend that is missing or fails on this model: train eagerly instead
         _to_eager(targets)
-        reason = one_line(f"{type(exc).__name__}: {exc}")[:300]
-        return fallback(f"torch.compile failed, running eager: {reason}", mode=cfg.mode, backend=cfg.backend)
+        reason = f"torch.compile failed, running eager: {one_line(f'{type(exc).__name__}: {exc}')[:300]}"
+        log.warning(f"compile={cfg.mode} compile.backend={cfg.backend}: {reason}")
+        return fallback(reason, mode=cfg.mode, backend=cfg.backend)
     return applied(
         mode=cfg.mode,
         backend=cfg.backend,
