@@ -18,7 +18,7 @@ from aamperf.data import build_data, rebatch
 from aamperf.device import resolve_device, to_device
 from aamperf.distributed import World, from_main, init_world, main_decides
 from aamperf.errors import UserError
-from aamperf.metrics import count_flops, matmul_dtype, peak_flops
+from aamperf.metrics import count_flops, machine, matmul_dtype, peak_flops
 from aamperf.phases import TRIAL_BATCHES, Plan, apply_phases, check_phases, setup_phases
 from aamperf.phases.auto import resolve_auto
 from aamperf.phases.dataloader import decide_workers, step_floor_s
@@ -44,7 +44,7 @@ def build_job(cfg: DictConfig, summary: dict[str, Any], run_dir: Path | None = N
     """Build the run; `summary` gets what each part decided as it is decided (a failed start keeps it).
     `run_dir`: where trainer.resume=auto finds the checkpoint the run goes on from."""
     device = resolve_device(cfg.device)
-    summary["device"] = str(device)
+    summary.update(device=str(device), machine=machine(device))
     if device.type == "cuda":  # what the GPU held before this job (an earlier job, a notebook): not its peak
         torch.cuda.reset_peak_memory_stats(device)
     check_phases(cfg, device)

@@ -283,3 +283,27 @@ def test_a_config_whose_phases_applied_the_baselines_choices_is_called_the_same_
     for other in ("optim=ultra_lr", "optim=fp32"):
         assert not rows[other]["same_training"]
         assert rows[other]["verdict"].startswith("faster at equal quality")
+
+
+def test_the_report_names_the_machine_and_warns_when_runs_come_from_two(tmp_path):
+    from aamperf.report import to_markdown
+
+    where = {"a": "hostA: AMD EPYC (avx512f), 2 cores", "b": "hostB: Intel Xeon (amx_bf16), 2 cores"}
+
+    def runs(root, machines):
+        for seed, machine in enumerate(machines):
+            for level, speed in (("baseline", 10.0), ("ultra", 50.0)):
+                options = [f"optim={level}", f"seed={seed}"]
+                make_run(root, f"{level}{seed}", options, optim=level, seed=seed, samples_per_s=speed,
+                         val_loss=2.0, machine=machine)  # fmt: skip
+
+    runs(tmp_path / "one", [where["a"]] * 3)
+    report = to_markdown(compare(find_runs([tmp_path / "one"])))
+    assert f"Measured on {where['a']}." in report and "machines**" not in report
+    runs(tmp_path / "two", [where["a"], where["b"], where["b"]])
+    report = to_markdown(compare(find_runs([tmp_path / "two"])))
+    assert f"**Runs from 2 machines** ({where['a']}: 2 runs; {where['b']}: 4 runs)" in report
+    assert "Measured on" not in report
+    runs(tmp_path / "before", [None] * 3)  # runs from before summary.json named the machine
+    report = to_markdown(compare(find_runs([tmp_path / "before"])))
+    assert "Measured on" not in report and "machines**" not in report

@@ -1,6 +1,7 @@
 """A whole run through train(cfg, run_dir): the run record is complete and honest."""
 
 import itertools
+import platform
 import re
 import subprocess
 import sys
@@ -26,6 +27,7 @@ SUMMARY_KEYS = {
     "optim",
     "precision",
     "device",
+    "machine",
     "world_size",
     "steps",
     "samples_per_s",
@@ -62,6 +64,8 @@ def test_three_step_run_writes_a_complete_summary(make_cfg, tmp_path):
     assert SUMMARY_KEYS <= summary.keys()
     assert [k for k in SUMMARY_KEYS - MAY_BE_NULL if summary[k] is None] == []
     assert summary["status"] == "completed" and summary["steps"] == 3 and summary["device"] == "cpu"
+    cpu_model = Path("/proc/cpuinfo").read_text().split("model name", 1)[1].split(":", 1)[1].split("\n")[0]
+    assert summary["machine"].startswith(f"{platform.node()}: {cpu_model.strip()} (")  # the report names it
     assert summary["samples_per_s"] > 0 and summary["tokens_per_s"] > summary["samples_per_s"]
     assert 0 < summary["mfu"] <= 1 and 0 < summary["hfu"] <= 1
     assert summary["flops_per_step"] == summary["model_flops_per_step"]

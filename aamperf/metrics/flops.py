@@ -125,6 +125,13 @@ def cpu_description() -> str:
     return f"{name} ({', '.join(flags) or 'no AVX-512 / AMX'})"
 
 
+def machine(device: torch.device) -> str:
+    """The machine a run's figures are measured on, as its summary.json and the comparison report name
+    it: the host, its CPU (model, matmul flags, cores) and the GPU a CUDA run used."""
+    text = f"{platform.node()}: {cpu_description()}, {os.cpu_count()} cores"
+    return text + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
+
+
 def _machine_id() -> str:
     try:
         return Path("/etc/machine-id").read_text().strip()

@@ -153,10 +153,15 @@ def compare(
         )
         rows.append(row)
     rows.sort(key=lambda r: (r["config"] != base.config, -(r["speedup"] or 0)))
+    machines: dict[str, int] = {}  # what each run's summary names (runs from before it: none)
+    for run in runs:
+        if run.summary.get("machine"):
+            machines[run.summary["machine"]] = machines.get(run.summary["machine"], 0) + 1
     return {
         "baseline": base.config,
         "quality_tolerance": quality_tolerance,
         "confidence": confidence,
+        "machines": machines,
         "rows": rows,
     }
 

@@ -98,7 +98,9 @@ def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> plt.Figu
     columns = min(len(labels), 3)
     fig.legend(handles, ticks, loc="lower center", ncol=columns, fontsize=7, frameon=False)
     legend_rows = sum(label.count("\n") + 1 for label in ticks[::columns])
-    fig.suptitle(f"baseline: {result['baseline']}")
+    machines = result.get("machines") or {}
+    where = next(iter(machines)) if len(machines) == 1 else f"{len(machines)} machines" if machines else ""
+    fig.suptitle(f"baseline: {result['baseline']}" + (f"; measured on {where}" if where else ""))
     fig.tight_layout(rect=(0, min(0.4, 0.02 + 0.14 * legend_rows / fig.get_figheight()), 1, 1))
     write_atomic(out, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)

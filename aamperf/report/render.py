@@ -27,6 +27,22 @@ def _interval_pct(row: dict[str, Any]) -> str:
     return "" if lo is None else f" [{_pct(lo)}, {_pct(hi)}]"
 
 
+def machine_lines(machines: dict[str, int]) -> list[str]:
+    """Where the figures were measured (summary.json `machine`), and a warning where the runs come from
+    more than one machine: a pair across two machines measures the machines as much as the configs."""
+    if len(machines) == 1:
+        return [f"Measured on {next(iter(machines))}.", ""]
+    if not machines:
+        return []
+    each = "; ".join(f"{name}: {n} runs" for name, n in sorted(machines.items()))
+    return [
+        f"**Runs from {len(machines)} machines** ({each}): a speed-up of a run over a baseline run on "
+        "another machine is the machines' difference as much as the configurations'. Compare the runs "
+        "of one machine (`python -m aamperf.compare` on their directories alone).",
+        "",
+    ]
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     header = [
         "config",
@@ -58,6 +74,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"seed's run spent: the first run on a device pays the probes, later runs read their cache); "
         f"time to quality and first step include it.",
         "",
+        *machine_lines(result.get("machines") or {}),
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
     ]
