@@ -127,6 +127,8 @@ def peer_lost(exc: BaseException, timeout_s: float) -> str | None:
     if not (dist.is_available() and dist.is_initialized()) or not isinstance(exc, RuntimeError):
         return None
     text = one_line(exc)
+    if isinstance(exc, PeerFailed):  # it said why: its own line is the one to read
+        return f"rank {dist.get_rank()}: stopped with {text}"
     if not (isinstance(exc, dist.DistError) or any(s in text.lower() for s in PEER_LOST)):
         return None
     return (
@@ -262,8 +264,12 @@ class Waits:
     def _outcome(self, wait: str, r: int) -> Any:
         status, value = pickle.loads(self.store.get(f"{wait}/done_{r}"))
         if status == "failed":
-            raise dist.DistError(f"rank {r} failed: {value}")
+            raise PeerFailed(f"rank {r}, which failed while this rank waited for it: {value}")
         return value
+
+
+class PeerFailed(dist.DistError):
+    """The rank a `Waits` wait was for failed (its error's line is in the message)."""
 
 
 _waits: Waits | None = None  # the group `join_world` joined; None for one process or a group joined elsewhere

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from aamperf.data import build_data
 from aamperf.device import to_device
-from aamperf.distributed import close_world, every_rank, init_world, join_world, main_decides
+from aamperf.distributed import close_world, every_rank, init_world, join_world, main_decides, peer_lost
 from aamperf.interrupts import Interrupts
 from aamperf.launch import KILLED
 from aamperf.phases import apply_phases, setup_phases
@@ -406,6 +406,7 @@ def _long_waits_of_two_ranks(rank: int, port: int, out: str) -> None:
         main_decides(fails)
     except (ValueError, dist.DistError) as exc:
         got.append(f"{type(exc).__name__}: {exc}")
+        got.append(peer_lost(exc, 1.0))  # the run's one line (rank 0's error is not a lost peer: None)
     start = time.monotonic()
     if rank == 1:  # the first rank stops answering (it sleeps, never deciding): the wait ends
         try:
@@ -421,7 +422,9 @@ def _long_waits_of_two_ranks(rank: int, port: int, out: str) -> None:
 def test_a_rank_waits_for_another_that_works_alone_longer_than_the_timeout_and_no_longer(tmp_path):
     mp.spawn(_long_waits_of_two_ranks, args=(free_port(), str(tmp_path / "got")), nprocs=2, join=True)
     first, second = torch.load(tmp_path / "got.0"), torch.load(tmp_path / "got.1")
-    assert first == ["decided by 0", "compiled on 0", "ValueError: no C++ compiler"]
-    assert second[:3] == ["decided by 0", "compiled on 1", "DistError: rank 0 failed: no C++ compiler"]
-    line, _, seconds = second[3].partition(" after ")
+    assert first == ["decided by 0", "compiled on 0", "ValueError: no C++ compiler", None]
+    failed = "rank 0, which failed while this rank waited for it: no C++ compiler"
+    said = [f"PeerFailed: {failed}", f"rank 1: stopped with {failed}"]  # the exception, the run's line
+    assert second[:4] == ["decided by 0", "compiled on 1", *said]
+    line, _, seconds = second[4].partition(" after ")
     assert line == "timed out: rank 0 gave no sign of work for 1 s" and 1.0 <= float(seconds.split()[0]) < 2.0
