@@ -18,6 +18,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from aamperf.callbacks import CompareReport
+from aamperf.distributed import torchrun_env
+from aamperf.errors import exit_bad_input
 from aamperf.files import write_atomic
 from aamperf.report import find_runs
 
@@ -69,6 +71,14 @@ class FastestSearch(CompareReport):
     the comparison report (it replaces CompareReport in a search, so the level is written first)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if torchrun_env():  # every rank would run a study of its own, each choosing its own trials
+            exit_bad_input(
+                "hparams_search=fastest runs in one process (its trials timed one at a time, its Optuna "
+                "study in that process), not under torchrun: run python -m aamperf.train -m "
+                "hparams_search=fastest, then train the level it writes on several ranks: python -m "
+                "aamperf.launch --nproc_per_node=N -m aamperf.train distributed=ddp optim=fastest "
+                "'hydra.searchpath=[file://<sweep dir>]'"
+            )
         sweep_dir = Path(config.hydra.sweep.dir)
         keep = [
             o

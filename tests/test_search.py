@@ -4,7 +4,7 @@ import json
 
 import pytest
 import yaml
-from conftest import CONF_DIR, read_summary
+from conftest import CONF_DIR, read_summary, torchrun
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -54,3 +54,18 @@ def test_search_runs_trials_and_writes_a_ready_optim_level(launch):
     assert level == trial
     assert (sweep_dir / "comparison.md").exists()  # the usual report, reference as the baseline
     assert json.loads((sweep_dir / "comparison.json").read_text())["baseline"] == "optim=baseline"
+
+
+def test_the_search_under_torchrun_is_refused_before_anything_runs(launch):
+    """Each rank would run an Optuna study of its own (and a reference run in torchrun's environment):
+    once, the ranks failed to connect and then waited 6 minutes for each other."""
+    launcher = torchrun(2, module="aamperf.launch")
+    options = ["hparams_search=fastest", "distributed=ddp", "hydra.sweeper.n_trials=2"]
+    proc, sweep_dir = launch(*options, name="search", launcher=launcher, multirun=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: hparams_search=fastest runs in one process (its trials timed one at a time")
+    )
+    assert not sweep_dir.exists()
