@@ -2,6 +2,7 @@
 anything, and the comparison report a multirun ends with."""
 
 import contextlib
+import importlib.resources
 import io
 import os
 import sys
@@ -54,9 +55,25 @@ def check_job(config: DictConfig) -> None:
     for group, option in config.hydra.runtime.choices.items():
         # Hydra skips an option of an optional group (experiment=...) that does not exist, silently
         if option is not None and not group.startswith("hydra/"):
-            options = loader.get_group_options(group)
+            options = group_options(loader.get_group_options(group), config.hydra.searchpath, group)
             if option not in options:
                 raise UserError(no_such_option(group, option, options))
+
+
+def group_options(options: list[str], searchpath: list[str], group: str) -> list[str]:
+    """A group's options: conf/'s (`options`) and those of the directories `hydra.searchpath` adds
+    (the level hparams_search=fastest writes: optim=fastest 'hydra.searchpath=[file://<sweep dir>]'),
+    which the loader's own list leaves out."""
+    found = set(options)
+    for entry in searchpath or []:
+        scheme, _, where = str(entry).partition("://")
+        try:
+            root = Path(where) if scheme == "file" else importlib.resources.files(where)  # pkg://
+            names = [p.name for p in (root / group).iterdir()]
+        except (OSError, ImportError, TypeError, ValueError):
+            continue  # not there: Hydra's composition says so where it matters
+        found.update(name.removesuffix(".yaml") for name in names if name.endswith(".yaml"))
+    return sorted(found)
 
 
 def sweep_jobs(config: DictConfig) -> tuple[list[list[str]], set[str]]:

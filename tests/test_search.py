@@ -52,6 +52,10 @@ def test_search_runs_trials_and_writes_a_ready_optim_level(launch):
     assert level.optim == "fastest"
     level.optim = trial.optim
     assert level == trial
+    # ... and trains as its header says: python -m aamperf.train optim=fastest 'hydra.searchpath=[...]'
+    used, run_dir = launch("optim=fastest", f"hydra.searchpath=[file://{sweep_dir}]", name="level")
+    assert used.returncode == 0, used.stderr[-3000:]  # not refused as "optim=fastest: no such option"
+    assert read_summary(run_dir)["optim"] == "fastest"
     assert (sweep_dir / "comparison.md").exists()  # the usual report, reference as the baseline
     assert json.loads((sweep_dir / "comparison.json").read_text())["baseline"] == "optim=baseline"
 
