@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from aamperf.errors import UserError
+from aamperf.interrupts import stop_at_once
 from aamperf.report import find_runs, make_report, to_markdown
 from aamperf.report.regression import check_regression, regression_table
 
@@ -22,6 +23,14 @@ def fraction(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The report, or one `error:` line (exit 2); SIGTERM / SIGINT: one `interrupted:` line (143 / 130)."""
+    with stop_at_once(
+        "stopped before the whole report was written (each file is whole or absent): run it again"
+    ):
+        report(argv)
+
+
+def report(argv: list[str] | None) -> None:
     parser = argparse.ArgumentParser(prog="python -m aamperf.compare", description=__doc__.splitlines()[0])
     parser.add_argument("dirs", nargs="+", type=Path, help="run or multirun directories")
     parser.add_argument("--baseline", default="optim=baseline", help="override string of the baseline runs")

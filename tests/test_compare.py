@@ -1,6 +1,9 @@
 """The comparison report's arithmetic, on runs with known figures."""
 
 import json
+import os
+import signal
+import time
 
 import pytest
 
@@ -307,3 +310,18 @@ def test_the_report_names_the_machine_and_warns_when_runs_come_from_two(tmp_path
     runs(tmp_path / "before", [None] * 3)  # runs from before summary.json named the machine
     report = to_markdown(compare(find_runs([tmp_path / "before"])))
     assert "Measured on" not in report and "machines**" not in report
+
+
+def test_a_stop_signal_ends_the_report_in_one_line(sweep, monkeypatch, capsys):
+    def interrupted_report(*args, **kwargs):  # a report long enough to be stopped (W&B's, a big sweep)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5.0)
+        raise AssertionError("the signal did not stop it")
+
+    monkeypatch.setattr("aamperf.compare.make_report", interrupted_report)
+    with pytest.raises(SystemExit) as stopped:
+        main([str(sweep)])
+    assert stopped.value.code == 130
+    left = "stopped before the whole report was written (each file is whole or absent): run it again"
+    assert capsys.readouterr().err == f"interrupted: SIGINT received; {left}\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's own, given back
