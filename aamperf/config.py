@@ -14,7 +14,10 @@ import psutil
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # absolute: found from any working directory
+# Absolute, so found from any working directory: conf/ beside the package in a checkout (and an
+# editable install); aamperf/conf in an installed wheel, where pyproject.toml ships conf/ as it is.
+_INSTALLED_CONF = Path(__file__).resolve().parent / "conf"
+CONF_DIR = _INSTALLED_CONF if _INSTALLED_CONF.is_dir() else Path(__file__).resolve().parents[1] / "conf"
 
 
 def choices(name: str, *values: str) -> type[StrEnum]:
