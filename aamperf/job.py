@@ -2,7 +2,9 @@
 `auto` decisions, the device's peak, data, model and loss, the phased plan, the batch (found, with
 trainer.batch_size=auto), loader workers (dataloader=auto), and the FLOPs of a step."""
 
+import hashlib
 import itertools
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,20 +13,23 @@ from typing import Any
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from aamperf.batch_size import find_batch_size, smallest_batch
 from aamperf.data import build_data, rebatch
-from aamperf.device import resolve_device, to_device
-from aamperf.distributed import World, from_main, init_world, main_decides
+from aamperf.data.dataset import make_loaders
+from aamperf.device import resolve_device, sync, to_device
+from aamperf.distributed import World, from_main, init_world, main_decides, world_size
 from aamperf.errors import UserError
 from aamperf.metrics import count_flops, machine, matmul_dtype, peak_flops
 from aamperf.phases import TRIAL_BATCHES, Plan, apply_phases, check_phases, setup_phases
+from aamperf.phases import dataloader as loader_phase
 from aamperf.phases.auto import resolve_auto
-from aamperf.phases.dataloader import decide_workers, step_floor_s
-from aamperf.probe import timed
+from aamperf.phases.compile import trial_context
+from aamperf.probe import Probe, timed
 from aamperf.rng import seed_everything
 from aamperf.trainer.checkpoints import steps_left
+from aamperf.trainer.stream import BatchStream
 
 
 @dataclass
@@ -98,7 +103,7 @@ def build_job(cfg: DictConfig, summary: dict[str, Any], run_dir: Path | None = N
         with measuring:
             loader_workers(
                 cfg, setup, plan, data, loss_fn, host_batches[0], batch_s, step_s, flops[1], peak, device,
-                world,
+                world, steps,
             )  # fmt: skip
     model_flops, hardware_flops = (f * tc.grad_accum_steps for f in flops)
     summary.update(
@@ -168,26 +173,71 @@ def build_model(cfg: DictConfig, device: torch.device, world: World, data, summa
 
 
 def loader_workers(
-    cfg, setup, plan, data, loss_fn, batch, batch_s, step_s, hardware_flops, peak, device, world
+    cfg, setup, plan, data, loss_fn, batch, batch_s, step_s, hardware_flops, peak, device, world, steps
 ) -> None:
     """dataloader=auto, now that a step can be timed: a worker where making a batch would hold the step
     up. The step's seconds: `step_s` (compile=auto timed it on this batch where it did not compile),
     else a floor from its FLOPs where that settles it (the first rank's, from the peak it calibrated),
     else one step timed now, by every rank together (a step's collectives pair up across the ranks).
-    Every rank loads as the first rank decided."""
+    Where making a batch is a share of that, both pipelines are timed (`timed_pipelines`). Every rank
+    loads as the first rank decided."""
     floor = False
     if step_s is None:
-        step_s = step_floor_s(hardware_flops, peak, batch_s)
+        step_s = loader_phase.step_floor_s(hardware_flops, peak, batch_s)
         floor = step_s is not None
     step_s, floor = from_main((step_s, floor))
     if step_s is None:
         step_s = warm_step_s(warmup_step(loss_fn, [to_device(batch, device)]), plan, device)
+    batch_s, step_s = from_main((batch_s, step_s))  # every rank times the same trial, or none
+    per_round = loader_phase.trial_steps(batch_s, step_s, steps, cfg.dataloader.prefetch_factor or 0)
+    trial = None if per_round is None else timed_pipelines(cfg, setup, plan, data, loss_fn, device, per_round)
     notes = plan.records["dataloader"]["notes"]
-    decision = decide_workers(setup.loader, cfg.dataloader, batch_s, step_s, notes, floor=floor)
+    asked = cfg.dataloader
+    decision = loader_phase.decide_workers(setup.loader, asked, batch_s, step_s, notes, floor, trial, steps)
     loader, plan.records["dataloader"] = from_main(decision)
     if loader is not None:
         setup.loader = loader
         rebatch(data, data.train_loader.batch_size, cfg.seed, loader)
+
+
+def timed_pipelines(cfg, setup, plan, data, loss_fn, device, per_round: int) -> dict[str, Any]:
+    """`time_pipelines` on the run's model and batches (loaders of their own: the run's batch order stays
+    as it was), every rank together; the first rank's figures, cached per device and configuration."""
+    probe = Probe(device, cfg.probe.cache, cfg.probe.refresh)
+    context = {"context": loader_context(cfg, data.train_loader.batch_size)}
+    cached = from_main(probe.cached("loader_trial", context))
+    if cached is not None:
+        return {**cached, "source": "cache"}
+
+    def make_stream(workers: int) -> BatchStream:
+        loader = loader_phase.with_one_worker(setup.loader, cfg.dataloader) if workers else setup.loader
+        indices = [list(split.dataset.indices) for split in (data.train_loader, data.val_loader)]
+        train, _ = make_loaders(
+            data.dataset, data.collate, *indices, batch_size=data.train_loader.batch_size, seed=cfg.seed,
+            loader=loader,
+        )  # fmt: skip
+        return BatchStream(train)
+
+    def step(batch: dict[str, Any]) -> None:
+        warmup_step(loss_fn, [to_device(batch, device, setup.loader.non_blocking)])(
+            plan.model, plan.autocast, plan.scaler
+        )
+        sync(device)
+
+    lead_in = cfg.dataloader.prefetch_factor or 0
+    with torch.random.fork_rng(devices=[]):  # dropout draws: the run's random stream stays as it was
+        figures = loader_phase.time_pipelines(make_stream, step, per_round, lead_in)
+    if plan.is_main:  # the first rank's figures are the decision's
+        probe.answer("loader_trial", context, lambda: figures)
+    return {**figures, "source": "measured"}
+
+
+def loader_context(cfg: DictConfig, batch_size: int) -> str:
+    """What a loader trial's figures depend on besides the device: the compile trial's context (the model
+    and the phases that change its step), the data, the loader asked for, the ranks."""
+    nodes = {group: OmegaConf.to_container(cfg[group], resolve=True) for group in ["data", "dataloader"]}
+    nodes.update(step=trial_context(cfg, batch_size), world_size=world_size())
+    return hashlib.sha1(json.dumps(nodes, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def counted_flops(model: torch.nn.Module, loss_fn, batch: dict[str, Any]) -> float:

@@ -6,23 +6,28 @@ import time
 import torch
 from torch import nn
 
+from aamperf.distributed import gather, gather_constant
 from aamperf.model import AAMLoss
 
 
 class MeanPoolModel(nn.Module):
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, dropout: float = 0.0):
         super().__init__()
         self.embed = nn.Embedding(7, dim)
         self.proj = nn.Linear(dim, dim)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.embed(tokens).mean(dim=(1, 2)))  # [B, dim]
+        return self.proj(self.dropout(self.embed(tokens).mean(dim=(1, 2))))  # [B, dim]
 
 
 def pair_loss(model: nn.Module, batch: dict, step: int) -> tuple[torch.Tensor, dict]:
-    emb = model(batch["tokens"])
+    """UniFrac distances from the embeddings' distances. Under torch.distributed a rank holds its slice
+    of the global batch and its rows of the global distances ([b, world * b]): the whole batch is
+    gathered, so every rank computes the global batch's loss (`gather` carries the gradient back)."""
+    emb = gather(model(batch["tokens"]))
     pred = torch.tanh(torch.cdist(emb, emb) / 10)
-    loss = ((pred - batch["unifrac"]) ** 2).mean()
+    loss = ((pred - gather_constant(batch["unifrac"])) ** 2).mean()
     return loss, {"unifrac": loss}
 
 

@@ -239,6 +239,16 @@ def test_ddp_gradients_equal_one_process_parameter_by_parameter(make_cfg, tmp_pa
         torch.testing.assert_close(distributed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def _join_as_rank(rank: int, config: dict, port: int):
+    """(cfg, device, world, setup) of rank `rank` of 2 in a process mp.spawn started."""
+    cfg = OmegaConf.create(config)
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cpu")
+    world = init_world(cfg, device)
+    return cfg, device, world, setup_phases(cfg, device)
+
+
 def _auto_phases_on_two_ranks(rank: int, config: dict, port: int, out: str, how: str) -> None:
     """compile=auto and dataloader=auto decided as a torchrun job decides them, and the first step after.
     compile=auto (backend eager: no C++ compiler in the test) where compiling pays, `how` the first rank
@@ -252,12 +262,7 @@ def _auto_phases_on_two_ranks(rank: int, config: dict, port: int, out: str, how:
     from aamperf.phases import compile as compile_phase
     from aamperf.probe import Probe, compile_block
 
-    cfg = OmegaConf.create(config)
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cpu")
-    world = init_world(cfg, device)
-    setup = setup_phases(cfg, device)
+    cfg, device, world, setup = _join_as_rank(rank, config, port)
     torch.manual_seed(cfg.seed)
     shard = {"rank": rank, "world_size": 2, "loader": setup.loader, "pad_to": setup.pad_to}
     data = build_data(cfg.data, batch_size=8, seed=cfg.seed, **shard)  # the global batch, sliced per rank
@@ -280,7 +285,7 @@ def _auto_phases_on_two_ranks(rank: int, config: dict, port: int, out: str, how:
     plan = apply_phases(model, cfg, device, warmup_step(loss_fn, batches), setup.records, world, 8)
     # making a batch: a millionth of the first rank's floor (its FLOPs at a peak of 1e9 FLOP/s)
     peak = 1e9 if rank == 0 else None
-    loader_workers(cfg, setup, plan, data, loss_fn, batches[0], 1e-9, None, 1e9, peak, device, world)
+    loader_workers(cfg, setup, plan, data, loss_fn, batches[0], 1e-9, None, 1e9, peak, device, world, 10)
     loss, _ = loss_fn(plan.model, batches[0], 1)
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -306,6 +311,37 @@ def test_auto_phases_decided_on_two_ranks_train_like_one_process(make_cfg, tmp_p
         assert saved["grads"].keys() == reference.keys()
         for name, grad in reference.items():
             torch.testing.assert_close(saved["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _loader_trial_on_two_ranks(rank: int, config: dict, port: int, out: str) -> None:
+    """dataloader=auto where making a batch is half a step on the first rank (given; 2.5% of it on the
+    other: each rank times its own) and the run is long: both pipelines are timed, by every rank together
+    (a DDP step's all-reduce pairs the ranks' steps up)."""
+    from aamperf.job import loader_workers, warmup_step
+
+    cfg, device, world, setup = _join_as_rank(rank, config, port)
+    shard = {"rank": rank, "world_size": 2, "loader": setup.loader, "pad_to": setup.pad_to}
+    data = build_data(cfg.data, batch_size=8, seed=cfg.seed, **shard)
+    model, loss_fn = instantiate(cfg.model), instantiate(cfg.loss)
+    batches = [to_device(b, device) for b in itertools.islice(data.train_loader, 2)]
+    plan = apply_phases(model, cfg, device, warmup_step(loss_fn, batches), setup.records, world, 8)
+    batch_s = 0.1 if rank == 0 else 0.005
+    loader_workers(cfg, setup, plan, data, loss_fn, batches[0], batch_s, 0.2, 1e9, None, device, world, 10**5)
+    close_world()
+    torch.save({"record": plan.records["dataloader"], "workers": setup.loader.num_workers}, f"{out}.{rank}")
+
+
+def test_both_loader_pipelines_are_timed_by_every_rank_together_and_the_first_decides(make_cfg, tmp_path):
+    cache = f"probe.cache={tmp_path / 'p.json'}"
+    plugin = ["~model", "+model._target_=plugin_model.MeanPoolModel", "+model.dim=8", "data.max_asvs=16"]
+    plugin += ["~loss", "+loss._target_=plugin_model.pair_loss", "+loss._partial_=true"]  # steps of ms
+    ddp = make_cfg(*plugin, "distributed=ddp", "distributed.timeout_s=30", "dataloader=auto", cache)
+    config, out = OmegaConf.to_container(ddp, resolve=True), str(tmp_path / "out")
+    mp.spawn(_loader_trial_on_two_ranks, args=(config, free_port(), out), nprocs=2, join=True)
+    first, second = (torch.load(tmp_path / f"out.{rank}", weights_only=False) for rank in (0, 1))
+    assert first["record"]["auto"]["trial"]["source"] == "measured"
+    assert first == second  # the first rank's figures and decision, on every rank
+    assert first["workers"] == first["record"]["auto"]["chose"]
 
 
 def test_slurm_tasks_train_like_torchrun_ranks(launch):

@@ -1,18 +1,31 @@
 """DataLoader settings for the device: workers, pinned memory and async copies only where they help.
 
-dataloader=auto (`num_workers: auto`) starts with batches made in the training process, times making
-them and a training step of the run's own model, and moves batch-making to a worker only where it is
-at least MIN_BATCH_SHARE of a step: below that, a worker saves less than it costs (its process' memory,
-and on a CPU run, time taken from the cores the step's threads use). No step is timed where the step's
-FLOPs at the device's peak already put batch-making far below that share (`step_floor_s`).
+dataloader=auto (`num_workers: auto`) starts with batches made in the training process and times making
+them and a training step of the run's own model. Below MIN_BATCH_SHARE of a step, a worker could save
+less than it costs (its process' memory, and on a CPU run, time taken from the cores the step's threads
+use): batches stay in-process, and no step is timed where the step's FLOPs at the device's peak already
+settle that (`step_floor_s`). From that share on, the two pipelines are timed against each other on the
+run's model and batches (`time_pipelines`: a batch crossing a process boundary, and a worker beside the
+step's threads, can cost more than making the batch did; a 2 ms step trained 2.3x slower with one) and a
+worker is kept only where it was quicker in every round and saves more over the run's steps than it
+took to start (`worker_pays`). The figures are cached per device and configuration.
 """
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from aamperf.phases.record import applied, skipped
 
-MIN_BATCH_SHARE = 0.05  # batch-making time / step time from which one worker pays
+MIN_BATCH_SHARE = 0.05  # batch-making time / step time from which one worker may pay: timed from there
+TRIAL_ROUNDS = 3  # alternating rounds of each pipeline; a worker must be quicker in every one
+TRIAL_ROUND_S = 0.2  # about this many seconds of steps per pipeline and round ...
+TRIAL_STEPS = (4, 20)  # ... but at least / at most this many steps
+MIN_WORKER_GAIN = 0.03  # a worker's step must be this much quicker (it costs a process's memory)
 
 
 def in_process(cfg: DictConfig) -> DictConfig:
@@ -54,6 +67,94 @@ def step_floor_s(flops: float, peak: float | None, batch_s: float) -> float | No
     return floor if batch_s / floor < MIN_BATCH_SHARE / 4 else None
 
 
+def trial_steps(batch_s: float, step_s: float, steps: int, prefetch: int) -> int | None:
+    """Steps per round of `time_pipelines`, or None where the pipelines are not timed: making a batch is
+    under MIN_BATCH_SHARE of a step, or a worker could not save over the run's `steps` (at most all of the
+    batch-making) what timing it would cost (`prefetch`: a worker round's untimed lead-in)."""
+    if batch_s / step_s < MIN_BATCH_SHARE:
+        return None
+    affordable = batch_s * steps > trial_cost_s(batch_s, step_s, prefetch)
+    return steps_per_round(batch_s, step_s) if affordable else None
+
+
+def steps_per_round(batch_s: float, step_s: float) -> int:
+    return int(min(max(round(TRIAL_ROUND_S / (batch_s + step_s)), TRIAL_STEPS[0]), TRIAL_STEPS[1]))
+
+
+def trial_cost_s(batch_s: float, step_s: float, prefetch: int) -> float:
+    """About the seconds `time_pipelines` would take."""
+    return TRIAL_ROUNDS * (2 * steps_per_round(batch_s, step_s) + prefetch) * (batch_s + step_s)
+
+
+def time_pipelines(
+    make_stream: Callable[[int], Iterator[dict]], step: Callable[[dict], None], per_round: int, lead_in: int
+) -> dict[str, Any]:
+    """Seconds per step of the training pipeline (the next batch, then `step` on it: to the device,
+    forward + backward) with batches made in the process (`make_stream(0)`) and by one worker
+    (`make_stream(1)`): TRIAL_ROUNDS alternating rounds of `per_round` steps each, their medians. A worker
+    round starts with `lead_in` untimed steps: the batches its worker made while the other pipeline was
+    timed. The worker's start (its first batch against an in-process first one) is its own figure."""
+    streams, first = {}, {}
+    for name, workers in (("in_process", 0), ("worker", 1)):
+        start = time.perf_counter()
+        streams[name] = make_stream(workers)
+        step(next(streams[name]))
+        first[name] = time.perf_counter() - start
+    rounds: dict[str, list[float]] = {"in_process": [], "worker": []}
+    for _ in range(TRIAL_ROUNDS):
+        for name, times in rounds.items():
+            for _ in range(lead_in if name == "worker" else 0):
+                step(next(streams[name]))
+            start = time.perf_counter()
+            for _ in range(per_round):
+                step(next(streams[name]))
+            times.append((time.perf_counter() - start) / per_round)
+    streams.clear()  # the worker stops with its loader
+    return {
+        "in_process_step_s": statistics.median(rounds["in_process"]),
+        "worker_step_s": statistics.median(rounds["worker"]),
+        "worker_start_s": max(0.0, first["worker"] - first["in_process"]),
+        "rounds": rounds,
+        "steps_per_round": per_round,
+        "under_load": None,  # alternating rounds, each pipeline quicker in all of them or not at all
+    }
+
+
+def worker_pays(figures: dict[str, Any], steps: int) -> tuple[bool, str]:
+    """Does one loader worker pay over `steps`, given `time_pipelines`' figures? Only where its step was
+    MIN_WORKER_GAIN quicker in every round and that saves more than the worker took to start."""
+    in_rounds, worker_rounds = figures["rounds"]["in_process"], figures["rounds"]["worker"]
+    quicker = all(w < i * (1 - MIN_WORKER_GAIN) for i, w in zip(in_rounds, worker_rounds, strict=True))
+    in_s, worker_s = figures["in_process_step_s"], figures["worker_step_s"]
+    start_s = figures["worker_start_s"]
+    saved_s = (in_s - worker_s) * steps - start_s
+    verdict = quicker and saved_s > 0
+    why = (
+        f"a step with one loader worker took {worker_s / in_s:.2f}x one with batches made in the process "
+        f"({worker_s * 1e3:.3g} vs {in_s * 1e3:.3g} ms, median of {len(in_rounds)} alternating rounds of "
+        f"{figures['steps_per_round']} steps), "
+        + (
+            f"{MIN_WORKER_GAIN:.0%} quicker in every round, saving {saved_s:.1f} s over {steps} steps after "
+            f"its {start_s:.2f} s start"
+            if verdict
+            else f"not {MIN_WORKER_GAIN:.0%} quicker in every round"
+            if not quicker
+            else f"saving {saved_s + start_s:.2f} s over {steps} steps, not over its {start_s:.2f} s start"
+        )
+    )
+    return verdict, why
+
+
+def with_one_worker(cfg: DictConfig, requested: DictConfig) -> DictConfig:
+    """The resolved loader config `cfg` with one worker, persistent and prefetching as `requested` asks."""
+    with_worker = {
+        "num_workers": 1,
+        "persistent_workers": requested.persistent_workers,
+        "prefetch_factor": requested.prefetch_factor,
+    }
+    return OmegaConf.merge(cfg, with_worker)
+
+
 def decide_workers(
     cfg: DictConfig,
     requested: DictConfig,
@@ -61,33 +162,42 @@ def decide_workers(
     step_s: float,
     notes: list[str] = (),
     floor: bool = False,
+    trial: dict[str, Any] | None = None,
+    steps: int = 0,
 ) -> tuple[DictConfig | None, dict]:
     """dataloader=auto: (the loader config with one worker, or None to keep batches in-process;
     the decision with its measured reason). `cfg` is the resolved (in-process) loader config,
     `requested` the dataloader node as asked for (its persistent_workers and prefetch_factor),
-    `notes` those of `resolve_dataloader`; `floor`: `step_s` is `step_floor_s`, not a timed step."""
+    `notes` those of `resolve_dataloader`; `floor`: `step_s` is `step_floor_s`, not a timed step;
+    `trial`: `time_pipelines`' figures, where `trial_steps` asked for them; `steps`: the run's."""
     share = batch_s / step_s
-    workers = 1 if share >= MIN_BATCH_SHARE else 0
     step = (
         f"at most {share:.2%} of a step here, which takes at least {step_s * 1e3:.0f} ms (its FLOPs at "
         "the calibrated peak)"
         if floor
         else f"{share:.1%} of a {step_s * 1e3:.0f} ms step here"
     )
-    reason = (
-        f"making a batch takes {batch_s * 1e3:.1f} ms, {step} "
-        f"({'>=' if workers else '<'} {MIN_BATCH_SHARE:.0%}): "
-        + ("one loader worker" if workers else "batches made in the training process")
-    )
+    made = f"making a batch takes {batch_s * 1e3:.1f} ms, {step}"
+    if share < MIN_BATCH_SHARE:
+        why, workers = f"(< {MIN_BATCH_SHARE:.0%})", 0
+    elif trial is None:
+        cost_s = trial_cost_s(batch_s, step_s, requested.prefetch_factor or 0)
+        why, workers = (
+            (
+                f"(>= {MIN_BATCH_SHARE:.0%}), but a worker could save at most {batch_s * steps:.1f} s over "
+                f"{steps} steps, no more than timing one would cost ({cost_s:.1f} s)"
+            ),
+            0,
+        )
+    else:
+        pays, verdict = worker_pays(trial, steps)
+        why, workers = f"(>= {MIN_BATCH_SHARE:.0%}), so both pipelines were timed: {verdict}", int(pays)
+    reason = f"{made} {why}: " + ("one loader worker" if workers else "batches made in the training process")
     step_key = "step_floor_s" if floor else "step_s"
     auto = {"chose": workers, "reason": reason, "batch_s": batch_s, step_key: step_s}
+    auto.update({"trial": trial} if trial is not None else {})
     if not workers:
         record = skipped(f"dataloader=auto: {reason}", **OmegaConf.to_container(cfg), notes=list(notes))
         return None, {**record, "auto": auto}
-    with_worker = {
-        "num_workers": 1,
-        "persistent_workers": requested.persistent_workers,
-        "prefetch_factor": requested.prefetch_factor,
-    }
-    cfg = OmegaConf.merge(cfg, with_worker)
+    cfg = with_one_worker(cfg, requested)
     return cfg, applied(**OmegaConf.to_container(cfg), notes=list(notes), auto=auto)

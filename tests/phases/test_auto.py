@@ -345,37 +345,95 @@ def test_compile_auto_trial_times_both_and_caches_its_figures(tmp_path):
         assert pays(probe.cached("compile_trial", {"context": "c"}), 100)[0] == pays(auto, 100)[0]
 
 
-# ---- dataloader=auto: batch-making time against a step's ------------------------------------------
+# ---- dataloader=auto: batch-making time against a step's, then the two pipelines timed ---------------
+
+LOADER_ASKED = {
+    "num_workers": "auto",
+    "pin_memory": True,
+    "persistent_workers": True,
+    "prefetch_factor": 4,
+    "non_blocking": True,
+}
 
 
-@pytest.mark.parametrize(("batch_s", "workers"), [(0.02, 1), (0.002, 0)])
-def test_dataloader_auto_moves_batch_making_to_a_worker_only_where_it_is_a_share_of_the_step(
-    batch_s, workers
+def loader_trial(in_process: list[float], worker: list[float], start_s: float = 0.05) -> dict:
+    """`time_pipelines`' figures: seconds per step in each round."""
+    import statistics
+
+    return {
+        "in_process_step_s": statistics.median(in_process),
+        "worker_step_s": statistics.median(worker),
+        "worker_start_s": start_s,
+        "rounds": {"in_process": in_process, "worker": worker},
+        "steps_per_round": 20,
+    }
+
+
+@pytest.mark.parametrize(
+    ("batch_s", "trial", "steps", "workers", "said"),
+    [
+        (0.002, None, 1000, 0, "2.0% of a 100 ms step here (< 5%)"),  # no worker can save 5%
+        (0.02, None, 10, 0, "could save at most 0.2 s over 10 steps, no more than timing one"),
+        (0.02, loader_trial([0.12, 0.12, 0.12], [0.10, 0.10, 0.11]), 1000, 1, "0.83x"),
+        # a batch crossing a process boundary, and a worker beside the step's threads, cost more
+        (0.02, loader_trial([0.12, 0.12, 0.12], [0.25, 0.24, 0.26]), 1000, 0, "not 3% quicker in every"),
+        (0.02, loader_trial([0.12, 0.12, 0.12], [0.10, 0.13, 0.10]), 1000, 0, "not 3% quicker in every"),
+        (0.02, loader_trial([0.12] * 3, [0.10] * 3, start_s=5.0), 100, 0, "not over its 5.00 s start"),
+    ],
+)
+def test_dataloader_auto_keeps_a_worker_only_where_timing_both_pipelines_says_it_pays(
+    batch_s, trial, steps, workers, said
 ):
     from omegaconf import OmegaConf
 
     from aamperf.phases.dataloader import decide_workers, resolve_dataloader
 
-    requested = OmegaConf.create(
-        {
-            "num_workers": "auto",
-            "pin_memory": True,
-            "persistent_workers": True,
-            "prefetch_factor": 4,
-            "non_blocking": True,
-        }
-    )
+    requested = OmegaConf.create(LOADER_ASKED)
     resolved, pending = resolve_dataloader(requested, CPU)
     assert resolved.num_workers == 0 and resolved.prefetch_factor is None  # in-process until measured
-    loader, record = decide_workers(resolved, requested, batch_s, 0.1)
-    assert (
-        record["auto"]["chose"] == workers
-        and f"{batch_s / 0.1:.1%} of a 100 ms step" in record["auto"]["reason"]
-    )
+    loader, record = decide_workers(resolved, requested, batch_s, 0.1, trial=trial, steps=steps)
+    auto = record["auto"]
+    assert auto["chose"] == workers and said in auto["reason"], auto["reason"]
+    assert f"making a batch takes {batch_s * 1e3:.1f} ms" in auto["reason"]
+    assert auto.get("trial") == trial  # the figures beside the decision
     if workers:
         assert (loader.num_workers, loader.prefetch_factor, loader.pin_memory) == (1, 4, False)
     else:
-        assert loader is None
+        assert loader is None and record["status"] == "skipped"
+
+
+def test_a_trial_is_asked_for_only_where_a_worker_could_save_more_than_it_costs():
+    from aamperf.phases.dataloader import TRIAL_STEPS, trial_cost_s, trial_steps
+
+    assert trial_steps(0.002, 0.1, 10_000, 4) is None  # 2% of a step: no worker can pay
+    assert trial_steps(0.02, 0.1, 10, 4) is None  # 0.2 s to save at most, seconds to time
+    assert trial_steps(0.0005, 0.001, 10_000, 4) == TRIAL_STEPS[1]  # tiny steps: the most per round
+    assert trial_steps(0.5, 1.0, 10_000, 4) == TRIAL_STEPS[0]  # long ones: the fewest
+    assert trial_cost_s(0.5, 1.0, 4) == pytest.approx(3 * (2 * TRIAL_STEPS[0] + 4) * 1.5)
+
+
+def test_time_pipelines_alternates_rounds_and_leaves_out_what_a_worker_made_ahead():
+    """Streams that say which pipeline made each batch: rounds alternate, every worker round begins with
+    its lead-in untimed, and a pipeline whose batches take longer is timed longer."""
+    import time as clock
+
+    from aamperf.phases.dataloader import TRIAL_ROUNDS, time_pipelines
+
+    taken = []
+
+    def make_stream(workers: int):
+        def batches():
+            while True:
+                clock.sleep(0.004 if workers == 0 else 0.0)  # in-process batches take 4 ms to make
+                yield {"workers": workers}
+
+        return batches()
+
+    figures = time_pipelines(make_stream, lambda batch: taken.append(batch["workers"]), 5, lead_in=2)
+    round_steps = [0] * 5 + [1] * (2 + 5)
+    assert taken == [0, 1] + round_steps * TRIAL_ROUNDS  # first batches, then alternating rounds
+    assert figures["steps_per_round"] == 5 and len(figures["rounds"]["worker"]) == TRIAL_ROUNDS
+    assert figures["in_process_step_s"] >= 0.004 > figures["worker_step_s"]
 
 
 def test_dataloader_auto_times_no_step_where_its_flops_at_the_peak_settle_it():
@@ -396,6 +454,28 @@ def test_dataloader_auto_times_no_step_where_its_flops_at_the_peak_settle_it():
     # no peak: a step is timed
     assert step_floor_s(1e12, 1e11, 10.0 * MIN_BATCH_SHARE / 4) is None
     assert step_floor_s(1e12, None, 0.001) is None
+
+
+def test_a_run_times_both_pipelines_on_its_own_batches_and_trains_as_it_would_have(make_cfg, tmp_path):
+    """A model whose step is a few milliseconds (batch-making a large share of it): dataloader=auto times
+    a real worker against in-process batches, decides as `worker_pays` says, and the run trains as with
+    dataloader=simple (the trial's loaders are its own, its dropout draws forked); the next run reads
+    the cached figures."""
+    from aamperf.phases.dataloader import worker_pays
+    from aamperf.run import train
+
+    plugin = ["~model", "+model._target_=plugin_model.MeanPoolModel", "+model.dim=8", "+model.dropout=0.1"]
+    plugin += ["data.max_asvs=16", "~loss", "+loss._target_=plugin_model.pair_loss", "+loss._partial_=true"]
+    steps = ["trainer.max_steps=800", "trainer.val_every=800", f"probe.cache={tmp_path / 'probe.json'}"]
+    auto = train(make_cfg(*plugin, *steps, "dataloader=auto"), tmp_path / "auto")
+    record = auto["phases"]["dataloader"]["auto"]
+    trial = record["trial"]
+    assert trial["source"] == "measured" and trial["in_process_step_s"] > 0 and trial["worker_step_s"] > 0
+    assert record["chose"] == int(worker_pays(trial, 800)[0]), record["reason"]
+    simple = train(make_cfg(*plugin, *steps, "dataloader=simple"), tmp_path / "simple")
+    assert auto["train_loss"] == simple["train_loss"] and auto["val_loss"] == simple["val_loss"]
+    again = train(make_cfg(*plugin, *steps, "dataloader=auto"), tmp_path / "again")
+    assert again["phases"]["dataloader"]["auto"]["trial"]["source"] == "cache"
 
 
 def test_a_run_with_every_auto_records_each_decision_beside_its_phase(make_cfg, tmp_path):
