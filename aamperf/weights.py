@@ -56,10 +56,18 @@ def read_model_file(run_dir: Path) -> dict[str, Any]:
 def load_model(run_dir: Path, device: torch.device | str = "cpu") -> tuple[nn.Module, dict[str, Any]]:
     """The run's trained model, built from its config and given its weights, in eval mode on `device`;
     and the payload (config, target)."""
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     payload = read_model_file(run_dir)
-    model = instantiate(payload["config"]["model"])
+    try:
+        model = instantiate(payload["config"]["model"])
+    except InstantiationException as exc:  # a plug-in model whose module does not import here
+        target = payload["config"]["model"].get("_target_")
+        raise UserError(
+            f"{Path(run_dir) / MODEL_FILE}: its model {target} cannot be built here "
+            f"({one_line(exc.__cause__ or exc)[:200]}); run where its module imports (on PYTHONPATH)"
+        ) from exc
     try:
         model.load_state_dict(payload["weights"])
     except RuntimeError as exc:

@@ -103,6 +103,27 @@ def test_a_run_without_a_model_is_one_line(launch, tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: run={tmp_path} has no model.pt")
 
 
+def test_a_run_of_another_model_is_refused_in_one_line_and_its_model_must_import(launch, make_cfg, tmp_path):
+    """A plug-in model (model._target_) trains and keeps model.pt; predict serves AAM and says so; a
+    model whose module does not import where it is loaded names its target."""
+    plugin = ["~model", "+model._target_=plugin_model.MeanPoolModel", "+model.dim=8", "data.max_asvs=16"]
+    plugin += ["~loss", "+loss._target_=plugin_model.pair_loss", "+loss._partial_=true"]
+    run_dir = tmp_path / "plugin"
+    assert train(make_cfg(*plugin), run_dir)["status"] == "completed"
+    proc, out = launch(f"run={run_dir}", name="p", module="aamperf.predict", tiny=False)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    said = f"error: run={run_dir} trained plugin_model.MeanPoolModel (model._target_), not AAM"
+    assert last.startswith(said)
+    assert not (out / "summary.json").exists()
+
+    payload = torch.load(run_dir / "model.pt", weights_only=True)
+    payload["config"]["model"]["_target_"] = "gone_module.Net"  # moved, or not on PYTHONPATH here
+    torch.save(payload, run_dir / "model.pt")
+    with pytest.raises(UserError, match=r"its model gone_module\.Net cannot be built here .*on PYTHONPATH"):
+        load_model(run_dir)
+
+
 def test_two_ranks_write_what_one_process_writes(launch, trained_run):
     run_dir, _ = trained_run
     # in chunks of 9 samples (7 rounded up to whole batches of 3): each rank its batches of each chunk

@@ -28,6 +28,7 @@ from aamperf.errors import UserError
 from aamperf.files import write_atomic, write_json_atomic
 from aamperf.metrics.flops import cpu_description
 from aamperf.metrics.monitor import peak_rss, reset_peak_rss
+from aamperf.model import AAM
 from aamperf.predict.bench import latencies
 from aamperf.predict.export import export_model
 from aamperf.predict.levels import apply_levels, forward, quality
@@ -76,6 +77,12 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         if cfg.bench.enabled and world.world_size > 1:
             raise UserError("bench.enabled=true measures one process: run it without torchrun")
         model, payload = load_model(Path(cfg.run), device)
+        if not isinstance(model, AAM):  # the levels, files and quality check read AAM's outputs
+            raise UserError(
+                f"run={cfg.run} trained {type(model).__module__}.{type(model).__name__} (model._target_), "
+                "not AAM: predict serves AAM models; load it with aamperf.weights.load_model(run_dir) "
+                "and call it yourself"
+            )
         data_cfg = data_config(payload["config"]["data"], cfg.data)
         chunks = sample_chunks(data_cfg, cfg.chunk_samples, 1 if auto_batch else cfg.batch_size)
         samples = read_samples(data_cfg, keep_unlabelled=True, sample_ids=chunks[0])
