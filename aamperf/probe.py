@@ -33,6 +33,7 @@ from aamperf.metrics.flops import (
     LoadWatch,
     calibrate_cpu,
     machine_key,
+    square_shape,
 )
 
 TRIALS = 7  # timed repeats of each measurement; its median is the figure
@@ -86,6 +87,8 @@ def iqr_spread(values: list[float]) -> float:
 def measure_matmul(device: torch.device, shapes: list[tuple[int, int, int]]) -> dict[str, Any]:
     """{dtype: median FLOP/s over the model's shapes} for fp32 and each low-precision dtype."""
     dtypes = ["fp32", *low_precision_dtypes(device)]
+    if not shapes:  # a model whose shapes are not known (not AAM): a square one, sized for the device
+        shapes = [square_shape(torch.get_num_threads()) if device.type == "cpu" else (4096, 4096, 4096)]
     record: dict[str, Any] = {"shapes": [list(s) for s in shapes], "flops": {}, "spread": {}, "settled": {}}
     if device.type == "cpu":
         loads = []

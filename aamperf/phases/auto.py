@@ -47,8 +47,11 @@ def choose_precision(device: torch.device, probe: Probe, shapes: list[tuple[int,
     gains = {dtype: flops[dtype] / flops["fp32"] for dtype in low_precision_dtypes(device) if dtype in flops}
     best = max(gains, key=gains.get)
     choice = best if gains[best] >= MIN_MATMUL_GAIN else "fp32"
+    # AAM's shapes come from its config; another model's are not known before it runs: the probe's square
+    square = "x".join(map(str, answer["shapes"][0])) if answer["shapes"] else "square"
+    where = "at the model's shapes" if shapes else f"at a {square} matmul (this model's shapes are not known)"
     reason = (
-        f"{best} matmul {gains[best]:.2f}x fp32 at the model's shapes here "
+        f"{best} matmul {gains[best]:.2f}x fp32 {where} here "
         f"({'>=' if choice != 'fp32' else '<'} {MIN_MATMUL_GAIN}): {choice}" + _load_note(answer)
     )
     return decided(choice, reason, matmul_flops=flops, source=answer["source"], shapes=answer["shapes"])

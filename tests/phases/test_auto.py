@@ -44,6 +44,19 @@ def test_precision_auto_takes_bf16_only_where_its_matmuls_gain_enough(bf16_flops
     assert f"bf16 matmul {bf16_flops / 100e9:.2f}x fp32" in decision["reason"]
 
 
+def test_precision_auto_for_a_model_of_unknown_shapes_says_it_measured_a_square_matmul(tmp_path):
+    """Another model than AAM: its matmul shapes are not known before it runs, and the reason says so
+    rather than claim the model's shapes."""
+    from aamperf.metrics.flops import square_shape
+
+    decision = choose_precision(CPU, Probe(CPU, tmp_path / "probe.json"), [])
+    square = square_shape(torch.get_num_threads())
+    assert decision["shapes"] == [list(square)]
+    said = f"at a {'x'.join(map(str, square))} matmul (this model's shapes are not known)"
+    assert said in decision["reason"]
+    assert decision["chose"] in ("fp32", "bf16")
+
+
 # torch's kernels held to AVX2, as on a CPU without AVX-512 (oneDNN's bf16 matmul: no native instructions)
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
