@@ -95,21 +95,23 @@ def time_pipelines(
     round starts with `lead_in` untimed steps: the batches its worker made while the other pipeline was
     timed. The worker's start (its first batch against an in-process first one) is its own figure."""
     streams, first = {}, {}
-    for name, workers in (("in_process", 0), ("worker", 1)):
-        start = time.perf_counter()
-        streams[name] = make_stream(workers)
-        step(next(streams[name]))
-        first[name] = time.perf_counter() - start
     rounds: dict[str, list[float]] = {"in_process": [], "worker": []}
-    for _ in range(TRIAL_ROUNDS):
-        for name, times in rounds.items():
-            for _ in range(lead_in if name == "worker" else 0):
-                step(next(streams[name]))
+    try:
+        for name, workers in (("in_process", 0), ("worker", 1)):
             start = time.perf_counter()
-            for _ in range(per_round):
-                step(next(streams[name]))
-            times.append((time.perf_counter() - start) / per_round)
-    streams.clear()  # the worker stops with its loader
+            streams[name] = make_stream(workers)
+            step(next(streams[name]))
+            first[name] = time.perf_counter() - start
+        for _ in range(TRIAL_ROUNDS):
+            for name, times in rounds.items():
+                for _ in range(lead_in if name == "worker" else 0):
+                    step(next(streams[name]))
+                start = time.perf_counter()
+                for _ in range(per_round):
+                    step(next(streams[name]))
+                times.append((time.perf_counter() - start) / per_round)
+    finally:
+        streams.clear()  # the worker stops with its loader, now (a failed step's traceback keeps this frame)
     return {
         "in_process_step_s": statistics.median(rounds["in_process"]),
         "worker_step_s": statistics.median(rounds["worker"]),
