@@ -15,12 +15,14 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from aamperf.checks import check_config, unwritable
 from aamperf.device import resolve_device
 from aamperf.errors import (
     RunAborted,
     UserError,
+    check_values,
     exit_aborted,
     exit_bad_input,
     hydra_error_message,
@@ -50,7 +52,12 @@ def check_job(config: DictConfig) -> None:
     """The values, the user's files and the chosen options: what a sweep checks of each of its jobs
     before the first runs. Not what this device can run: a study that sweeps precision=fp16 for a GPU
     runs its other jobs on a CPU, where fp16's refusal (with its fix) is a failed row of the report."""
-    check_config(config)
+    try:
+        check_config(config)  # its messages name the fix of each value it knows
+    except (MissingMandatoryValue, InterpolationResolutionError):
+        check_values(config)  # a value that has none, or cannot be resolved: which, and how to give it
+        raise
+    check_values(config)
     loader = GlobalHydra.instance().config_loader()
     for group, option in config.hydra.runtime.choices.items():
         # Hydra skips an option of an optional group (experiment=...) that does not exist, silently

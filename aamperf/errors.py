@@ -18,7 +18,13 @@ from typing import Any, NoReturn
 
 from hydra.errors import CompactHydraException, MissingConfigException, OverrideParseException
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    InterpolationResolutionError,
+    MissingMandatoryValue,
+    ValidationError,
+)
 
 from aamperf.config import CONF_DIR, Config
 
@@ -145,6 +151,27 @@ def hydra_error_message(exc: CompactHydraException) -> str:
             return not_a_choice(cause.full_key, cause.value, choice)
         return f"{cause.full_key}={cause.value}: {expected_type(cause)}{str(cause.msg).splitlines()[0]}"
     return str(exc)  # Hydra's own words name the fix (e.g. "Either remove + prefix: ...")
+
+
+def check_values(config: Any, fixes: dict[str, str] | None = None) -> None:
+    """A UserError for the first value of `config` (its `hydra` node aside) that has none (`???`) or
+    whose interpolation fails (an environment variable not set): found now, not midway through a run.
+    `fixes`: a key's own way to give it (predict's `run`)."""
+    for key in config:
+        if key == "hydra":
+            continue
+        try:
+            value = config[key]  # a plain value is resolved as it is read
+            if OmegaConf.is_config(value):
+                OmegaConf.to_container(value, resolve=True, throw_on_missing=True)
+        except MissingMandatoryValue as exc:
+            full_key = exc.full_key or key
+            fix = (fixes or {}).get(full_key, f"set {full_key}=<value> on the command line or in its config")
+            raise UserError(f"{full_key} has no value (???); {fix}") from exc
+        except InterpolationResolutionError as exc:
+            full_key, cause = exc.full_key or key, str(exc.msg).splitlines()[0]
+            fix = f"set what it refers to, or give it: {full_key}=<value>"
+            raise UserError(f"{full_key}: {cause}; {fix}") from exc
 
 
 def unknown_key_message(full_key: str, siblings: list[str]) -> str:

@@ -57,6 +57,12 @@ CONFIG_CASES = {
         "data.max_asvs follows model.max_asvs, which model collections.OrderedDict has not",
     ),
     "a key nothing reads": (["+trainer.lr_decay=0.5"], "trainer.lr_decay is not a setting aamperf reads"),
+    "a value left out": (["trainer.lr=???"], "trainer.lr has no value (???); set trainer.lr=<value>"),
+    "an environment variable not set": (
+        ["trainer.lr=${{oc.env:AAMPERF_TEST_UNSET}}"],
+        'trainer.lr: KeyError raised while resolving interpolation: "Environment variable '
+        "'AAMPERF_TEST_UNSET' not found\"; set what it refers to, or give it: trainer.lr=<value>",
+    ),
     "batch size neither a number nor auto": (["trainer.batch_size=big"], "must be an integer >= 2 or auto"),
     "no non-finite step allowed": (["trainer.max_nonfinite=0"], "trainer.max_nonfinite=0 must be >= 1"),
     "confidence of 95, not 0.95": (["compare.confidence=95"], "compare.confidence=95.0 must be between 0"),

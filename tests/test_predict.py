@@ -97,6 +97,15 @@ def test_a_new_table_with_new_asvs(launch, trained_run, cache_dir):
     assert summary["target_observed"] == summary["n_samples"]
 
 
+def test_predict_without_a_run_says_how_to_give_one(launch):
+    proc, _ = launch(name="p", module="aamperf.predict", tiny=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: run has no value (???); give the training run to predict with: run=<its directory> "
+        "(outputs/runs/..)"
+    )
+
+
 def test_a_run_without_a_model_is_one_line(launch, tmp_path):
     proc, _ = launch(f"run={tmp_path}", name="p", module="aamperf.predict", tiny=False)
     assert proc.returncode == 2

@@ -24,7 +24,7 @@ from aamperf.data.samples import read_samples
 from aamperf.data.tables import resolve_files, table_ids
 from aamperf.device import resolve_device, to_device
 from aamperf.distributed import World, close_world, join_world, torchrun_env
-from aamperf.errors import UserError
+from aamperf.errors import UserError, check_values
 from aamperf.files import write_atomic, write_json_atomic
 from aamperf.metrics.flops import cpu_description
 from aamperf.metrics.monitor import peak_rss, reset_peak_rss
@@ -61,6 +61,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     writes its share; the first rank merges the shares into the files one process writes.
     bench.enabled=true: the latencies of the level instead of the files (aamperf/predict/bench.py)."""
     start = time.perf_counter()
+    check_values(cfg, {"run": "give the training run to predict with: run=<its directory> (outputs/runs/..)"})
     device = resolve_device(cfg.device)
     if cfg.timeout_s <= 0:
         raise UserError(
