@@ -27,7 +27,7 @@ from aamperf.phases import dataloader as loader_phase
 from aamperf.phases.auto import resolve_auto
 from aamperf.phases.compile import trial_context
 from aamperf.probe import Probe, timed
-from aamperf.rng import seed_everything
+from aamperf.rng import forked_rng, seed_everything
 from aamperf.trainer.checkpoints import steps_left
 from aamperf.trainer.stream import BatchStream
 
@@ -225,7 +225,7 @@ def timed_pipelines(cfg, setup, plan, data, loss_fn, device, per_round: int) -> 
         sync(device)
 
     lead_in = cfg.dataloader.prefetch_factor or 0
-    with torch.random.fork_rng(devices=[]):  # dropout draws: the run's random stream stays as it was
+    with forked_rng(device):  # dropout draws: the run's random streams stay as they were
         figures = loader_phase.time_pipelines(make_stream, step, per_round, lead_in)
     if plan.is_main:  # the first rank's figures are the decision's
         probe.answer("loader_trial", context, lambda: figures)
@@ -298,5 +298,5 @@ def timed_batches(loader, n: int) -> tuple[list[dict[str, Any]], float]:
 def warm_step_s(step, plan, device: torch.device) -> float:
     """Seconds of one forward + backward of the phased model, after one untimed (dropout draws
     forked: the run's random stream stays as it was)."""
-    with torch.random.fork_rng(devices=[]):
+    with forked_rng(device):
         return timed(lambda: step(plan.model, plan.autocast, plan.scaler), device, trials=1)[0]

@@ -35,6 +35,7 @@ from aamperf.metrics.flops import (
     machine_key,
     square_shape,
 )
+from aamperf.rng import forked_rng
 
 TRIALS = 7  # timed repeats of each measurement; its median is the figure
 SETTLED = 4  # a low-precision matmul this many times slower than fp32 in one call: no more trials
@@ -293,7 +294,7 @@ class Probe:
         cached = read_json_cache(self.cache_file).get(key)
         if cached and not self.refresh:
             return {**cached, "source": "cache"}
-        with torch.random.fork_rng(devices=[]):  # a measurement leaves the run's random stream as it was
+        with forked_rng(self.device):  # a measurement leaves the run's random stream as it was
             record = {**measure(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         stop_if_signalled()  # a stop signal the measured code caught: its answer is not kept
         if record.get("under_load") is None:

@@ -17,6 +17,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def forked_rng(device: torch.device):
+    """Within: random draws (a trial's dropout) leave the run's streams as they were, the CPU's and on
+    CUDA `device`'s (torch's fork_rng forks no GPU's stream when given devices=[])."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
 def rng_state() -> dict[str, Any]:
     """This process's random generators as plain Python values: loadable with weights_only, and safe
     to send through all_gather_object (which fails on tensors inside objects in torch 2.13)."""

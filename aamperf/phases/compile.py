@@ -31,6 +31,7 @@ from aamperf.metrics.flops import MIN_WATCH_S, LoadWatch
 from aamperf.model.layers import Block
 from aamperf.phases.record import applied, fallback, skipped
 from aamperf.probe import Probe, timed
+from aamperf.rng import forked_rng
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ def auto_compile(
     def timed_eager_step() -> float:  # one warm step of the first batch, once per device, model and batch
         return probe.answer("eager_step", params, lambda: eager_step(step, probe.device))["eager_step_s"]
 
-    with torch.random.fork_rng(devices=[]):  # the trial's dropout draws leave the run's stream as it was
+    with forked_rng(probe.device):  # the trial's dropout draws leave the run's stream as it was
         floor_s = probe.least("compile", "block_compile_s")  # any block compiled here before: no new probe
         if floor_s is not None and (eager_s := timed_eager_step()) * steps <= floor_s:
             reason = (

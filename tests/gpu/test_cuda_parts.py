@@ -192,3 +192,16 @@ def test_the_monitor_reads_this_gpus_utilisation_and_memory_through_pynvml():
     summary = monitor.summary()
     assert summary["peak_device_bytes"] == torch.cuda.max_memory_allocated(CUDA) >= 4096 * 4096 * 4
     assert summary["gpu_util_percent"] > 10 and summary["peak_gpu_used_bytes"] >= summary["peak_device_bytes"]
+
+
+def test_a_trials_draws_on_the_gpu_leave_the_runs_cuda_stream_as_it_was():
+    """forked_rng (compile, loader and probe trials): dropout on the GPU draws from its CUDA generator,
+    which torch's fork_rng(devices=[]) would leave advanced."""
+    from aamperf.rng import forked_rng
+
+    torch.cuda.manual_seed(0)
+    expected = torch.rand(4, device=CUDA)
+    torch.cuda.manual_seed(0)
+    with forked_rng(CUDA):
+        torch.nn.functional.dropout(torch.ones(1024, device=CUDA), 0.5)
+    torch.testing.assert_close(torch.rand(4, device=CUDA), expected)
