@@ -57,6 +57,7 @@ CONFIG_CASES = {
         "data.max_asvs follows model.max_asvs, which model collections.OrderedDict has not",
     ),
     "a key nothing reads": (["+trainer.lr_decay=0.5"], "trainer.lr_decay is not a setting aamperf reads"),
+    "no batch made ahead": (["dataloader=tuned", "dataloader.prefetch_factor=0"], "must be >= 1 (batches"),
     "a value left out": (["trainer.lr=???"], "trainer.lr has no value (???); set trainer.lr=<value>"),
     "an environment variable not set": (
         ["trainer.lr=${{oc.env:AAMPERF_TEST_UNSET}}"],

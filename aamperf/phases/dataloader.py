@@ -34,10 +34,17 @@ def in_process(cfg: DictConfig) -> DictConfig:
 
 
 def check_dataloader(cfg: DictConfig) -> list[str]:
+    problems = []
     workers = cfg.num_workers
-    if workers == "auto" or (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 0):
-        return []
-    return [f"dataloader.num_workers={workers} must be an integer >= 0 or auto"]
+    counted = isinstance(workers, int) and not isinstance(workers, bool) and workers >= 0
+    if not (workers == "auto" or counted):
+        problems.append(f"dataloader.num_workers={workers} must be an integer >= 0 or auto")
+    if cfg.prefetch_factor is not None and cfg.prefetch_factor < 1:
+        problems.append(
+            f"dataloader.prefetch_factor={cfg.prefetch_factor} must be >= 1 (batches each worker makes "
+            "ahead), or null"
+        )
+    return problems
 
 
 def resolve_dataloader(cfg: DictConfig, device: torch.device) -> tuple[DictConfig, dict]:
