@@ -58,6 +58,8 @@ CONFIG_CASES = {
     ),
     "a key nothing reads": (["+trainer.lr_decay=0.5"], "trainer.lr_decay is not a setting aamperf reads"),
     "no batch made ahead": (["dataloader=tuned", "dataloader.prefetch_factor=0"], "must be >= 1 (batches"),
+    "a learning rate of inf": (["trainer.lr=inf"], "trainer.lr=inf must be a finite number"),
+    "a nan": (["compare.quality_tolerance=nan"], "compare.quality_tolerance=nan must be a finite number"),
     "a value left out": (["trainer.lr=???"], "trainer.lr has no value (???); set trainer.lr=<value>"),
     "an environment variable not set": (
         ["trainer.lr=${{oc.env:AAMPERF_TEST_UNSET}}"],
