@@ -5,6 +5,7 @@ seed on the same data; verdicts from bootstrap intervals over the pairs (`aamper
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -15,11 +16,14 @@ from aamperf.report.regression import check_regression, regression_table
 
 
 def fraction(text: str) -> float:
-    """ "5%" or "0.05" -> 0.05 (argparse type)."""
+    """ "5%" or "0.05" -> 0.05 (argparse type): a finite fraction >= 0."""
     try:
-        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction like 5% or 0.05") from None
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction >= 0 like 5% or 0.05")
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,13 +60,13 @@ def report(argv: list[str] | None) -> None:
     try:
         if missing:
             raise UserError(f"not a directory: {missing[0]}")
+        if not 0 < args.confidence < 1:  # before --out is made: a mistake writes nothing
+            raise UserError(f"--confidence {args.confidence} is not between 0 and 1; e.g. --confidence 95%")
         out = args.out or args.dirs[0]
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UserError(f"--out {out}: cannot create it ({exc.strerror}); choose another --out") from exc
-        if not 0 < args.confidence < 1:
-            raise UserError(f"--confidence {args.confidence} is not between 0 and 1; e.g. --confidence 95%")
         result = make_report(args.dirs, args.baseline, args.quality_tolerance, out, args.confidence)
         checks = check_regression(result, args.against, args.max_regression) if args.against else []
         if args.wandb_report:

@@ -221,6 +221,26 @@ def test_unknown_baseline_is_a_one_line_error(sweep, capsys):
     assert "compare.baseline='optim=nothing' matches 0 configurations" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "option", [["--quality-tolerance", "-1"], ["--quality-tolerance", "inf"], ["--max-regression", "nan"]]
+)
+def test_a_fraction_that_is_negative_or_not_finite_is_refused(sweep, tmp_path, capsys, option):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        main([str(sweep), "--out", str(out), *option])
+    assert exit_.value.code == 2
+    assert f"{option[1]!r} is not a fraction >= 0 like 5% or 0.05" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_confidence_out_of_range_writes_nothing(sweep, tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        main([str(sweep), "--out", str(out), "--confidence", "2"])
+    assert exit_.value.code == 2 and "--confidence 2.0 is not between 0 and 1" in capsys.readouterr().err
+    assert not out.exists()  # refused before --out was made
+
+
 def test_regression_check_fails_only_beyond_the_bound(sweep, tmp_path, capsys):
     main([str(sweep)])
     stored = sweep / "comparison.json"
