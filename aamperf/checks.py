@@ -80,8 +80,19 @@ def check_config(cfg: DictConfig) -> None:
         unwritable(cfg.data.cache_dir, "data.cache_dir", "the cache") if "cache_dir" in cfg.data else None
     )
     problems += [cache_problem] if cache_problem else []
+    problems += cache_file_problem(str(cfg.probe.cache), "probe.cache", "the device probe's answers")
     if problems:
         raise UserError("; ".join(problems))
+
+
+def cache_file_problem(value: str, key: str, what: str) -> list[str]:
+    """[the problem with `key`=`value` as a file to keep `what` in], or []."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return [f"{key}={value} is a directory; give a file in it, e.g. {key}={path / 'cache.json'}"]
+    if unwritable(str(path.parent), key, what):
+        return [f"{key}={value}: cannot write {what} in {path.parent}; choose another {key}"]
+    return []
 
 
 def unwritable(value: str, key: str, what: str) -> str | None:

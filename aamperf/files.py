@@ -123,11 +123,14 @@ def read_json_cache(path: Path) -> dict[str, Any]:
 
 def update_json_cache(path: Path, key: str, entry: Any) -> None:
     """Add `entry` under `key`. Several processes (torchrun ranks, sweeps) may write at once: at worst one
-    entry is lost, never the file. A full disk is a warning: a cache entry is measured again next time."""
+    entry is lost, never the file. A full disk, or a file that cannot be written, is a warning: a cache entry
+    is measured again next time."""
     try:
         write_json_atomic(path, {**read_json_cache(path), key: entry})
     except NoSpace:
         log.warning("%s not updated: no space left on its file system", path)
+    except OSError as exc:  # a cache is an aid, not the run's: made read-only or removed meanwhile
+        log.warning("%s not updated: %s", path, exc.strerror or exc)
 
 
 def json_line(line: str) -> dict[str, Any] | None:

@@ -29,6 +29,7 @@ CONFIG_CASES = {
     "override syntax": (["trainer.lr=="], "cannot parse the override 'trainer.lr==' (extraneous input '='"),
     "a second = in a value": (["hydra.run.dir=out/a=b"], "'hydra.run.dir=out/a=b' (mismatched input '='"),
     "fp16 on CPU": (["precision=fp16"], "use precision=bf16"),
+    "a probe cache that is a directory": (["probe.cache={inputs}"], "is a directory; give a file in it"),
     "ddp without torchrun": (["distributed=ddp"], "torchrun --nproc_per_node=2 -m aamperf.train"),
     "batch of one": (["trainer.batch_size=1"], "trainer.batch_size=1 must be >= 2"),
     "batch not divisible into micro-batches": (

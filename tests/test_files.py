@@ -97,6 +97,13 @@ def test_a_damaged_cache_reads_as_empty_and_is_repaired(tmp_path):
     assert read_json_cache(cache) == {"b": {"flops": 1}}
 
 
+def test_a_cache_that_cannot_be_written_is_a_warning_not_the_runs_end(tmp_path, caplog):
+    cache = tmp_path / "cache.json"
+    cache.mkdir()  # made a directory meanwhile: the rename over it fails (as on a file system made read-only)
+    update_json_cache(cache, "a", {"flops": 1})
+    assert "not updated" in caplog.text and cache.is_dir() and not list(cache.iterdir())
+
+
 def test_processes_writing_the_cache_at_once_never_fail_or_leave_a_damaged_file(tmp_path):
     """Two processes (torchrun ranks, a sweep's jobs) write the same cache file 200 times each: every
     writer has its own temporary file, so none fails and the file always parses."""
