@@ -337,6 +337,15 @@ def test_a_timeout_that_is_not_positive_is_refused_before_anything_is_read(tmp_p
     assert not (tmp_path / "out").exists()
 
 
+def test_a_probe_cache_that_is_a_directory_is_refused_before_anything_is_read(tmp_path):
+    register_predict_configs()
+    overrides = [f"run={tmp_path}", f"probe.cache={tmp_path}", "device=cpu"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("predict", overrides=overrides)
+    with pytest.raises(UserError, match=rf"^probe.cache={tmp_path} is a directory; give a file in it"):
+        predict(cfg, tmp_path / "out")
+
+
 def test_a_stop_signal_ends_predict_in_one_line_with_no_file_half_written(launch, trained_run, tmp_path):
     run_dir, _ = trained_run
     new_probe = f"probe.cache={tmp_path / 'probe.json'}"  # inference=fast measures the device: seconds

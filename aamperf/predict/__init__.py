@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 from aamperf.batch_size import find_forward_batch
+from aamperf.checks import cache_file_problem
 from aamperf.data.dataset import Collate
 from aamperf.data.samples import read_samples
 from aamperf.data.tables import resolve_files, table_ids
@@ -62,6 +63,8 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     bench.enabled=true: the latencies of the level instead of the files (aamperf/predict/bench.py)."""
     start = time.perf_counter()
     check_values(cfg, {"run": "give the training run to predict with: run=<its directory> (outputs/runs/..)"})
+    for problem in cache_file_problem(str(cfg.probe.cache), "probe.cache", "the device probe's answers"):
+        raise UserError(problem)
     device = resolve_device(cfg.device)
     if cfg.timeout_s <= 0:
         raise UserError(
