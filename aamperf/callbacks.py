@@ -14,7 +14,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from aamperf.checks import check_config, unwritable
@@ -95,8 +95,12 @@ def sweep_jobs(config: DictConfig) -> tuple[list[list[str]], set[str]]:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
     loader = GlobalHydra.instance().config_loader()
-    params = [f"{key}={value}" for key, value in (hydra.sweeper.get("params") or {}).items()]
-    parsed = OverridesParser.create(config_loader=loader).parse_overrides([*params, *hydra.overrides.task])
+    # as written: an override's ${...} is its job's to resolve (or refuse), not this reading's
+    params = hydra.sweeper.get("params")
+    params = OmegaConf.to_container(params, resolve=False) if params else {}
+    task = OmegaConf.to_container(hydra.overrides.task, resolve=False)
+    overrides = [*(f"{key}={value}" for key, value in params.items()), *task]
+    parsed = OverridesParser.create(config_loader=loader).parse_overrides(overrides)
     swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch], swept
 

@@ -307,6 +307,13 @@ def test_a_config_mistake_in_any_job_refuses_the_sweep_before_the_first_runs(tmp
     assert not (tmp_path / "sweep").exists() and "#0" not in out  # refused before Hydra made the sweep
     code, _, err = invoke(monkeypatch, capfd, "-m", *TINY, *sweep[:-1], "trainer.lr=-1")
     assert code == 2 and err.strip() == "error: trainer.lr=-1.0 must be > 0"  # every job: the run's line
+    # a swept value that refers to an environment variable not set: its job's, read as written
+    unset = "trainer.lr=${oc.env:AAMPERF_TEST_UNSET},0.1"
+    code, _, err = invoke(monkeypatch, capfd, "-m", *TINY, *sweep[:-1], unset)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().startswith("error: sweep job #0 (seed=0 trainer.lr=")
+    assert "\"Environment variable 'AAMPERF_TEST_UNSET' not found\"" in err
+    assert not (tmp_path / "sweep").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 runs on a CUDA GPU: nothing to refuse there")
