@@ -130,9 +130,20 @@ def no_such_option(group: str, option: str, options: list[str]) -> str:
     return f"{group}={option}: no such option; choose one of {', '.join(options)} (conf/{group}/)"
 
 
+# Hydra plugins behind an extra of pyproject.toml: the config each brings, and what installs it
+PLUGIN_CONFIGS = {
+    "hydra/sweeper/optuna": ("hparams_search=fastest", "search", "hydra-optuna-sweeper"),
+    "hydra/launcher/submitit_slurm": ("hydra/launcher=slurm", "slurm", "hydra-submitit-launcher"),
+    "hydra/launcher/submitit_local": ("hydra/launcher=submitit_local", "slurm", "hydra-submitit-launcher"),
+}
+
+
 def hydra_error_message(exc: CompactHydraException) -> str:
     """What Hydra reports in several lines for a config mistake, as one line that names the fix."""
     cause = exc.__cause__
+    if isinstance(exc, MissingConfigException) and exc.missing_cfg_file in PLUGIN_CONFIGS:
+        what, extra, package = PLUGIN_CONFIGS[exc.missing_cfg_file]
+        return f"{what} needs the {package} package: pip install 'aamperf[{extra}]' (or {package})"
     if isinstance(exc, MissingConfigException) and exc.options is not None and exc.missing_cfg_file:
         group, _, option = exc.missing_cfg_file.rpartition("/")
         return no_such_option(group, option, list(exc.options))

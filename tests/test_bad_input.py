@@ -378,3 +378,22 @@ def test_the_shell_sees_exit_code_2_for_a_config_mistake(launch):
         "error: trainer.batchsize is not a config key; did you mean trainer.batch_size?"
     ]
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("missing", "said"),
+    [
+        ("hydra/sweeper/optuna", "hparams_search=fastest needs the hydra-optuna-sweeper package: "
+         "pip install 'aamperf[search]'"),
+        ("hydra/launcher/submitit_slurm", "hydra/launcher=slurm needs the hydra-submitit-launcher package"),
+    ],
+)  # fmt: skip
+def test_a_hydra_plugin_not_installed_names_the_extra_that_installs_it(missing, said):
+    """What Hydra raises where an extra of pyproject.toml is not installed (seen from a wheel installed
+    without extras: Hydra's "Could not find 'hydra/sweeper/optuna' ... Available options: basic")."""
+    from hydra.errors import MissingConfigException
+
+    from aamperf.errors import hydra_error_message
+
+    exc = MissingConfigException(f"Could not find '{missing}'", missing_cfg_file=missing, options=["basic"])
+    assert hydra_error_message(exc).startswith(said)
