@@ -1,5 +1,7 @@
 """`python -m aamperf`: the commands."""
 
+import sys
+
 COMMANDS = """aamperf: PyTorch training made fast, and the proof of it.
 
   python -m aamperf.train [overrides]       one run; --help lists the config groups and levels
@@ -13,6 +15,11 @@ aamperf-launch."""
 
 
 def main() -> None:
+    args = sys.argv[1:]
+    if args and args[0] not in ("-h", "--help"):  # not a command itself: it names them
+        print(COMMANDS, file=sys.stderr)
+        print(f"error: {args[0]}: not a command; run one of the commands above", file=sys.stderr)
+        sys.exit(2)
     print(COMMANDS)
 
 

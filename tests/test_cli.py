@@ -50,6 +50,8 @@ def test_help_says_what_aamperf_is_its_groups_and_commands(launch):
     assert "python -m aamperf.compare DIR" in proc.stdout and len(proc.stdout.splitlines()) < 60
     listing, _ = launch(module="aamperf", tiny=False, name=None)
     assert listing.returncode == 0 and "python -m aamperf.launch" in listing.stdout
+    wrong, _ = launch("train", module="aamperf", tiny=False, name=None)  # python -m aamperf.train meant
+    assert wrong.returncode == 2 and wrong.stderr.strip().splitlines()[-1].startswith("error: train: not a")
     predict, _ = launch("--help", module="aamperf.predict", tiny=False, name=None)
     assert predict.returncode == 0 and predict.stdout.startswith("aamperf.predict: a run's trained model")
     assert "inference=baseline|fast|int8" in predict.stdout and "powered by Hydra" not in predict.stdout

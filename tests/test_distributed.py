@@ -92,6 +92,13 @@ def test_distributed_without_torchrun_is_a_one_line_error(launch):
     assert "torchrun --nproc_per_node=2 -m aamperf.train distributed=ddp" in last
 
 
+def test_no_process_per_node_is_one_line(launch):
+    proc, _ = launch(launcher=torchrun(0, module="aamperf.launch"), name="zero")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "error: --nproc_per_node=0 must be >= 1 (processes on this node)"
+
+
 def test_bad_input_under_aamperf_launch_is_one_line_and_exit_2_for_the_job(launch):
     """`python -m aamperf.launch` is torchrun with aamperf's exit codes: both ranks refuse the batch (3 does
     not split over 2 ranks); the job shows that line once and exits 2, where torchrun exits 1 with its
