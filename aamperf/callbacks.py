@@ -17,12 +17,11 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from aamperf.checks import check_config, unwritable
+from aamperf.checks import check_config, check_values, unwritable
 from aamperf.device import resolve_device
 from aamperf.errors import (
     RunAborted,
     UserError,
-    check_values,
     exit_aborted,
     exit_bad_input,
     hydra_error_message,

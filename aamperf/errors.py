@@ -5,7 +5,6 @@ import dataclasses
 import difflib
 import errno
 import json
-import math
 import os
 import shutil
 import sys
@@ -19,13 +18,7 @@ from typing import Any, NoReturn
 
 from hydra.errors import CompactHydraException, MissingConfigException, OverrideParseException
 from omegaconf import OmegaConf
-from omegaconf.errors import (
-    ConfigAttributeError,
-    ConfigKeyError,
-    InterpolationResolutionError,
-    MissingMandatoryValue,
-    ValidationError,
-)
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from aamperf.config import CONF_DIR, Config
 
@@ -163,42 +156,6 @@ def hydra_error_message(exc: CompactHydraException) -> str:
             return not_a_choice(cause.full_key, cause.value, choice)
         return f"{cause.full_key}={cause.value}: {expected_type(cause)}{str(cause.msg).splitlines()[0]}"
     return str(exc)  # Hydra's own words name the fix (e.g. "Either remove + prefix: ...")
-
-
-def check_values(config: Any, fixes: dict[str, str] | None = None) -> None:
-    """A UserError for the first value of `config` (its `hydra` node aside) that has none (`???`), whose
-    interpolation fails (an environment variable not set), or a number that is not finite (inf, nan):
-    found now, not midway through a run. `fixes`: a key's own way to give it (predict's `run`)."""
-    for key in config:
-        if key == "hydra":
-            continue
-        try:
-            value = config[key]  # a plain value is resolved as it is read
-            if OmegaConf.is_config(value):
-                value = OmegaConf.to_container(value, resolve=True, throw_on_missing=True)
-        except MissingMandatoryValue as exc:
-            full_key = exc.full_key or key
-            fix = (fixes or {}).get(full_key, f"set {full_key}=<value> on the command line or in its config")
-            raise UserError(f"{full_key} has no value (???); {fix}") from exc
-        except InterpolationResolutionError as exc:
-            full_key, cause = exc.full_key or key, str(exc.msg).splitlines()[0]
-            fix = f"set what it refers to, or give it: {full_key}=<value>"
-            raise UserError(f"{full_key}: {cause}; {fix}") from exc
-        for full_key, number in floats(value, str(key)):
-            if not math.isfinite(number):
-                raise UserError(f"{full_key}={number} must be a finite number")
-
-
-def floats(value: Any, key: str) -> Iterator[tuple[str, float]]:
-    """(full key, number) of every float in a plain config value."""
-    if isinstance(value, dict):
-        for name, inner in value.items():
-            yield from floats(inner, f"{key}.{name}")
-    elif isinstance(value, list):
-        for index, inner in enumerate(value):
-            yield from floats(inner, f"{key}[{index}]")
-    elif isinstance(value, float):
-        yield key, value
 
 
 def unknown_key_message(full_key: str, siblings: list[str]) -> str:

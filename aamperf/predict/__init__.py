@@ -19,13 +19,13 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 from aamperf.batch_size import find_forward_batch
-from aamperf.checks import cache_file_problem
+from aamperf.checks import cache_file_problem, check_values
 from aamperf.data.dataset import Collate
 from aamperf.data.samples import read_samples
 from aamperf.data.tables import resolve_files, table_ids
 from aamperf.device import resolve_device, to_device
 from aamperf.distributed import World, close_world, join_world, torchrun_env
-from aamperf.errors import UserError, check_values
+from aamperf.errors import UserError
 from aamperf.files import write_atomic, write_json_atomic
 from aamperf.metrics.flops import cpu_description
 from aamperf.metrics.monitor import peak_rss, reset_peak_rss
