@@ -228,7 +228,7 @@ def timed_pipelines(cfg, setup, plan, data, loss_fn, device, per_round: int) -> 
     with forked_rng(device):  # dropout draws: the run's random streams stay as they were
         figures = loader_phase.time_pipelines(make_stream, step, per_round, lead_in)
     if plan.is_main:  # the first rank's figures are the decision's
-        probe.answer("loader_trial", context, lambda: figures)
+        probe.keep("loader_trial", context, figures)
     return {**figures, "source": "measured"}
 
 

@@ -37,6 +37,7 @@ from aamperf.metrics.flops import (
 )
 from aamperf.rng import forked_rng
 
+STAMP = "%Y-%m-%dT%H:%M:%S"  # a measurement's time, as the cache keeps it
 TRIALS = 7  # timed repeats of each measurement; its median is the figure
 SETTLED = 4  # a low-precision matmul this many times slower than fp32 in one call: no more trials
 
@@ -295,14 +296,20 @@ class Probe:
         if cached and not self.refresh:
             return {**cached, "source": "cache"}
         with forked_rng(self.device):  # a measurement leaves the run's random stream as it was
-            record = {**measure(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            record = {**measure(), "measured_at": time.strftime(STAMP)}
         stop_if_signalled()  # a stop signal the measured code caught: its answer is not kept
         if record.get("under_load") is None:
-            update_json_cache(self.cache_file, key, record)
+            self.keep(question, params, record)
             return {**record, "source": "measured"}
         if cached:  # this one is unreliable; the quiet one of an earlier run stands
             return {**cached, "source": "cache", "rejected": record}
         return {**record, "source": "measured_under_load"}
+
+    def keep(self, question: str, params: dict[str, Any], record: dict) -> None:
+        """Cache `record` (stamped with the time, unless it is) as the answer to `question` with these
+        `params`: `answer`'s quiet measurements, and one every rank took part in (the loader trial)."""
+        record = {"measured_at": time.strftime(STAMP), **record}
+        update_json_cache(self.cache_file, self._key(question, params), record)
 
     def matmul(self, shapes: list[tuple[int, int, int]]) -> dict:
         return self.answer("matmul", {"shapes": shapes}, lambda: measure_matmul(self.device, shapes))

@@ -125,7 +125,6 @@ def time_pipelines(
         "worker_start_s": max(0.0, first["worker"] - first["in_process"]),
         "rounds": rounds,
         "steps_per_round": per_round,
-        "under_load": None,  # alternating rounds, each pipeline quicker in all of them or not at all
     }
 
 

@@ -5,6 +5,7 @@ above 1 and the val-loss interval inside +-tolerance; otherwise the verdict says
 about how many paired seeds would decide it."""
 
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -153,15 +154,13 @@ def compare(
         )
         rows.append(row)
     rows.sort(key=lambda r: (r["config"] != base.config, -(r["speedup"] or 0)))
-    machines: dict[str, int] = {}  # what each run's summary names (runs from before it: none)
-    for run in runs:
-        if run.summary.get("machine"):
-            machines[run.summary["machine"]] = machines.get(run.summary["machine"], 0) + 1
+    # what each run's summary names (runs from before it: none)
+    machines = Counter(run.summary["machine"] for run in runs if run.summary.get("machine"))
     return {
         "baseline": base.config,
         "quality_tolerance": quality_tolerance,
         "confidence": confidence,
-        "machines": machines,
+        "machines": dict(machines),
         "rows": rows,
     }
 
