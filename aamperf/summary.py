@@ -89,7 +89,11 @@ class Summary(dict):
 
     def write(self, record, cfg: DictConfig, run_dir: Path) -> None:
         """Into the run record (rank 0); a full disk is said in one line unless the run failed already."""
-        self.update(duration_s=self.meter.elapsed_s(), config=resolved_config(cfg), pid=os.getpid())
+        # ended_at - duration_s is when the run started: the report finds runs that shared a machine's time
+        ended_at = datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
+        self.update(
+            duration_s=self.meter.elapsed_s(), ended_at=ended_at, config=resolved_config(cfg), pid=os.getpid()
+        )
         try:
             record.write_summary(dict(self))
         except NoSpace as exc:

@@ -1,5 +1,6 @@
 """The comparison report's arithmetic, on runs with known figures."""
 
+import datetime
 import json
 import os
 import signal
@@ -330,6 +331,47 @@ def test_the_report_names_the_machine_and_warns_when_runs_come_from_two(tmp_path
     runs(tmp_path / "before", [None] * 3)  # runs from before summary.json named the machine
     report = to_markdown(compare(find_runs([tmp_path / "before"])))
     assert "Measured on" not in report and "machines**" not in report
+
+
+def test_runs_that_shared_a_machines_time_are_named_and_their_verdicts_left_undecided(tmp_path):
+    from aamperf.report import group_runs, to_markdown
+    from aamperf.report.plots import plot_comparison
+
+    def runs(root, host_of, start_of):
+        """baseline and ultra for seeds 0-2, ultra 5x faster at the same loss; each run 100 s long"""
+        for seed in range(3):
+            for level, speed in (("baseline", 10.0), ("ultra", 50.0)):
+                start = start_of(level, seed)
+                ended = datetime.datetime.fromtimestamp(start + 100, datetime.UTC).isoformat()
+                make_run(root, f"{level}{seed}", [f"optim={level}", f"seed={seed}"], optim=level, seed=seed,
+                         samples_per_s=speed, val_loss=2.0, host=host_of(level), duration_s=100.0,
+                         ended_at=ended)  # fmt: skip
+        return compare(find_runs([root]))
+
+    one_after_another = runs(
+        tmp_path / "basic",
+        lambda level: "vm",
+        lambda level, seed: 1e9 + 200 * seed + 100.5 * (level == "ultra"),
+    )
+    # each run starts 0.5 s after the one before ends, or ends 0.5 s into the next: clock round-off
+    assert one_after_another["overlaps"] == []
+    assert one_after_another["rows"][1]["verdict"].startswith("faster at equal quality: 5.00x")
+    at_once = runs(
+        tmp_path / "local", lambda level: "vm", lambda level, seed: 1e9 + 200 * seed + 30 * (level == "ultra")
+    )
+    ultra = at_once["rows"][1]
+    assert [o["shared_s"] for o in at_once["overlaps"]] == [pytest.approx(70.0)] * 3
+    assert ultra["overlapped_pairs"] == 3 and ultra["verdict"].startswith(
+        "undecided: 3 of 3 pairs ran at the same time"
+    )
+    warning = "**6 runs ran at the same time as another run on one machine** (e.g. `baseline0` and `ultra0`"
+    assert f"{warning} shared 70 s on vm)" in to_markdown(at_once)
+    figure = plot_comparison(at_once, group_runs(find_runs([tmp_path / "local"])), tmp_path / "figure.png")
+    assert "6 runs ran at the same time as another run" in figure.get_suptitle()
+    two_hosts = runs(tmp_path / "slurm", lambda level: f"node-{level}", lambda level, seed: 1e9 + 200 * seed)
+    assert two_hosts["overlaps"] == [] and two_hosts["rows"][1]["verdict"].startswith(
+        "faster at equal quality"
+    )
 
 
 def test_a_stop_signal_ends_the_report_in_one_line(sweep, monkeypatch, capsys):

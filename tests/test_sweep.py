@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from conftest import launch_run, read_metrics, read_wandb
@@ -51,6 +52,34 @@ def test_sweep_ends_with_the_report_of_its_own_runs(sweep):
     assert {s["config"]["data"]["seed"] for s in summaries} == {0}
     # every job's clock starts with it: the first does not carry the sweep's start (imports, set-up)
     assert [s["clock_origin"] for s in summaries] == ["job_start"] * 4
+    # Hydra's basic launcher runs one job after the other: no two shared the machine's time
+    assert all(s["ended_at"] for s in summaries) and result["overlaps"] == []
+    assert "at the same time" not in (sweep_dir / "comparison.md").read_text()
+
+
+def test_jobs_that_ran_at_once_are_named_and_their_verdicts_left_undecided(tmp_path, cache_dir):
+    # submitit's local launcher starts every job at once, on this machine's two cores
+    proc, sweep_dir = launch_run(
+        "hydra/launcher=submitit_local",
+        "optim=baseline,basic",
+        cache_dir=cache_dir,
+        run_dir=tmp_path / "at_once",
+        multirun=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((sweep_dir / "comparison.json").read_text())
+    runs = {run.path: run for run in find_runs([sweep_dir])}
+    assert len(runs) == 2 and {str(path) for o in result["overlaps"] for path in o["runs"]} == set(
+        map(str, runs)
+    )
+    for o in result["overlaps"]:  # what each pair of runs shared, from their own summaries
+        (a, b), shared = (runs[Path(path)].window for path in o["runs"]), o["shared_s"]
+        assert shared == pytest.approx(min(a[1], b[1]) - max(a[0], b[0])) and shared > 1
+    basic = next(r for r in result["rows"] if r["config"] == "optim=basic")
+    assert basic["overlapped_pairs"] == 1 and basic["verdict"].startswith(
+        "undecided: 1 of 1 pairs ran at the same time"
+    )
+    assert "runs ran at the same time as another run on one machine**" in proc.stdout
 
 
 def test_each_job_is_an_offline_wandb_run_with_group_job_type_config_and_metrics(sweep):

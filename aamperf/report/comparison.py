@@ -20,7 +20,7 @@ from aamperf.report.paired import (
     time_to_quality,
 )
 from aamperf.report.render import write_report
-from aamperf.report.runs import Run, find_runs, group_runs, paired, pick_baseline, same_training
+from aamperf.report.runs import Run, find_runs, group_runs, overlapping, paired, pick_baseline, same_training
 
 
 def paired_values(pairs: list[tuple[Run, Run]], value) -> list[float]:
@@ -71,6 +71,8 @@ def compare(
 ) -> dict[str, Any]:
     groups = group_runs(runs)
     base = pick_baseline(groups, baseline)
+    overlaps = overlapping(runs)
+    beside = {run.path for a, b, _ in overlaps for run in (a, b)}  # runs that shared their host's time
     rows = []
     for group in groups:
         pairs = paired(group, base)
@@ -148,6 +150,8 @@ def compare(
             ],
             # every pair trained the same way (the same phases applied after `auto`, the same config else)
             "same_training": bool(pairs) and all(same_training(r, b) for r, b in pairs),
+            # pairs whose run or baseline run ran at the same time as another run on its host
+            "overlapped_pairs": sum(r.path in beside or b.path in beside for r, b in pairs),
         }
         row["verdict"], row["seeds_needed"] = verdict(
             row, group is base, speed, quality, quality_tolerance, confidence
@@ -161,6 +165,10 @@ def compare(
         "quality_tolerance": quality_tolerance,
         "confidence": confidence,
         "machines": dict(machines),
+        "overlaps": [
+            {"runs": [str(a.path), str(b.path)], "host": a.summary["host"], "shared_s": shared}
+            for a, b, shared in overlaps
+        ],
         "rows": rows,
     }
 
@@ -181,6 +189,13 @@ def verdict(
     if is_baseline:
         return "baseline", None
     n = len(row["paired_seeds"])
+    if row["overlapped_pairs"]:
+        return (
+            f"undecided: {row['overlapped_pairs']} of {n} pairs ran at the same time as other runs on one "
+            "machine, so their timings measure the contention as much as the configuration; run the jobs "
+            "one at a time (Hydra's basic launcher, the default)",
+            None,
+        )
     if speed is None or quality is None or n < MIN_PAIRS:
         return (
             f"undecided: {n} seed(s) paired with the baseline on the same data; an interval needs at "

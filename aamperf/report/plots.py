@@ -100,7 +100,13 @@ def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> plt.Figu
     legend_rows = sum(label.count("\n") + 1 for label in ticks[::columns])
     machines = result.get("machines") or {}
     where = next(iter(machines)) if len(machines) == 1 else f"{len(machines)} machines" if machines else ""
-    fig.suptitle(f"baseline: {result['baseline']}" + (f"; measured on {where}" if where else ""))
+    title = f"baseline: {result['baseline']}" + (f"; measured on {where}" if where else "")
+    overlapped = {run for o in result.get("overlaps") or [] for run in o["runs"]}
+    if overlapped:  # the bars of runs that shared the machine's time: contention as much as configuration
+        title += (
+            f"\n{len(overlapped)} runs ran at the same time as another run: their speeds are not comparable"
+        )
+    fig.suptitle(title, color="tab:red" if overlapped else "black")
     fig.tight_layout(rect=(0, min(0.4, 0.02 + 0.14 * legend_rows / fig.get_figheight()), 1, 1))
     write_atomic(out, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)

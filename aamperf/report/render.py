@@ -43,6 +43,23 @@ def machine_lines(machines: dict[str, int]) -> list[str]:
     ]
 
 
+def overlap_lines(overlaps: list[dict[str, Any]]) -> list[str]:
+    """A warning where runs of one machine ran at the same time: their timings shared its cores."""
+    if not overlaps:
+        return []
+    runs = {run for o in overlaps for run in o["runs"]}
+    first = max(overlaps, key=lambda o: o["shared_s"])
+    a, b = (Path(run).name for run in first["runs"])
+    return [
+        f"**{len(runs)} runs ran at the same time as another run on one machine** (e.g. `{a}` and `{b}` "
+        f"shared {first['shared_s']:.0f} s on {first['host']}): their timings measure the contention as much "
+        "as the configurations, and their verdicts stay undecided. A launcher that starts jobs at once "
+        "(`hydra/launcher=submitit_local`, joblib) does this; time configurations one job at a time "
+        "(Hydra's basic launcher, the default).",
+        "",
+    ]
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     header = [
         "config",
@@ -75,6 +92,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"time to quality and first step include it.",
         "",
         *machine_lines(result.get("machines") or {}),
+        *overlap_lines(result.get("overlaps") or []),
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
     ]

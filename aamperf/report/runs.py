@@ -2,6 +2,8 @@
 configurations (runs that differ only by seed) and paired with the baseline's run of the same seed on
 the same data (`data.seed`)."""
 
+import datetime
+import itertools
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -16,6 +18,7 @@ from aamperf.errors import UserError
 from aamperf.files import read_json_lines
 
 IGNORED_OVERRIDES = ("seed=", "hydra.", "trainer.progress=", "compare.", "logger.", "hparams_search=")
+OVERLAP_SLACK_S = 1.0  # one job's end and the next one's start: clock round-off, no shared time
 
 
 @dataclass
@@ -38,6 +41,19 @@ class Run:
     def metrics(self) -> list[dict[str, Any]]:
         """The run's metrics.jsonl rows (none if it has no file; a line a crash cut short left out)."""
         return read_json_lines(self.path / "metrics.jsonl")
+
+    @property
+    def window(self) -> tuple[float, float] | None:
+        """(start, end) in seconds since the epoch: summary.json's `ended_at` less its `duration_s`
+        (None for a run from before `ended_at`)."""
+        ended, duration = self.summary.get("ended_at"), self.summary.get("duration_s")
+        if not isinstance(ended, str) or not isinstance(duration, int | float):
+            return None
+        try:
+            end = datetime.datetime.fromisoformat(ended).timestamp()
+        except ValueError:
+            return None
+        return end - duration, end
 
     @property
     def validations(self) -> list[tuple[float, float]]:
@@ -92,6 +108,19 @@ class Group:
     def median(self, key: str) -> float | None:
         values = self.values(key)
         return statistics.median(values) if values else None
+
+
+def overlapping(runs: list[Run]) -> list[tuple[Run, Run, float]]:
+    """(run, run, seconds shared) for runs of one host that ran at the same time (a launcher that
+    starts jobs at once: submitit_local, joblib; two sweeps started side by side): their timings
+    shared the host's cores, so their speed measures the contention as much as the configuration."""
+    timed = [run for run in runs if run.window is not None and run.summary.get("host")]
+    found = []
+    for a, b in itertools.combinations(timed, 2):
+        shared = min(a.window[1], b.window[1]) - max(a.window[0], b.window[0])
+        if a.summary["host"] == b.summary["host"] and shared > OVERLAP_SLACK_S:
+            found.append((a, b, shared))
+    return found
 
 
 def find_runs(dirs: list[Path]) -> list[Run]:
