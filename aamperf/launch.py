@@ -15,8 +15,8 @@ import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
+from aamperf.cgroups import core_budget
 from aamperf.errors import EXIT_ABORTED, EXIT_BAD_INPUT, LAUNCHER_SHOWS_LINES, exit_bad_input
-from aamperf.phases.system import usable_cores
 
 OUR_EXIT_CODES = (EXIT_BAD_INPUT, EXIT_ABORTED, 130, 143)  # a rank that ends so writes one line
 OUR_PREFIXES = ("error: ", "aborted: ")  # `interrupted:` lines: each rank prints its own
@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if local_ranks < 1:
         exit_bad_input(f"--nproc_per_node={args.nproc_per_node} must be >= 1 (processes on this node)")
     if "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, len(usable_cores()) // local_ranks))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, core_budget() // local_ranks))
     os.environ[LAUNCHER_SHOWS_LINES] = "1"
     with agent_logs_held() as held:
         try:

@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import logging
 import multiprocessing
-import os
 import secrets
 import shutil
 import sys
@@ -29,6 +28,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from aamperf.cgroups import core_budget
 from aamperf.data.branches import Branches, read_branches
 from aamperf.data.samples import (
     Chunk,
@@ -211,7 +211,7 @@ def rarefied_chunks(job: ChunkJob) -> Iterator[tuple[int, int, int, Chunk]]:
     `PARALLEL_FROM_CHUNKS` chunks or more (each worker reads its own chunks), else here."""
     n_samples = len(table_ids(job.table)) if h5py.is_hdf5(job.table) else 0
     starts = range(0, n_samples, job.chunk_samples)
-    workers = min(len(os.sched_getaffinity(0)), len(starts)) if len(starts) >= PARALLEL_FROM_CHUNKS else 1
+    workers = min(core_budget(), len(starts)) if len(starts) >= PARALLEL_FROM_CHUNKS else 1
     main = sys.modules["__main__"]  # a worker imports it: a script read from stdin cannot be
     if getattr(main, "__spec__", None) is None and not Path(getattr(main, "__file__", "") or "-").is_file():
         workers = 1

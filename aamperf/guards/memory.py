@@ -6,45 +6,22 @@ import logging
 import math
 import os
 import time
-from pathlib import Path
 
 import psutil
 import torch
 from omegaconf import DictConfig
 
+from aamperf.cgroups import memory_limits
 from aamperf.metrics.monitor import is_logger
 
 log = logging.getLogger(__name__)
 
 
 def memory_limit() -> tuple[int, str]:
-    """(bytes this process may use before it is killed, what sets them): its cgroup's limit (v2
+    """(bytes this process may use before it is killed, what sets them): its cgroups' limit (v2
     `memory.max`, v1 `memory.limit_in_bytes`) where one is below the machine's RAM, else the RAM."""
     total = psutil.virtual_memory().total
-    limits = []
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:  # "0::/path" (v2) or "4:memory:/path" (v1); in a container the path may be "/"
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            files = [f"/sys/fs/cgroup{path}/memory.max", "/sys/fs/cgroup/memory.max"]
-        elif "memory" in controllers.split(","):
-            files = [
-                f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes",
-                "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-            ]
-        else:
-            continue
-        for name in files:
-            try:
-                text = Path(name).read_text().strip()
-            except OSError:
-                continue
-            if text.isdigit() and int(text) < total:
-                limits.append(int(text))
-            break  # the first readable file of this hierarchy answers for it
+    limits = [limit for limit in memory_limits() if limit < total]
     return (min(limits), "cgroup") if limits else (total, "machine")
 
 

@@ -13,6 +13,7 @@ import psutil
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from aamperf.cgroups import cpu_quota
 from aamperf.files import read_json_cache, update_json_cache
 from aamperf.metrics.gpu_peaks import gpu_peak
 
@@ -127,8 +128,10 @@ def cpu_description() -> str:
 
 def machine(device: torch.device) -> str:
     """The machine a run's figures are measured on, as its summary.json and the comparison report name
-    it: the host, its CPU (model, matmul flags, cores) and the GPU a CUDA run used."""
+    it: the host, its CPU (model, matmul flags, cores, a cgroup's CPU quota) and the GPU a CUDA run used."""
+    quota = cpu_quota()
     text = f"{platform.node()}: {cpu_description()}, {os.cpu_count()} cores"
+    text += "" if quota is None else f" (a CPU quota of {quota:g})"
     return text + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
 
 
@@ -147,13 +150,16 @@ ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 def machine_key(precision: str, threads: int) -> str:
     """The cache key of a CPU peak: this machine (machine-id + hostname: containers of one image share
     a machine-id), its CPU model and matmul flags, the instruction set torch's kernels use (its vector
-    kernels' and any cap set on oneDNN's or MKL's), the thread count, torch and the dtype."""
+    kernels' and any cap set on oneDNN's or MKL's), the thread count and the CPU time a cgroup grants
+    (the same threads under a quota are throttled), torch and the dtype."""
     name, flags = _cpuinfo()
     host = socket.gethostname()
     isa = [f"isa={torch.backends.cpu.get_cpu_capability()}"]
     isa += [f"{cap}={os.environ[cap]}" for cap in ISA_CAPS if os.environ.get(cap)]
+    quota = cpu_quota()
+    threads_text = f"threads={threads}" + ("" if quota is None else f",cpu_quota={quota:g}")
     return (
-        f"{_machine_id()}|{host}|{name}|{','.join(flags)}|{','.join(isa)}|threads={threads}|"
+        f"{_machine_id()}|{host}|{name}|{','.join(flags)}|{','.join(isa)}|{threads_text}|"
         f"torch={torch.__version__}|{precision}"
     )
 

@@ -6,6 +6,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from aamperf.cgroups import core_budget, cpu_quota
 from aamperf.phases.record import applied, skipped
 
 
@@ -36,12 +37,24 @@ def apply_system(cfg: DictConfig, device: torch.device) -> dict[str, dict]:
     else:
         os.sched_setaffinity(0, list(cfg.cpu_cores))  # e.g. leave a core to the dataloader workers
         records["cpu_affinity"] = applied(cores=usable_cores())
+    quota, note = cpu_quota(), None
     if cfg.num_threads is not None or cfg.cpu_cores is not None:
         # One intra-op thread per usable core: more only time-slice the same cores.
-        torch.set_num_threads(cfg.num_threads or len(usable_cores()))
+        torch.set_num_threads(cfg.num_threads or core_budget())
+    elif quota is not None and given_threads > core_budget() and "OMP_NUM_THREADS" not in os.environ:
+        # torch counts the cores it sees, not the CPU time the cgroup grants: the rest would be throttled
+        torch.set_num_threads(core_budget())
+        note = (
+            f"cgroup CPU quota {quota:g} cores: intra-op threads {core_budget()}, not torch's "
+            f"{given_threads} (system.num_threads sets them)"
+        )
     elif torch.get_num_threads() != given_threads:
         torch.set_num_threads(given_threads)  # an earlier job of this process set its own
-    records["threads"] = applied(intra_op=torch.get_num_threads(), inter_op=torch.get_num_interop_threads())
+    records["threads"] = applied(
+        intra_op=torch.get_num_threads(), inter_op=torch.get_num_interop_threads(), cpu_quota=quota
+    )
+    if note:
+        records["threads"]["note"] = note
     if cfg.interop_threads is not None:
         try:
             torch.set_num_interop_threads(cfg.interop_threads)  # allowed once, before any parallel work
