@@ -30,6 +30,7 @@ from aamperf.errors import (
 )
 from aamperf.files import write_atomic
 from aamperf.interrupts import RunInterrupted, exit_interrupted
+from aamperf.loggers import wandb_mode, wandb_unreachable
 from aamperf.phases import check_phases
 from aamperf.report import find_runs, make_report, to_markdown
 
@@ -153,6 +154,8 @@ class CheckBeforeRun(Callback):
             check_jobs(config)
         except UserError as exc:
             exit_bad_input(exc)
+        if config.logger.backend == "wandb" and wandb_mode(config) == "online":
+            wandb_unreachable()  # asked once here, the sweep's start: no job's clock carries it
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:

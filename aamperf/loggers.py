@@ -6,7 +6,9 @@ says so once on stderr and in summary.json (`logger`) and is switched off.
 
 import netrc
 import os
+import socket
 import sys
+import urllib.request
 import warnings
 from pathlib import Path
 from typing import Any, Protocol
@@ -95,6 +97,29 @@ def wandb_mode(cfg: DictConfig) -> str | None:
         return "offline"
 
 
+REACH_TIMEOUT_S = 5.0  # a TCP connection to the W&B server (or its proxy); wandb.init waits 30 s
+_unreachable: dict[str, str | None] = {}  # host:port -> why it cannot be reached (None: it can), per process
+
+
+def wandb_unreachable() -> str | None:
+    """Why this machine cannot reach the W&B server (`WANDB_BASE_URL`, or the HTTPS proxy that leads
+    there), None where it can: one TCP connection per process, at most REACH_TIMEOUT_S. A compute node
+    without internet fails it at once (its DNS knows no such host), where wandb.init would retry for its
+    whole init_timeout first, in every run and every job of a sweep."""
+    base = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    proxy = urllib.request.getproxies().get(base.scheme)
+    target = urlparse(proxy) if proxy and not urllib.request.proxy_bypass(base.hostname or "") else base
+    host, port = target.hostname or "", target.port or (443 if target.scheme == "https" else 80)
+    where = f"{host}:{port}"
+    if where not in _unreachable:
+        try:
+            socket.create_connection((host, port), timeout=REACH_TIMEOUT_S).close()
+            _unreachable[where] = None
+        except OSError as exc:
+            _unreachable[where] = f"cannot reach the W&B server at {where} ({exc.strerror or exc})"
+    return _unreachable[where]
+
+
 def start_wandb(cfg: DictConfig, directory: Path, **init: Any):
     """wandb.init in the configured mode, falling back to offline when online fails (no network, bad key).
     Returns (run, info)."""
@@ -105,6 +130,9 @@ def start_wandb(cfg: DictConfig, directory: Path, **init: Any):
     kwargs = dict(project=cfg.logger.project, entity=cfg.logger.entity, dir=str(directory), settings=settings)
     mode = wandb_mode(cfg)
     try:
+        unreachable = wandb_unreachable() if mode == "online" else None
+        if unreachable:
+            raise ConnectionError(unreachable)
         run = wandb.init(mode=mode, tags=list(cfg.logger.tags), **kwargs, **init)
         return run, {"backend": "wandb", "mode": run.settings.mode}
     except Exception as exc:  # never let W&B stop training: keep the run on disk for `wandb sync`

@@ -1,5 +1,7 @@
 """Logger sinks: TensorBoard read back, W&B falling back to offline, a broken sink never stops a run."""
 
+import socket
+
 import pytest
 from conftest import read_metrics, read_wandb
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -54,12 +56,44 @@ def test_tensorboard_events_hold_the_logged_scalars(make_cfg, tmp_path):
 
 
 def test_wandb_with_an_invalid_key_continues_offline(make_cfg, tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_API_KEY", "not-a-key")  # W&B refuses it at init
-    summary = train(make_cfg("logger=wandb", "logger.mode=online"), tmp_path)
+    with socket.create_server(("127.0.0.1", 0)) as server:  # a server this machine reaches
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+        monkeypatch.setenv("WANDB_API_KEY", "not-a-key")  # W&B refuses it at init
+        summary = train(make_cfg("logger=wandb", "logger.mode=online"), tmp_path)
     assert summary["status"] == "completed"
     info = summary["logger"][0]
     assert info["mode"] == "offline" and "API key" in info["fallback"]
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # kept for `wandb sync`
+
+
+def test_wandb_without_a_way_to_its_server_goes_offline_at_once(make_cfg, tmp_path, monkeypatch):
+    """A compute node without internet but with a key: offline at once, not after wandb.init's 30 s."""
+    monkeypatch.setenv("WANDB_BASE_URL", "https://api.aamperf-test.invalid")  # .invalid: never a host
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef" * 2 + "01234567")  # a key of W&B's form
+    summary = train(make_cfg("logger=wandb", "logger.mode=online"), tmp_path)
+    info = summary["logger"][0]
+    assert info["mode"] == "offline"
+    assert info["fallback"].startswith("cannot reach the W&B server at api.aamperf-test.invalid:443 (")
+    assert summary["time_to_first_step_s"] < 25  # wandb.init alone waits 30 s
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # kept for `wandb sync`
+
+
+def test_the_wandb_server_is_reached_through_the_https_proxy_where_one_is_set(monkeypatch):
+    from aamperf import loggers
+
+    monkeypatch.setattr(loggers, "_unreachable", {})
+    monkeypatch.setenv("WANDB_BASE_URL", "https://api.aamperf-test.invalid")
+    for name in ("no_proxy", "NO_PROXY", "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.create_server(("127.0.0.1", 0)) as proxy:  # the only way out of this network
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{proxy.getsockname()[1]}")
+        assert loggers.wandb_unreachable() is None  # W&B goes through it: wandb.init decides
+        closed = proxy.getsockname()[1]
+    monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{closed}")
+    monkeypatch.setattr(loggers, "_unreachable", {})
+    assert loggers.wandb_unreachable().startswith(f"cannot reach the W&B server at 127.0.0.1:{closed} (")
+    monkeypatch.setenv("NO_PROXY", "api.aamperf-test.invalid")  # not through the proxy: the host itself
+    assert "api.aamperf-test.invalid:443" in loggers.wandb_unreachable()
 
 
 class BrokenSink:
