@@ -134,6 +134,9 @@ def print_result(summary: dict, run_dir: Path) -> None:
             f"  target {summary.get('target', {}).get('column', '')}: val MAE {val['val_target_mae']:.4g} "
             f"(its own units)" + ("" if r2 is None else f", R^2 {r2:.3f}")
         )
+    load = (summary.get("loop_load") or {}).get("under_load")
+    if load:
+        print(f"  timed under load: {load}; its speed figures include that contention")
     found = summary.get("batch_finder")
     if found:
         print(

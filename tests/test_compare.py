@@ -374,6 +374,20 @@ def test_runs_that_shared_a_machines_time_are_named_and_their_verdicts_left_unde
     )
 
 
+def test_runs_timed_while_other_processes_used_their_cores_are_named(tmp_path):
+    from aamperf.report import to_markdown
+
+    busy = "other processes used 0.73 of its 2 cores beside its own 1.24"
+    for level, under_load in (("baseline", None), ("ultra", busy)):
+        make_run(tmp_path, level, [f"optim={level}", "seed=0"], optim=level, seed=0, samples_per_s=10.0,
+                 val_loss=2.0, loop_load={"under_load": under_load})  # fmt: skip
+    result = compare(find_runs([tmp_path]))
+    assert result["under_load"] == [{"run": str(tmp_path / "ultra"), "reason": busy}]
+    assert f"**Runs timed while other processes used their cores: 1** (e.g. `ultra`: {busy})" in to_markdown(
+        result
+    )
+
+
 def test_a_stop_signal_ends_the_report_in_one_line(sweep, monkeypatch, capsys):
     def interrupted_report(*args, **kwargs):  # a report long enough to be stopped (W&B's, a big sweep)
         os.kill(os.getpid(), signal.SIGINT)

@@ -164,7 +164,7 @@ def machine_key(precision: str, threads: int) -> str:
     )
 
 
-def _busy(times: Any) -> float:
+def busy_seconds(times: Any) -> float:
     """Busy CPU seconds of all CPUs (guest time is already counted in user time)."""
     idle = times.idle + getattr(times, "iowait", 0.0) + getattr(times, "steal", 0.0)
     return sum(times) - idle - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
@@ -224,7 +224,7 @@ class LoadWatch:
         (cpu0, own0, wall0), self._start = self._start, None
         cpu1, own1 = psutil.cpu_times(), self._me.cpu_times()
         self._wall += time.perf_counter() - wall0
-        self._other += _busy(cpu1) - _busy(cpu0) - (own1.user + own1.system - own0)
+        self._other += busy_seconds(cpu1) - busy_seconds(cpu0) - (own1.user + own1.system - own0)
         self._steal += getattr(cpu1, "steal", 0.0) - getattr(cpu0, "steal", 0.0)
 
     def stop(self) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Background sampling of the process tree (psutil) and of the GPU (pynvml) around the loop."""
 
 import ctypes
+import os
 import resource
 import sys
 import threading
@@ -10,6 +11,8 @@ from typing import Any
 
 import psutil
 import torch
+
+from aamperf.metrics.flops import MAX_OTHER_CORES, busy_seconds
 
 
 class _GPU:
@@ -122,6 +125,23 @@ def is_logger(proc: psutil.Process) -> bool:
         return False
 
 
+def cores_busy_s(cores: list[int]) -> tuple[float, float]:
+    """(busy, stolen) CPU seconds so far of the CPUs numbered `cores` (/proc/stat, every process's)."""
+    per_cpu = psutil.cpu_times(percpu=True)
+    picked = [per_cpu[i] for i in cores if i < len(per_cpu)]
+    return sum(busy_seconds(t) for t in picked), sum(getattr(t, "steal", 0.0) for t in picked)
+
+
+def job_root() -> psutil.Process:
+    """The process whose tree is this job's CPU use: this one, or under torchrun with several local ranks
+    the agent that started them all (every rank's work is the job's, not another's load)."""
+    me = psutil.Process()
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        return me.parent() or me
+    return me
+
+
+MIN_LOAD_WALL_S = 0.5  # CPU time is counted in 10 ms ticks: a shorter loop's load means nothing
 PSS_BUDGET = 0.02  # share of one core the tree's PSS readings may take (they cost far more than RSS)
 
 
@@ -152,6 +172,14 @@ class SystemMonitor:
         self.peak_gpu_used_bytes: int | None = None
         self._samples = 0
         self._next_pss_at = 0.0  # perf_counter time of the next PSS reading
+        # the cores' other users: the job tree's CPU seconds per process (first and last seen), and
+        # the cores' busy seconds at the loop's start and end
+        self._cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self._job = job_root()
+        self._job_cpu_first: dict[int, float] = {}
+        self._job_cpu_last: dict[int, float] = {}
+        self._started_at = time.time()
+        self._cores_at_start = self._cores_at_end = (0.0, 0.0, 0.0)
 
     @property
     def gpu_util_percent(self) -> float | None:
@@ -173,6 +201,27 @@ class SystemMonitor:
         self._procs = {p.pid: self._procs.get(p.pid, p) for p in live}
         return list(self._procs.values())
 
+    def _count_job_cpu(self) -> None:
+        """CPU seconds of every process of the job's tree (loader and compile workers, W&B's service
+        and, under torchrun, the other local ranks included): a process started during the loop counts
+        from 0, one that ends counts to its last reading."""
+        try:
+            procs = [self._job, *self._job.children(recursive=True)]
+        except psutil.Error:
+            return
+        for proc in procs:
+            try:
+                times = proc.cpu_times()
+                if proc.pid not in self._job_cpu_first:
+                    started_here = proc.create_time() > self._started_at
+                    self._job_cpu_first[proc.pid] = 0.0 if started_here else times.user + times.system
+                self._job_cpu_last[proc.pid] = times.user + times.system
+            except psutil.Error:  # it ended meanwhile
+                continue
+
+    def _cores_now(self) -> tuple[float, float, float]:
+        return (*cores_busy_s(self._cores), time.perf_counter())
+
     def sample(self, force_pss: bool = False) -> None:
         # Reading PSS walks the page tables under the process's memory lock (~15 ms per GiB of RSS
         # here): it is read only as often as keeps that under PSS_BUDGET of one core, not every sample.
@@ -191,6 +240,7 @@ class SystemMonitor:
             self.peak_tree_pss_bytes = max(self.peak_tree_pss_bytes, pss)
             cost_s = time.perf_counter() - start
             self._next_pss_at = start + max(self.interval_s, cost_s / PSS_BUDGET)
+        self._count_job_cpu()
         self.rss_bytes = self._root.memory_info().rss
         self.cpu_percent = cpu
         self._cpu_sum += cpu
@@ -206,6 +256,8 @@ class SystemMonitor:
 
     def __enter__(self) -> "SystemMonitor":
         reset_peak_rss()  # peak_rss() from here: the loop's own; job_peak_rss() keeps the time before
+        self._started_at = time.time()
+        self._cores_at_start = self._cores_now()
         self.sample(
             force_pss=True
         )  # primes cpu_percent; the first reading of each process is 0 by psutil's design
@@ -217,6 +269,7 @@ class SystemMonitor:
         self._stop.set()
         self._thread.join()
         self.sample(force_pss=True)
+        self._cores_at_end = self._cores_now()
         if self._gpu is not None:
             self._gpu.close()
 
@@ -233,6 +286,7 @@ class SystemMonitor:
             "peak_gpu_used_bytes": self.peak_gpu_used_bytes,
             "peak_device_bytes": None,
         }
+        out["loop_load"] = self.loop_load()
         if self._gpu is not None:
             out["gpu_util_percent"] = self._gpu_util_sum / max(self._samples, 1)
         if self.device.type == "cuda":
@@ -240,3 +294,30 @@ class SystemMonitor:
             out["peak_device_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
             out["alloc_retries"] = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
         return out
+
+    def loop_load(self) -> dict[str, Any] | None:
+        """What else ran on the run's cores while its loop did: `other_cores_busy` (other processes'
+        cores, on average), `own_cores_busy` (the job's tree), `steal_cores` (the hypervisor's), and
+        `under_load`: why its timings shared the cores, or None. Other processes count only where
+        they and the job together filled the cores (a busy 64-core node beside a 2-thread run is no
+        load on it)."""
+        (busy0, steal0, t0), (busy1, steal1, t1) = self._cores_at_start, self._cores_at_end
+        wall = t1 - t0
+        if not self._cores or wall < MIN_LOAD_WALL_S:
+            return None
+        own = sum(last - self._job_cpu_first[pid] for pid, last in self._job_cpu_last.items()) / wall
+        other, steal = max(0.0, (busy1 - busy0) / wall - own), (steal1 - steal0) / wall
+        cores = len(self._cores)
+        reasons = []
+        if other > MAX_OTHER_CORES and other + own > cores - MAX_OTHER_CORES:
+            reasons.append(f"other processes used {other:.2f} of its {cores} cores beside its own {own:.2f}")
+        if steal > MAX_OTHER_CORES:
+            reasons.append(f"the hypervisor stole {steal:.2f} of its {cores} cores")
+        return {
+            "cores": cores,
+            "own_cores_busy": own,
+            "other_cores_busy": other,
+            "steal_cores": steal,
+            "wall_s": wall,
+            "under_load": "; ".join(reasons) or None,
+        }

@@ -169,6 +169,12 @@ def compare(
             {"runs": [str(a.path), str(b.path)], "host": a.summary["host"], "shared_s": shared}
             for a, b, shared in overlaps
         ],
+        # runs whose loop shared its cores with other processes (summary.json loop_load), besides those
+        "under_load": [
+            {"run": str(run.path), "reason": run.summary["loop_load"]["under_load"]}
+            for run in runs
+            if run.path not in beside and (run.summary.get("loop_load") or {}).get("under_load")
+        ],
         "rows": rows,
     }
 

@@ -60,6 +60,19 @@ def overlap_lines(overlaps: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def load_lines(under_load: list[dict[str, Any]]) -> list[str]:
+    """A warning where runs were timed while other processes used their cores (summary.json loop_load)."""
+    if not under_load:
+        return []
+    first = under_load[0]
+    return [
+        f"**Runs timed while other processes used their cores: {len(under_load)}** (e.g. "
+        f"`{Path(first['run']).name}`: {first['reason']}): their speed figures include that contention; "
+        "run them again on a quiet machine to compare them.",
+        "",
+    ]
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     header = [
         "config",
@@ -93,6 +106,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         "",
         *machine_lines(result.get("machines") or {}),
         *overlap_lines(result.get("overlaps") or []),
+        *load_lines(result.get("under_load") or []),
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
     ]

@@ -1,3 +1,5 @@
+import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -6,6 +8,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from conftest import read_summary
 
 from aamperf.metrics import SystemMonitor, start_job_peak_rss
 from aamperf.metrics.monitor import job_peak_rss, peak_rss, pss_bytes, reset_peak_rss
@@ -43,6 +46,62 @@ def test_monitor_measures_cpu_use_of_busy_thread():
         while time.perf_counter() < end:
             pass
     assert monitor.summary()["cpu_percent"] > 30
+
+
+SPIN = [sys.executable, "-c", "import time\nend = time.time() + 60\nwhile time.time() < end: pass"]
+
+
+@contextlib.contextmanager
+def spinning(ours: bool, count: int = 1):
+    """Processes that keep a core busy each: children of this process (`ours`: the job's own work, e.g.
+    loader workers), or another program's (started through a shell that exits: not in this tree)."""
+    if ours:
+        pids = [subprocess.Popen(SPIN).pid for _ in range(count)]
+    else:
+        script = '"$0" "$@" >/dev/null 2>&1 & echo $!'
+        pids = [int(subprocess.run(["sh", "-c", script, *SPIN], capture_output=True, text=True).stdout)]
+        pids += [
+            int(subprocess.run(["sh", "-c", script, *SPIN], capture_output=True, text=True).stdout)
+            for _ in range(count - 1)
+        ]
+        assert all(psutil.Process(pid).ppid() != os.getpid() for pid in pids)
+    try:
+        time.sleep(0.3)  # they are spinning
+        yield
+    finally:
+        for pid in pids:
+            psutil.Process(pid).kill()
+
+
+def spin_here(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_another_programs_load_on_the_cores_is_named_and_the_jobs_own_workers_are_not():
+    cores = len(os.sched_getaffinity(0))
+    with spinning(ours=False, count=cores), SystemMonitor(torch.device("cpu"), interval_s=0.05) as monitor:
+        spin_here(1.5)
+    load = monitor.summary()["loop_load"]
+    assert load["other_cores_busy"] > 0.5 and load["under_load"].startswith("other processes used")
+    with spinning(ours=True, count=cores - 1), SystemMonitor(torch.device("cpu"), interval_s=0.05) as monitor:
+        spin_here(1.5)
+    load = monitor.summary()["loop_load"]
+    assert (
+        load["own_cores_busy"] > cores - 0.5
+        and load["other_cores_busy"] < 0.25
+        and load["under_load"] is None
+    )
+
+
+def test_a_run_timed_beside_another_program_says_so(launch):
+    with spinning(ours=False, count=len(os.sched_getaffinity(0))):
+        proc, run_dir = launch("trainer.max_steps=12")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    load = read_summary(run_dir)["loop_load"]
+    assert load["under_load"].startswith("other processes used") and load["other_cores_busy"] > 0.5
+    assert f"  timed under load: {load['under_load']}; its speed figures" in proc.stdout
 
 
 @pytest.mark.skipif(
