@@ -26,7 +26,7 @@ from aamperf.phases import TRIAL_BATCHES, Plan, apply_phases, check_phases, setu
 from aamperf.phases import dataloader as loader_phase
 from aamperf.phases.auto import resolve_auto
 from aamperf.phases.compile import trial_context
-from aamperf.probe import Probe, timed
+from aamperf.probe import Probe, measured, measuring, timed
 from aamperf.rng import forked_rng, seed_everything
 from aamperf.trainer.checkpoints import steps_left
 from aamperf.trainer.stream import BatchStream
@@ -225,8 +225,10 @@ def timed_pipelines(cfg, setup, plan, data, loss_fn, device, per_round: int) -> 
         sync(device)
 
     lead_in = cfg.dataloader.prefetch_factor or 0
+    started = measuring("loader_trial", probe.cache_file)
     with forked_rng(device):  # dropout draws: the run's random streams stay as they were
         figures = loader_phase.time_pipelines(make_stream, step, per_round, lead_in)
+    measured("loader_trial", started)
     if plan.is_main:  # the first rank's figures are the decision's
         probe.keep("loader_trial", context, figures)
     return {**figures, "source": "measured"}

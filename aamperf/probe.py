@@ -14,6 +14,7 @@ keep it out of the cache: some measurements vary by themselves (written-out atte
 MB a call), and one a run re-measures each time would cost each run its seconds.
 """
 
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -36,6 +37,18 @@ from aamperf.metrics.flops import (
     square_shape,
 )
 from aamperf.rng import forked_rng
+
+log = logging.getLogger(__name__)
+
+# What each question measures, for the line a run shows while it waits on a first measurement
+MEASURES = {
+    "matmul": "matmul rates per dtype at the model's shapes (precision=auto)",
+    "attention": "SDPA against the written-out attention (attention=auto)",
+    "compile": "the compile of one transformer block (compile=auto)",
+    "eager_step": "one eager training step (compile=auto)",
+    "compile_trial": "eager and compiled steps of this model on its batches (compile=auto)",
+    "loader_trial": "steps with and without a loader worker (dataloader=auto)",
+}
 
 STAMP = "%Y-%m-%dT%H:%M:%S"  # a measurement's time, as the cache keeps it
 TRIALS = 7  # timed repeats of each measurement; its median is the figure
@@ -253,6 +266,17 @@ def measure_compile(
     }
 
 
+def measuring(question: str, cache_file: Path) -> float:
+    """Say what is measured, before a wait of up to tens of seconds a first run on a device pays."""
+    what = MEASURES.get(question, question)
+    log.info("measuring %s on this device (once: kept in %s for the next runs)", what, cache_file)
+    return time.perf_counter()
+
+
+def measured(question: str, started: float) -> None:
+    log.info("measured %s: %.1f s", MEASURES.get(question, question), time.perf_counter() - started)
+
+
 def compile_block(model_cfg: Any, micro_batch: int, max_asvs: int) -> tuple[int, int, int, int, int] | None:
     """The ASV encoder's block at this batch (rows capped as in `model_shapes`), for the compile probe."""
     _, attention = model_shapes(model_cfg, micro_batch, max_asvs)
@@ -295,8 +319,10 @@ class Probe:
         cached = read_json_cache(self.cache_file).get(key)
         if cached and not self.refresh:
             return {**cached, "source": "cache"}
+        started = measuring(question, self.cache_file)
         with forked_rng(self.device):  # a measurement leaves the run's random stream as it was
             record = {**measure(), "measured_at": time.strftime(STAMP)}
+        measured(question, started)
         stop_if_signalled()  # a stop signal the measured code caught: its answer is not kept
         if record.get("under_load") is None:
             self.keep(question, params, record)

@@ -88,6 +88,27 @@ def test_a_quiet_answer_is_cached_and_reused(tmp_path):
     assert len(keys) == 2 and all(k.startswith(device_key(CPU)) for k in keys)
 
 
+def test_a_first_run_says_what_it_measures_and_a_later_one_reads_the_cache(launch, tmp_path):
+    cache = tmp_path / "probe.json"
+    lines = []
+    for name in ("first", "later"):
+        proc, run_dir = launch("optim=basic", f"probe.cache={cache}", name=name)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        lines.append(
+            [line for line in (run_dir / "train.log").read_text().splitlines() if "aamperf.probe" in line]
+        )
+    first, later = lines
+    said = (
+        "measuring matmul rates per dtype at the model's shapes (precision=auto) on this device (once: kept"
+    )
+    assert any(said in line and str(cache) in line for line in first)
+    assert any(
+        "measured matmul rates per dtype at the model's shapes (precision=auto): " in line for line in first
+    )
+    assert any("measuring SDPA against the written-out attention (attention=auto)" in line for line in first)
+    assert later == []
+
+
 def test_refresh_measures_again_and_replaces_the_answer(tmp_path):
     Probe(CPU, tmp_path / "probe.json").answer("q", {}, quiet(1))
     fresh = Probe(CPU, tmp_path / "probe.json", refresh=True).answer("q", {}, quiet(2))
