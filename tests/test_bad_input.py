@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -262,9 +263,11 @@ def test_recorded_fallbacks_keep_the_run_going(inputs, cache_dir, tmp_path, monk
     tests/phases/test_phase_correctness.py)."""
     monkeypatch.setenv("WANDB_API_KEY", "not-a-key")  # W&B refuses it at init, with no network call
     overrides = ["logger=wandb", "logger.mode=online", "compile=default", "compile.backend=no_such_backend"]
-    code, out, err = invoke(
-        monkeypatch, capfd, *TINY, f"data.cache_dir={cache_dir}", f"hydra.run.dir={tmp_path}", *overrides
-    )
+    with socket.create_server(("127.0.0.1", 0)) as server:  # a W&B server this machine reaches
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+        code, out, err = invoke(
+            monkeypatch, capfd, *TINY, f"data.cache_dir={cache_dir}", f"hydra.run.dir={tmp_path}", *overrides
+        )
     assert code == 0, err
     # said as it happens, not only in summary.json: the user asked for a compiled run
     assert "compile=default compile.backend=no_such_backend: torch.compile failed, running eager" in out
