@@ -337,7 +337,7 @@ def test_runs_that_shared_a_machines_time_are_named_and_their_verdicts_left_unde
     from aamperf.report import group_runs, to_markdown
     from aamperf.report.plots import plot_comparison
 
-    def runs(root, host_of, start_of):
+    def runs(root, host_of, start_of, cores_of=lambda level: [0, 1]):
         """baseline and ultra for seeds 0-2, ultra 5x faster at the same loss; each run 100 s long"""
         for seed in range(3):
             for level, speed in (("baseline", 10.0), ("ultra", 50.0)):
@@ -345,7 +345,7 @@ def test_runs_that_shared_a_machines_time_are_named_and_their_verdicts_left_unde
                 ended = datetime.datetime.fromtimestamp(start + 100, datetime.UTC).isoformat()
                 make_run(root, f"{level}{seed}", [f"optim={level}", f"seed={seed}"], optim=level, seed=seed,
                          samples_per_s=speed, val_loss=2.0, host=host_of(level), duration_s=100.0,
-                         ended_at=ended)  # fmt: skip
+                         ended_at=ended, loop_load={"core_ids": cores_of(level)})  # fmt: skip
         return compare(find_runs([root]))
 
     one_after_another = runs(
@@ -370,6 +370,16 @@ def test_runs_that_shared_a_machines_time_are_named_and_their_verdicts_left_unde
     assert "6 runs ran at the same time as another run" in figure.get_suptitle()
     two_hosts = runs(tmp_path / "slurm", lambda level: f"node-{level}", lambda level, seed: 1e9 + 200 * seed)
     assert two_hosts["overlaps"] == [] and two_hosts["rows"][1]["verdict"].startswith(
+        "faster at equal quality"
+    )
+    # one node, at the same time, each job on cores of its own (Slurm packing jobs with their cpusets)
+    own_cores = runs(
+        tmp_path / "packed",
+        lambda level: "node",
+        lambda level, seed: 1e9 + 200 * seed,
+        lambda level: [0, 1] if level == "baseline" else [2, 3],
+    )
+    assert own_cores["overlaps"] == [] and own_cores["rows"][1]["verdict"].startswith(
         "faster at equal quality"
     )
 

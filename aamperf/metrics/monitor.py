@@ -315,6 +315,7 @@ class SystemMonitor:
             reasons.append(f"the hypervisor stole {steal:.2f} of its {cores} cores")
         return {
             "cores": cores,
+            "core_ids": self._cores,  # the report's overlap check: runs on other cores shared none
             "own_cores_busy": own,
             "other_cores_busy": other,
             "steal_cores": steal,

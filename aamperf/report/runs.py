@@ -110,15 +110,22 @@ class Group:
         return statistics.median(values) if values else None
 
 
+def core_ids(run: Run) -> set[int]:
+    """The CPUs the run's loop could use (summary.json loop_load), none where it does not say."""
+    return set((run.summary.get("loop_load") or {}).get("core_ids") or [])
+
+
 def overlapping(runs: list[Run]) -> list[tuple[Run, Run, float]]:
-    """(run, run, seconds shared) for runs of one host that ran at the same time (a launcher that
-    starts jobs at once: submitit_local, joblib; two sweeps started side by side): their timings
-    shared the host's cores, so their speed measures the contention as much as the configuration."""
+    """(run, run, seconds shared) for runs of one host that ran at the same time on the same cores (a
+    launcher that starts jobs at once: submitit_local, joblib; two sweeps started side by side): their
+    timings shared the cores, so their speed measures the contention as much as the configuration.
+    Runs given disjoint cores (Slurm's jobs packed on one node, each with its own) shared none."""
     timed = [run for run in runs if run.window is not None and run.summary.get("host")]
     found = []
     for a, b in itertools.combinations(timed, 2):
         shared = min(a.window[1], b.window[1]) - max(a.window[0], b.window[0])
-        if a.summary["host"] == b.summary["host"] and shared > OVERLAP_SLACK_S:
+        disjoint = core_ids(a) and core_ids(b) and not core_ids(a) & core_ids(b)
+        if a.summary["host"] == b.summary["host"] and shared > OVERLAP_SLACK_S and not disjoint:
             found.append((a, b, shared))
     return found
 
