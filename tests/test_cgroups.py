@@ -96,8 +96,14 @@ def test_a_run_under_a_cpu_quota_takes_threads_for_the_time_it_has(launch):
             name: launch(*overrides, name=name, launcher=enter, env=env)
             for name, overrides in {"quota": (), "given": ("system.num_threads=2",)}.items()
         }
-    for proc, _ in runs.values():
+        # predict, on the run just trained, in the same cgroup
+        trained = f"run={runs['quota'].run_dir}"
+        predicted = launch(
+            trained, name="predict", module="aamperf.predict", tiny=False, launcher=enter, env=env
+        )
+    for proc, _ in [*runs.values(), predicted]:
         assert proc.returncode == 0, proc.stderr[-2000:]
+    assert read_summary(predicted.run_dir)["threads"]["intra_op"] == 1
     quota, given = (read_summary(run_dir) for _, run_dir in runs.values())
     threads = quota["phases"]["threads"]
     assert threads["intra_op"] == 1 and threads["cpu_quota"] == 1.0

@@ -21,12 +21,17 @@ def usable_cores() -> list[int]:
 _given: tuple[list[int], int] | None = None
 
 
-def apply_system(cfg: DictConfig, device: torch.device) -> dict[str, dict]:
-    """Records per switch, since each can apply or not on its own."""
+def given() -> tuple[list[int], int]:
+    """The cores and intra-op threads this process had before its first job changed them."""
     global _given
     if _given is None:
         _given = usable_cores(), torch.get_num_threads()
-    given_cores, given_threads = _given
+    return _given
+
+
+def apply_system(cfg: DictConfig, device: torch.device) -> dict[str, dict]:
+    """Records per switch, since each can apply or not on its own."""
+    given_cores, given_threads = given()
     records = {}
     if cfg.cpu_cores is None:
         if hasattr(os, "sched_setaffinity") and usable_cores() != given_cores:
@@ -37,24 +42,12 @@ def apply_system(cfg: DictConfig, device: torch.device) -> dict[str, dict]:
     else:
         os.sched_setaffinity(0, list(cfg.cpu_cores))  # e.g. leave a core to the dataloader workers
         records["cpu_affinity"] = applied(cores=usable_cores())
-    quota, note = cpu_quota(), None
     if cfg.num_threads is not None or cfg.cpu_cores is not None:
         # One intra-op thread per usable core: more only time-slice the same cores.
         torch.set_num_threads(cfg.num_threads or core_budget())
-    elif quota is not None and given_threads > core_budget() and "OMP_NUM_THREADS" not in os.environ:
-        # torch counts the cores it sees, not the CPU time the cgroup grants: the rest would be throttled
-        torch.set_num_threads(core_budget())
-        note = (
-            f"cgroup CPU quota {quota:g} cores: intra-op threads {core_budget()}, not torch's "
-            f"{given_threads} (system.num_threads sets them)"
-        )
-    elif torch.get_num_threads() != given_threads:
-        torch.set_num_threads(given_threads)  # an earlier job of this process set its own
-    records["threads"] = applied(
-        intra_op=torch.get_num_threads(), inter_op=torch.get_num_interop_threads(), cpu_quota=quota
-    )
-    if note:
-        records["threads"]["note"] = note
+        records["threads"] = thread_record(None)
+    else:
+        records["threads"] = thread_record(threads_for_quota(given_threads))
     if cfg.interop_threads is not None:
         try:
             torch.set_num_interop_threads(cfg.interop_threads)  # allowed once, before any parallel work
@@ -69,6 +62,29 @@ def apply_system(cfg: DictConfig, device: torch.device) -> dict[str, dict]:
     torch.use_deterministic_algorithms(cfg.deterministic, warn_only=True)
     records["deterministic"] = applied() if cfg.deterministic else skipped("system.deterministic=false")
     return records
+
+
+def threads_for_quota(given_threads: int) -> str | None:
+    """torch's own thread count (`given_threads`: the process's, before any job changed it), at most a
+    cgroup CPU quota rounded up unless OMP_NUM_THREADS chose it: torch counts the cores it sees, not the
+    time the cgroup grants, and the threads beyond that are throttled. Returns the note saying so."""
+    if cpu_quota() is not None and given_threads > core_budget() and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(core_budget())
+        return (
+            f"cgroup CPU quota {cpu_quota():g} cores: intra-op threads {core_budget()}, not torch's "
+            f"{given_threads} (system.num_threads sets them)"
+        )
+    if torch.get_num_threads() != given_threads:
+        torch.set_num_threads(given_threads)  # an earlier job of this process set its own
+    return None
+
+
+def thread_record(note: str | None) -> dict:
+    """The threads as they are now, the cgroup's CPU quota beside them, and why where aamperf chose."""
+    record = applied(
+        intra_op=torch.get_num_threads(), inter_op=torch.get_num_interop_threads(), cpu_quota=cpu_quota()
+    )
+    return {**record, "note": note} if note else record
 
 
 def apply_channels_last(model: nn.Module, cfg: DictConfig) -> dict:

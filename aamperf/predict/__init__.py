@@ -30,6 +30,7 @@ from aamperf.files import write_atomic, write_json_atomic
 from aamperf.metrics.flops import cpu_description
 from aamperf.metrics.monitor import peak_rss, reset_peak_rss
 from aamperf.model import AAM
+from aamperf.phases.system import given, thread_record, threads_for_quota
 from aamperf.predict.bench import latencies
 from aamperf.predict.export import export_model
 from aamperf.predict.levels import apply_levels, forward, quality
@@ -66,6 +67,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     for problem in cache_file_problem(str(cfg.probe.cache), "probe.cache", "the device probe's answers"):
         raise UserError(problem)
     device = resolve_device(cfg.device)
+    threads = thread_record(threads_for_quota(given()[1]))  # a cgroup's CPU quota, as a run takes it
     if cfg.timeout_s <= 0:
         raise UserError(
             f"timeout_s={cfg.timeout_s} must be > 0 (seconds a collective may wait under torchrun)"
@@ -113,6 +115,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             "run": str(cfg.run),
             "inference": cfg.inference,
             "phases": phases,
+            "threads": threads,
             "device": str(device),
             "cpu": cpu_description() if device.type == "cpu" else None,
             "world_size": world.world_size,
