@@ -128,10 +128,16 @@ def cpu_description() -> str:
 
 def machine(device: torch.device) -> str:
     """The machine a run's figures are measured on, as its summary.json and the comparison report name
-    it: the host, its CPU (model, matmul flags, cores, a cgroup's CPU quota) and the GPU a CUDA run used."""
-    quota = cpu_quota()
-    text = f"{platform.node()}: {cpu_description()}, {os.cpu_count()} cores"
-    text += "" if quota is None else f" (a CPU quota of {quota:g})"
+    it: the host, its CPU (model, matmul flags, cores; those the process was started on where fewer,
+    e.g. `taskset`, and a cgroup's CPU quota) and the GPU a CUDA run used."""
+    quota, cores = cpu_quota(), os.cpu_count() or 1
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    limits = ([f"{usable} usable"] if usable < cores else []) + (
+        [f"a CPU quota of {quota:g}"] if quota is not None else []
+    )
+    text = f"{platform.node()}: {cpu_description()}, {cores} cores" + (
+        f" ({', '.join(limits)})" if limits else ""
+    )
     return text + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
 
 

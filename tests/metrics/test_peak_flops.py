@@ -3,6 +3,10 @@ utilizations above 1 reported as errors."""
 
 import json
 import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -184,3 +188,17 @@ def test_a_paused_load_watch_leaves_out_what_ran_meanwhile():
         busy.kill()
         busy.join()
     assert loaded["other_cores_busy"] > 0.5 and "other processes used" in LoadWatch.verdict(loaded)
+
+
+@pytest.mark.skipif(
+    not 2 <= len(os.sched_getaffinity(0)) == os.cpu_count() or not shutil.which("taskset"),
+    reason="needs 2 cores, all of them this process's, and taskset",
+)
+def test_the_machine_names_the_cores_a_process_started_on_where_fewer():
+    code = "import torch; from aamperf.metrics import machine; print(machine(torch.device('cpu')))"
+    pinned = subprocess.run(
+        ["taskset", "-c", "0", sys.executable, "-c", code], capture_output=True, text=True
+    )
+    assert f"{os.cpu_count()} cores (1 usable" in pinned.stdout, pinned.stderr[-2000:]
+    whole = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "usable" not in whole.stdout
