@@ -82,19 +82,45 @@ def sweep_group(sweep_dir: str | Path) -> str:
     return parts[-1]
 
 
+def wandb_base_url() -> str:
+    """The W&B server wandb itself would use: WANDB_BASE_URL, else its settings files (`wandb login
+    --host`), else its own default (which moves between wandb versions)."""
+    if os.environ.get("WANDB_BASE_URL"):
+        return os.environ["WANDB_BASE_URL"]
+    import wandb
+
+    return str(wandb.setup().settings.base_url)
+
+
+def netrc_hosts(base_url: str) -> list[str]:
+    """The .netrc machines a key for `base_url` may be under: its host, and for a CoreWeave Forge host the
+    W&B API host behind it (wandb reads both)."""
+    hosts = [urlparse(base_url).netloc]
+    try:
+        from wandb.sdk.lib.urls import forge_upstream_url  # wandb >= 0.31; earlier ones have no Forge
+    except ImportError:
+        return hosts
+    return hosts + [urlparse(forge_upstream_url(base_url)).netloc]
+
+
 def wandb_mode(cfg: DictConfig) -> str | None:
-    """The W&B mode to start in: online only where an API key is configured (env or netrc)."""
+    """The W&B mode to start in: online only where an API key is configured (env, wandb's settings, or
+    the .netrc entry of the server wandb would use), never a login prompt."""
     if cfg.logger.mode != "auto":
         return cfg.logger.mode
     if os.environ.get("WANDB_MODE"):
         return None  # the user's environment decides
     if os.environ.get("WANDB_API_KEY"):
         return "online"
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    import wandb
+
+    if wandb.setup().settings.api_key:
+        return "online"
     try:
-        return "online" if netrc.netrc().authenticators(host) else "offline"
+        entries = netrc.netrc(os.environ.get("NETRC") or None)
     except (OSError, netrc.NetrcParseError):
         return "offline"
+    return "online" if any(entries.authenticators(h) for h in netrc_hosts(wandb_base_url())) else "offline"
 
 
 REACH_TIMEOUT_S = 5.0  # a TCP connection to the W&B server (or its proxy); wandb.init waits 30 s
@@ -106,7 +132,7 @@ def wandb_unreachable() -> str | None:
     there), None where it can: one TCP connection per process, at most REACH_TIMEOUT_S. A compute node
     without internet fails it at once (its DNS knows no such host), where wandb.init would retry for its
     whole init_timeout first, in every run and every job of a sweep."""
-    base = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    base = urlparse(wandb_base_url())
     proxy = urllib.request.getproxies().get(base.scheme)
     target = urlparse(proxy) if proxy and not urllib.request.proxy_bypass(base.hostname or "") else base
     host, port = target.hostname or "", target.port or (443 if target.scheme == "https" else 80)

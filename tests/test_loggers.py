@@ -1,9 +1,10 @@
 """Logger sinks: TensorBoard read back, W&B falling back to offline, a broken sink never stops a run."""
 
+import os
 import socket
 
 import pytest
-from conftest import read_metrics, read_wandb
+from conftest import read_metrics, read_summary, read_wandb
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from aamperf.errors import UserError
@@ -76,6 +77,26 @@ def test_wandb_without_a_way_to_its_server_goes_offline_at_once(make_cfg, tmp_pa
     assert info["fallback"].startswith("cannot reach the W&B server at api.aamperf-test.invalid:443 (")
     assert summary["time_to_first_step_s"] < 25  # wandb.init alone waits 30 s
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # kept for `wandb sync`
+
+
+def test_a_user_logged_in_to_their_own_wandb_server_goes_online_there(launch, tmp_path):
+    """`wandb login --host`: the server in wandb's settings file, the key in ~/.netrc under that host.
+    No network here: online is tried at that server (and falls back offline, saying so)."""
+    home = tmp_path / "home"
+    (home / ".config" / "wandb").mkdir(parents=True)
+    (home / ".config" / "wandb" / "settings").write_text(
+        "[default]\nbase_url = https://wandb.aamperf-test.invalid\n"
+    )
+    (home / ".netrc").write_text(
+        "machine wandb.aamperf-test.invalid\n  login user\n  password " + "ab" * 20 + "\n"
+    )
+    (home / ".netrc").chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "NETRC"))} | {"HOME": str(home)}
+    proc, run_dir = launch("logger=wandb", env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = read_summary(run_dir)["logger"][0]
+    assert info["mode"] == "offline"
+    assert info["fallback"].startswith("cannot reach the W&B server at wandb.aamperf-test.invalid:443 (")
 
 
 def test_the_wandb_server_is_reached_through_the_https_proxy_where_one_is_set(monkeypatch):
