@@ -1,4 +1,5 @@
-"""What this process's control groups allow it: the CPU time (`cpu_quota`: a container's `--cpus`,
+"""What this process is granted: the CPUs it may run on (`usable_cores`), and what its control groups
+allow it: the CPU time (`cpu_quota`: a container's `--cpus`,
 Kubernetes' CPU limit, Slurm's cgroup) and, for the memory guard, the memory (`aamperf/guards/memory.py`).
 Both cgroup v2 (one hierarchy) and v1 (one per controller); every level from the process's own group up
 to the root is read, since each level's limit applies."""
@@ -71,10 +72,18 @@ def memory_limits(proc: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> list[in
     return limits
 
 
+def usable_cores() -> list[int]:
+    """The CPUs this process may run on (its affinity: `taskset`, a cpuset, system.cpu_cores)."""
+    return (
+        sorted(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else list(range(os.cpu_count() or 1))
+    )
+
+
 def core_budget() -> int:
     """The cores this process can keep busy: those it may run on, at most its cgroups' CPU quota rounded
     up (on a 2-core AMD EPYC under a 1-core quota 1 thread trained 1.26x faster than 2; under 1.5 cores
     1 thread was 0.88x 2: experiments/cpu_quota)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    quota = cpu_quota()
+    cores, quota = len(usable_cores()), cpu_quota()
     return cores if quota is None else max(1, min(cores, math.ceil(quota)))

@@ -13,7 +13,7 @@ import psutil
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from aamperf.cgroups import cpu_quota
+from aamperf.cgroups import cpu_quota, usable_cores
 from aamperf.files import read_json_cache, update_json_cache
 from aamperf.metrics.gpu_peaks import gpu_peak
 
@@ -131,7 +131,7 @@ def machine(device: torch.device) -> str:
     it: the host, its CPU (model, matmul flags, cores; those the process was started on where fewer,
     e.g. `taskset`, and a cgroup's CPU quota) and the GPU a CUDA run used."""
     quota, cores = cpu_quota(), os.cpu_count() or 1
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    usable = len(usable_cores())
     limits = ([f"{usable} usable"] if usable < cores else []) + (
         [f"a CPU quota of {quota:g}"] if quota is not None else []
     )
@@ -213,7 +213,7 @@ class LoadWatch:
     relative spread, where that is a reason too)."""
 
     def __init__(self) -> None:
-        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.cpus = len(usable_cores())
         self.load_before = os.getloadavg()
         self._me = psutil.Process()
         self._wall = self._other = self._steal = 0.0

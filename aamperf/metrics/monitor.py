@@ -12,6 +12,7 @@ from typing import Any
 import psutil
 import torch
 
+from aamperf.cgroups import usable_cores
 from aamperf.metrics.flops import MAX_OTHER_CORES, busy_seconds
 
 
@@ -174,7 +175,7 @@ class SystemMonitor:
         self._next_pss_at = 0.0  # perf_counter time of the next PSS reading
         # the cores' other users: the job tree's CPU seconds per process (first and last seen), and
         # the cores' busy seconds at the loop's start and end
-        self._cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self._cores = usable_cores()
         self._job = job_root()
         self._job_cpu_first: dict[int, float] = {}
         self._job_cpu_last: dict[int, float] = {}

@@ -6,15 +6,8 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from aamperf.cgroups import core_budget, cpu_quota
+from aamperf.cgroups import core_budget, cpu_quota, usable_cores
 from aamperf.phases.record import applied, skipped
-
-
-def usable_cores() -> list[int]:
-    return (
-        sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
-    )
-
 
 # The cores and intra-op threads the process had before its first job changed them: a later job of an
 # in-process sweep that asks for neither gets these back, not the previous job's.
@@ -68,11 +61,12 @@ def threads_for_quota(given_threads: int) -> str | None:
     """torch's own thread count (`given_threads`: the process's, before any job changed it), at most a
     cgroup CPU quota rounded up unless OMP_NUM_THREADS chose it: torch counts the cores it sees, not the
     time the cgroup grants, and the threads beyond that are throttled. Returns the note saying so."""
-    if cpu_quota() is not None and given_threads > core_budget() and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(core_budget())
+    quota, budget = cpu_quota(), core_budget()
+    if quota is not None and given_threads > budget and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(budget)
         return (
-            f"cgroup CPU quota {cpu_quota():g} cores: intra-op threads {core_budget()}, not torch's "
-            f"{given_threads} (system.num_threads sets them)"
+            f"cgroup CPU quota {quota:g} cores: intra-op threads {budget}, not torch's {given_threads} "
+            "(system.num_threads sets them)"
         )
     if torch.get_num_threads() != given_threads:
         torch.set_num_threads(given_threads)  # an earlier job of this process set its own

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from aamperf.cgroups import usable_cores
 from aamperf.config import CONF_DIR, register_configs
 from aamperf.phases.auto import apply_decisions, measure_decisions
 from aamperf.phases.compile import trial_context
-from aamperf.phases.system import usable_cores
 from aamperf.probe import Probe
 
 RANKS = 2
