@@ -11,16 +11,21 @@ out=${1:-outputs/cpu_quota/$(date +%Y-%m-%d_%H-%M-%S)}
 quotas=${2:-1 1.5}
 shift $(($# < 2 ? $# : 2))
 [[ ${1:-} == -- ]] && shift
+if [[ -e /sys/fs/cgroup/cpu/cpu.cfs_quota_us ]]; then parent=/sys/fs/cgroup/cpu; else parent=/sys/fs/cgroup; fi
+if [[ ! -w $parent ]]; then
+  echo "error: cannot make a cgroup in $parent (needs root and a writable cgroup cpu controller)" >&2
+  exit 2
+fi
 cores=$(nproc)
 lscpu | grep -E "^Model name" || true
 for quota in $quotas; do
   quota_us=$(python -c "print(round($quota * 100000))")
-  if [[ -e /sys/fs/cgroup/cpu/cpu.cfs_quota_us ]]; then
-    group=/sys/fs/cgroup/cpu/aamperf_quota_$$
-    mkdir "$group" && echo "$quota_us" > "$group/cpu.cfs_quota_us"
+  group=$parent/aamperf_quota_$$
+  mkdir "$group"
+  if [[ $parent == /sys/fs/cgroup/cpu ]]; then
+    echo "$quota_us" > "$group/cpu.cfs_quota_us"
   else
-    group=/sys/fs/cgroup/aamperf_quota_$$
-    mkdir "$group" && echo "$quota_us 100000" > "$group/cpu.max"
+    echo "$quota_us 100000" > "$group/cpu.max"
   fi
   sh -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$group" \
     python -m aamperf.train -m optim=advanced "system.num_threads=$cores,null,1" seed=0,1,2 \
