@@ -70,7 +70,9 @@ def apply_cuda_memory(cfg: DictConfig, device: torch.device) -> dict:
         _expandable = cfg.expandable_segments
     if cfg.expandable_segments:
         done["expandable_segments"] = True
-    torch.cuda.set_per_process_memory_fraction(cfg.cuda_memory_fraction or 1.0, device)
+    # torch wants the GPU's index: torch.device("cuda") (no index) means the current one
+    index = torch.cuda.current_device() if device.index is None else device.index
+    torch.cuda.set_per_process_memory_fraction(cfg.cuda_memory_fraction or 1.0, index)
     if cfg.cuda_memory_fraction is not None:
         done["memory_fraction"] = cfg.cuda_memory_fraction
     return applied(**done) if done else skipped("no CUDA memory setting chosen")
