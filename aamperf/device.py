@@ -44,6 +44,13 @@ def to_device(batch: dict[str, Any], device: torch.device, non_blocking: bool = 
     return moved
 
 
+def new_cuda_graph_step(device: torch.device) -> None:
+    """Tell CUDA graph trees (compile=reduce_overhead) that a new forward begins, so replaying a graph
+    may reuse the memory of the last step's outputs (no-op on CPU, and where nothing replays graphs)."""
+    if device.type == "cuda":
+        torch.compiler.cudagraph_mark_step_begin()
+
+
 def sync(device: torch.device) -> None:
     """Wait for queued GPU work, so a wall-clock step time is the step's real time (no-op on CPU)."""
     if device.type == "cuda":

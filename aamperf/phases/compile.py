@@ -43,11 +43,23 @@ def compiled_graphs() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
+# modes that replay CUDA graphs on a GPU (on a CPU they compile as `default` does)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def uses_cuda_graphs(model: nn.Module, cfg: DictConfig) -> bool:
+    return cfg.mode in CUDA_GRAPH_MODES and next(model.parameters()).device.type == "cuda"
+
+
 def _targets(model: nn.Module, cfg: DictConfig) -> list[nn.Module]:
     # Per block: AAM's ASV gathering (nonzero / unique) would break one whole-model graph into pieces;
-    # the blocks hold almost all the FLOPs and have no data-dependent ops.
+    # the blocks hold almost all the FLOPs and have no data-dependent ops. Not with CUDA graphs: the
+    # blocks of one shape share one compiled graph, and replaying it for the next block overwrites the
+    # activations the previous block's backward needs (seen on an H200: "accessing tensor output of
+    # CUDAGraphs that has been overwritten by a subsequent run"); the whole model's pieces are distinct.
     blocks = [m for m in model.modules() if isinstance(m, Block)]
-    return blocks if cfg.per_block and blocks else [model]
+    per_block = cfg.per_block and blocks and not uses_cuda_graphs(model, cfg)
+    return blocks if per_block else [model]
 
 
 def _to_eager(targets: list[nn.Module]) -> None:
@@ -63,6 +75,11 @@ def apply_compile(model: nn.Module, cfg: DictConfig, warmup: Callable[[], None])
         return skipped("compile=disabled")
     targets = _targets(model, cfg)
     mode = None if cfg.mode in ("default", "auto") else cfg.mode
+    if next(model.parameters()).device.type == "cuda":
+        # inductor pads the strides of buffers it lays out (to 128 bytes) and asserts that a fallback
+        # kernel's output has them: an H200 run failed so, "stride 45602==45632" (a [55, 2, 151, 151]
+        # fp32 buffer): its padding is off for our compiled graphs
+        torch._inductor.config.comprehensive_padding = False
     start, graphs = time.perf_counter(), compiled_graphs()
     try:
         for module in targets:
@@ -77,6 +94,7 @@ def apply_compile(model: nn.Module, cfg: DictConfig, warmup: Callable[[], None])
         mode=cfg.mode,
         backend=cfg.backend,
         per_block=targets[0] is not model,
+        cuda_graphs=uses_cuda_graphs(model, cfg),
         modules=len(targets),
         compile_time_s=time.perf_counter() - start,
         graphs=compiled_graphs() - graphs,

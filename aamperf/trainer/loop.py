@@ -12,7 +12,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from aamperf.device import sync, to_device
+from aamperf.device import new_cuda_graph_step, sync, to_device
 from aamperf.distributed import all_sum, full_value, world_size
 from aamperf.errors import RunAborted
 from aamperf.guards import Guards
@@ -92,6 +92,7 @@ class TrainStep:
             wait_s += time.perf_counter() - fetch
             # distributed: gradients are reduced across ranks only after the last micro-batch
             with plan.grad_sync(micro == self.accum):
+                new_cuda_graph_step(self.device)
                 with plan.autocast():
                     loss, parts = self.loss_fn(plan.model, batch, step)
                 plan.scaler.scale(loss / self.accum).backward()
@@ -118,6 +119,7 @@ def validate(model: torch.nn.Module, loss_fn: LossFn, loader, n_batches: int, de
     n = 0
     for batch in loader:
         # step=0: the same nucleotide masks at every validation, so val losses are comparable over time.
+        new_cuda_graph_step(device)
         loss, parts = loss_fn(model, to_device(batch, device, non_blocking), 0)
         for name, value in {"loss": loss, **parts}.items():
             sums[name] = sums.get(name, 0) + value.detach().float()
