@@ -7,6 +7,10 @@
 #   TORCH_INDEX_URL=<PyTorch index> experiments/gpu/run.sh # another torch build than the driver's
 #   EXTRAS= experiments/gpu/run.sh                         # aamperf without its extras (default: [dev])
 #   DRY_RUN=1 experiments/gpu/run.sh                       # say what it would install; install nothing
+#   STEPS="gpu_tests headline" experiments/gpu/run.sh      # these steps only (default: all four)
+#   TIME_LIMIT_S=480 experiments/gpu/run.sh                # a lent machine: stop every step at 480 s from
+#                                                          # the start (exit code 124 in steps.tsv)
+#   GPU_TEST_ARGS="-n 4" experiments/gpu/run.sh            # more pytest arguments (-n: pytest-xdist)
 # Exit: 0 all passed; 1 the GPU suite or a study failed (the summary says which); 2 no GPU, or no torch
 # for it.
 set -euo pipefail
@@ -43,6 +47,7 @@ torch_index() {
 }
 
 sees_gpu() { "$1" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' >/dev/null 2>&1; }
+has_aamperf() { "$1" -c 'import aamperf' >/dev/null 2>&1; }
 
 # What it will install, decided and said before anything is.
 venv_args=()
@@ -57,7 +62,11 @@ fi
 python=python3
 [[ -x .venv-gpu/bin/python ]] && python=.venv-gpu/bin/python
 index=
-if sees_gpu "$python"; then
+installed=
+if [[ $python != python3 ]] && sees_gpu "$python" && has_aamperf "$python"; then
+  installed=1
+  echo "torch and aamperf: already in .venv-gpu, nothing to install"
+elif sees_gpu "$python"; then
   echo "torch: $("$python" -c 'import torch; print(torch.__version__)'), already there"
 elif [[ -n ${WHEELS:-} ]]; then
   echo "torch: from $WHEELS"
@@ -69,7 +78,9 @@ fi
 # the base alone, where pytest and tensorboard (tests/ imports it to collect) are already there
 extras=${EXTRAS-dev}
 package=.${extras:+[$extras]}
-if [[ -n ${WHEELS:-} ]]; then
+if [[ -n $installed ]]; then
+  :
+elif [[ -n ${WHEELS:-} ]]; then
   echo "aamperf: pip install --no-index --find-links $WHEELS -e $package (offline)"
 else
   echo "aamperf: pip install -e $package"
@@ -78,12 +89,22 @@ fi
 
 mkdir -p "$out"
 start=$SECONDS
-if [[ ! -x .venv-gpu/bin/python ]] && ! python3 -m venv "${venv_args[@]}" .venv-gpu; then
-  rm -rf .venv-gpu  # half made: no pip in it
-  die "python3 -m venv failed (Debian/Ubuntu: apt-get install python3-venv)"
+if [[ ! -x .venv-gpu/bin/python ]]; then
+  if ! python3 -m venv "${venv_args[@]}" .venv-gpu; then
+    rm -rf .venv-gpu  # half made: no pip in it
+    die "python3 -m venv failed (Debian/Ubuntu: apt-get install python3-venv)"
+  fi
+  # python3 may itself be a venv's (the GPU images' /opt/.../.venv, a conda env): --system-site-packages
+  # then reaches its base interpreter's packages, not its torch; a .pth adds python3's own, after ours
+  if ((${#venv_args[@]})); then
+    python3 -c 'import site; print("\n".join(site.getsitepackages()))' \
+      >"$(.venv-gpu/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/python3-site.pth"
+  fi
 fi
 export VIRTUAL_ENV=$PWD/.venv-gpu PATH=$PWD/.venv-gpu/bin:$PATH
-if [[ -n ${WHEELS:-} ]]; then
+if [[ -n $installed ]]; then
+  :
+elif [[ -n ${WHEELS:-} ]]; then
   python -m pip install --no-index --find-links "$WHEELS" -e "$package"
 else
   # --force-reinstall: a kept venv's torch that sees no GPU would otherwise count as installed
@@ -98,19 +119,37 @@ if ! sees_gpu python; then
 fi
 python -c 'import torch; print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) on {torch.cuda.get_device_name(0)}")'
 printf 'install\t0\t%s\n' $((SECONDS - start)) >"$out/steps.tsv"
+# the machine described where it measures (machine.json), before a study can be cut off
+python experiments/gpu/summarize.py "$out" >/dev/null || echo "warning: machine.json not written (summarize.py failed)"
 
 # Each step's output to the terminal and OUT_DIR/<step>.log, its exit code and seconds to steps.tsv; a
 # failed step does not stop the next one.
+# STEPS picks steps; TIME_LIMIT_S stops each at that many seconds from the start (timeout's 124), and a
+# step not begun by then is recorded as 124 in 0 s.
 status=0
+steps=" ${STEPS:-gpu_tests headline precision inference} "
+limit=()
 step() {
   local name=$1 start=$SECONDS rc=0
   shift
+  [[ $steps == *" $name "* ]] || return 0
+  if [[ -n ${TIME_LIMIT_S:-} ]]; then
+    local left=$((TIME_LIMIT_S - SECONDS))
+    if ((left <= 0)); then
+      echo "== $name: not begun, TIME_LIMIT_S=$TIME_LIMIT_S reached"
+      printf '%s\t124\t0\n' "$name" >>"$out/steps.tsv"
+      status=1
+      return 0
+    fi
+    limit=(timeout --kill-after=10 "$left")
+  fi
   echo "== $name: $*"
-  "$@" 2>&1 | tee "$out/$name.log" || rc=$?
+  "${limit[@]}" "$@" 2>&1 | tee "$out/$name.log" || rc=$?
   printf '%s\t%s\t%s\n' "$name" "$rc" $((SECONDS - start)) >>"$out/steps.tsv"
   ((rc == 0)) || status=1
 }
-step gpu_tests python -m pytest -m gpu -p no:cacheprovider tests --junitxml="$out/gpu_tests.xml"
+# shellcheck disable=SC2086  # GPU_TEST_ARGS: several words
+step gpu_tests python -m pytest -m gpu -p no:cacheprovider tests --junitxml="$out/gpu_tests.xml" ${GPU_TEST_ARGS:-}
 step headline experiments/run_paired.sh headline "$out/headline" "baseline basic advanced ultra" "0 1 2" -- device=cuda
 step precision python -m aamperf.train -m experiment=precision device=cuda trainer.progress=false \
   "hydra.sweep.dir=$out/precision"
