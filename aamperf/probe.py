@@ -4,7 +4,8 @@ Three questions, each answered by a measurement, never by a CPU model name:
 - `matmul`: FLOP/s per dtype at the model's own matmul shapes (median of several trials, the load
   recorded beside it): does a bf16 (fp16) autocast pay here?
 - `attention`: which SDPA kernels run here, and forward + backward time of SDPA against the written-out
-  math at the model's attention shape.
+  math at the model's attention shape (on a GPU also at row counts not run before, and of SDPA without
+  cuDNN's kernel, which builds a plan per shape).
 - `compile`: does torch.compile work here, and how long does compiling one transformer block take?
 
 Answers are cached per device (machine, CPU flags or GPU name, torch, threads) and question shape in
@@ -184,10 +185,26 @@ def measure_attention(
 
     p = dropout[0] if backward else 0.0
     modules = nn.ModuleList([MathAttention(p), SDPAttention(p, [])])
+    # cuDNN's kernel builds a plan per new shape: where it runs, SDPA without it is a third candidate
+    fused = [b for b in BACKENDS if b in runs and b not in ("cudnn", "math")]
+    if device.type == "cuda" and "cudnn" in runs and fused:
+        modules.append(SDPAttention(p, [*fused, "math"]))
     apply_dropout(modules, OmegaConf.create({"impl": dropout[1]}), device)
     watch = LoadWatch()
     math_s = timed(step(modules[0]), device, min_s=MIN_WATCH_S / 2)
     sdpa_s = timed(step(modules[1]), device, min_s=MIN_WATCH_S / 2)
+    extra: dict[str, Any] = {}
+    if len(modules) == 3:
+        no_cudnn_s = timed(step(modules[2]), device, min_s=MIN_WATCH_S / 2)
+        extra = {"sdpa_no_cudnn_s": statistics.median(no_cudnn_s), "no_cudnn_backends": [*fused, "math"]}
+    if device.type == "cuda":
+        # AAM's ASV rows change from batch to batch unless bucketed: a call at a row count not seen
+        # before, each candidate after its warm calls above (the allocator's blocks are large enough)
+        names = ["math", "sdpa", "sdpa_no_cudnn"][: len(modules)]
+        extra["new_shape_s"] = {
+            name: statistics.median(new_shape_calls(module, q, k, v, mask, backward))
+            for name, module in zip(names, modules, strict=True)
+        }
     load = watch.stop()
     spread = max(iqr_spread(math_s), iqr_spread(sdpa_s))
     return {
@@ -198,10 +215,33 @@ def measure_attention(
         "backends": runs,
         "math_s": statistics.median(math_s),
         "sdpa_s": statistics.median(sdpa_s),
+        **extra,
         "spread": spread,
         **load,
         "under_load": LoadWatch.verdict(load) if device.type == "cpu" else None,
     }
+
+
+NEW_SHAPES = 3  # row counts a candidate has not seen, one call each: the median of their seconds
+
+
+def new_shape_calls(
+    module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, backward: bool
+) -> list[float]:
+    """Seconds of one synchronized call of `module` at each of NEW_SHAPES row counts below q's, each a
+    shape it has not run (a row count changes the kernels' problem size, as a new batch's does)."""
+    times = []
+    for rows in range(q.shape[0] - 1, q.shape[0] - 1 - NEW_SHAPES, -1):
+        torch.cuda.synchronize(q.device)
+        start = time.perf_counter()
+        with torch.set_grad_enabled(backward):
+            out = module(q[:rows], k[:rows], v[:rows], mask[:rows])
+        if backward:
+            out.sum().backward()
+            q.grad = k.grad = v.grad = None
+        torch.cuda.synchronize(q.device)
+        times.append(time.perf_counter() - start)
+    return times
 
 
 SMALL_BLOCK = (4, 16, 32, 2, 4)  # [rows, length, dim], heads, ffn_mult: a block for a model that says none
@@ -354,6 +394,8 @@ class Probe:
             params["backward"] = False
         elif dropout[0] > 0:
             params["dropout"] = [float(dropout[0]), str(dropout[1])]  # a plain key: the impl may be a StrEnum
+        if self.device.type == "cuda":  # answers timed at new row counts too (not in older caches)
+            params["new_shapes"] = NEW_SHAPES
         return self.answer(
             "attention", params, lambda: measure_attention(self.device, dtype, shape, backward, dropout)
         )

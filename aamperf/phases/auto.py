@@ -5,7 +5,9 @@ and the evidence (the probe's figures, whether they were cached or measured in t
 - precision=auto: the low-precision autocast dtype whose matmuls at the model's shapes beat fp32's by
   MIN_MATMUL_GAIN, else fp32.
 - attention=auto: SDPA where one of its kernels runs here and its forward + backward at the model's
-  attention shape is not slower than the written-out math, else the math.
+  attention shape is not slower than the written-out math, else the math. On a GPU whose rows change
+  from batch to batch (no bucketing), timed at row counts not run before, with SDPA without cuDNN's
+  kernel as a candidate too (cuDNN builds a plan per shape).
 - memory=auto: every k-th transformer layer recomputed in backward (selective) where the activations are
   kept in fp32 and the attention is the written-out math (which keeps its [rows, heads, L, L]
   probabilities for backward), none otherwise. Measured at the headline's batch (experiments/memory/,
@@ -65,24 +67,47 @@ def choose_attention(
     *,
     backward: bool = True,
     dropout: tuple[float, str] = (0.0, "standard"),
+    shapes_vary: bool = True,
 ) -> dict:
     """sdpa or math for `device`: measured forward + backward (training, with the model's attention
-    `dropout` = (p, impl)) or forward alone (inference, `backward=False`) at the model's attention shape."""
+    `dropout` = (p, impl)) or forward alone (inference, `backward=False`) at the model's attention shape.
+    On a GPU, where the rows change from batch to batch (`shapes_vary`: no bucketing), at row counts
+    each candidate had not seen, and SDPA without cuDNN's kernel is a candidate too: cuDNN builds a plan
+    per shape (an H200, bf16, headline shapes: 0.24x the baseline's speed with it)."""
     shape = shape or DEFAULT_ATTENTION
     answer = probe.attention(dtype, shape, backward=backward, dropout=dropout)
     evidence = {"sdpa_s": answer["sdpa_s"], "math_s": answer["math_s"], "source": answer["source"]}
     if not answer["backends"]:
         return decided("math", f"no SDPA kernel runs on {device.type} in {dtype}: math", **evidence)
-    ratio = answer["sdpa_s"] / answer["math_s"]
+    new_shape = answer.get("new_shape_s") if shapes_vary else None
+    costs = new_shape or {"math": answer["math_s"], "sdpa": answer["sdpa_s"]}
+    if not new_shape and "sdpa_no_cudnn_s" in answer:
+        costs["sdpa_no_cudnn"] = answer["sdpa_no_cudnn_s"]
+    sdpa = min((c for c in costs if c != "math"), key=costs.__getitem__)  # the quicker SDPA
+    ratio = costs[sdpa] / costs["math"]
     choice = "sdpa" if ratio <= 1.0 else "math"
     timed = "forward+backward" if backward else "forward"
     if backward and dropout[0]:
         timed += f" with dropout {dropout[0]:g}"
+    what = "SDPA" if sdpa == "sdpa" else "SDPA without cuDNN"
+    where = "at a row count not run before" if new_shape else "at"
     reason = (
-        f"SDPA {timed} {ratio:.2f}x the math's time at {list(shape)} in "
-        f"{str(dtype).removeprefix('torch.')} here: {choice}" + _load_note(answer)
+        f"{what} {timed} {ratio:.2f}x the math's time {where} {list(shape)} in "
+        f"{str(dtype).removeprefix('torch.')} here: {choice}"
     )
-    return decided(choice, reason, backends=answer["backends"], shape=list(shape), **evidence)
+    if sdpa != "sdpa":
+        reason += f" without cuDNN (with it {costs['sdpa'] / costs['math']:.2f}x)"
+    extra = {"sdpa_backends": answer["no_cudnn_backends"]} if choice == "sdpa" and sdpa != "sdpa" else {}
+    if new_shape:
+        extra["new_shape_s"] = new_shape
+    return decided(
+        choice,
+        reason + _load_note(answer),
+        backends=answer["backends"],
+        shape=list(shape),
+        **evidence,
+        **extra,
+    )
 
 
 def choose_checkpointing(dtype: str, attention: str, every: int) -> dict:
@@ -128,7 +153,9 @@ def measure_decisions(cfg: DictConfig, device: torch.device, micro_batch: int) -
     if cfg.attention.impl == "auto":
         # the model's dropout on the attention weights, as the run will train (AAM's `model.dropout`)
         dropout = (float(cfg.model.get("dropout", 0.0)) if attention else 0.0, cfg.dropout.impl)
-        decisions["attention"] = choose_attention(device, probe, DTYPES[dtype], attention, dropout=dropout)
+        decisions["attention"] = choose_attention(
+            device, probe, DTYPES[dtype], attention, dropout=dropout, shapes_vary=not cfg.aam_ops.bucket
+        )
     if cfg.memory.checkpointing == "auto":  # recorded beside the checkpointing phase
         attention = decisions.get("attention", {}).get("chose", cfg.attention.impl)
         decisions["checkpointing"] = choose_checkpointing(dtype, attention, cfg.memory.recompute_every)
@@ -141,5 +168,7 @@ def apply_decisions(cfg: DictConfig, decisions: dict[str, dict]) -> None:
         cfg.precision.dtype = decisions["precision"]["chose"]
     if "attention" in decisions:
         cfg.attention.impl = decisions["attention"]["chose"]
+        if "sdpa_backends" in decisions["attention"]:  # SDPA's kernels but cuDNN's
+            cfg.attention.backends = decisions["attention"]["sdpa_backends"]
     if "checkpointing" in decisions:
         cfg.memory.checkpointing = decisions["checkpointing"]["chose"]

@@ -92,7 +92,9 @@ def decide_auto(
         decisions["precision"] = choose_precision(device, probe, matmuls)
     dtype = decisions.get("precision", {}).get("chose", cfg.precision.dtype)
     if cfg.attention.impl == "auto":  # measured on a forward pass alone: what inference runs
-        decisions["attention"] = choose_attention(device, probe, DTYPES[dtype], attention, backward=False)
+        decisions["attention"] = choose_attention(
+            device, probe, DTYPES[dtype], attention, backward=False, shapes_vary=not cfg.aam_ops.bucket
+        )
     apply_decisions(cfg, decisions)
     return decisions
 

@@ -16,6 +16,7 @@ from aamperf.phases.attention import SDPAttention, check_attention
 from aamperf.phases.memory import apply_cuda_memory
 from aamperf.phases.precision import apply_precision
 from aamperf.phases.system import apply_system
+from aamperf.probe import measure_attention
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -121,6 +122,17 @@ def test_each_sdpa_kernel_with_aams_masks_matches_the_math_or_is_refused_before_
     assert problems == []
     got = forward_backward(SDPAttention(0.0, [backend]).eval(), q, k, v, mask)
     assert relative_error(got, want) < TOLERANCE[dtype]
+
+
+def test_the_attention_probe_times_each_candidate_at_row_counts_it_has_not_run():
+    """attention=auto's evidence on a GPU: SDPA's steady and new-shape seconds, and where cuDNN's kernel
+    runs, SDPA without it (cuDNN builds a plan per shape: AAM's rows change from batch to batch)."""
+    record = measure_attention(CUDA, torch.bfloat16, (64, 4, 151, 32), True, (0.1, "standard"))
+    candidates = {"math", "sdpa", "sdpa_no_cudnn"} if "sdpa_no_cudnn_s" in record else {"math", "sdpa"}
+    assert set(record["new_shape_s"]) == candidates and all(s > 0 for s in record["new_shape_s"].values())
+    if "cudnn" in record["backends"] and {"flash", "efficient"} & set(record["backends"]):
+        assert "cudnn" not in record["no_cudnn_backends"] and record["no_cudnn_backends"][-1] == "math"
+        assert record["sdpa_no_cudnn_s"] > 0
 
 
 def test_sdpa_on_cuda_drops_attention_in_training_with_the_kernels_own_dropout():

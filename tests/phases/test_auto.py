@@ -128,6 +128,53 @@ def test_resolve_auto_reads_the_cached_probe_and_writes_the_choices_into_the_con
     assert "SDPA forward+backward with dropout 0.1 0.20x the math's time" in decisions["attention"]["reason"]
 
 
+# A GPU's answer (figures of the H200 that showed it, rounded): cuDNN's SDPA is the quickest at a shape it
+# has run, and far the slowest at a row count it has not (a plan built per shape)
+GPU_ATTENTION = {
+    "backends": ["flash", "efficient", "cudnn", "math"],
+    "sdpa_s": 0.5,
+    "sdpa_no_cudnn_s": 0.7,
+    "math_s": 1.0,
+    "no_cudnn_backends": ["efficient", "math"],
+    "new_shape_s": {"math": 1.1, "sdpa": 40.0, "sdpa_no_cudnn": 0.8},
+}
+
+
+def test_attention_auto_leaves_cudnn_out_where_the_rows_change_and_its_plans_would_cost():
+    decision = choose_attention(CPU, Injected(attention=GPU_ATTENTION), torch.bfloat16, (4, 2, 16, 8))
+    assert decision["chose"] == "sdpa" and decision["sdpa_backends"] == ["efficient", "math"]
+    assert (
+        "SDPA without cuDNN forward+backward 0.73x the math's time at a row count not run before"
+        in (decision["reason"])
+    )
+    assert "(with it 36.36x)" in decision["reason"]
+    # bucketed rows (a few shapes, each planned once): the steady calls decide, cuDNN's kernel included
+    steady = choose_attention(
+        CPU, Injected(attention=GPU_ATTENTION), torch.bfloat16, (4, 2, 16, 8), shapes_vary=False
+    )
+    assert steady["chose"] == "sdpa" and "sdpa_backends" not in steady
+    assert "SDPA forward+backward 0.50x the math's time at [4, 2, 16, 8]" in steady["reason"]
+
+
+def test_attention_auto_takes_the_math_where_every_sdpa_is_slower_at_new_row_counts():
+    answer = {**GPU_ATTENTION, "new_shape_s": {"math": 1.0, "sdpa": 40.0, "sdpa_no_cudnn": 1.2}}
+    decision = choose_attention(CPU, Injected(attention=answer), torch.bfloat16, (4, 2, 16, 8))
+    assert decision["chose"] == "math" and "sdpa_backends" not in decision
+
+
+@pytest.mark.parametrize(("aam_ops", "backends"), [("plain", ["efficient", "math"]), ("fast", [])])
+def test_resolve_auto_asks_for_new_row_counts_unless_the_rows_are_bucketed(
+    make_cfg, tmp_path, aam_ops, backends
+):
+    cfg = make_cfg("attention=auto", f"aam_ops={aam_ops}", f"probe.cache={tmp_path}/probe.json")
+    _, attention = model_shapes(cfg.model, cfg.trainer.batch_size, cfg.data.max_asvs)
+    key = f"{device_key(CPU)}|attention|dropout=[0.1, 'standard'],dtype={torch.float32},shape={attention}"
+    (tmp_path / "probe.json").write_text(json.dumps({key: GPU_ATTENTION}))
+    decisions = resolve_auto(cfg, CPU, cfg.trainer.batch_size)
+    assert cfg.attention.impl == "sdpa" and decisions["attention"]["source"] == "cache"
+    assert [str(b) for b in cfg.attention.backends] == backends  # written into the run's config
+
+
 def test_resolve_auto_measures_on_this_device_when_nothing_is_cached(make_cfg, tmp_path):
     cfg = make_cfg("precision=auto", "attention=auto", f"probe.cache={tmp_path}/probe.json")
     decisions = resolve_auto(cfg, CPU, cfg.trainer.batch_size)
