@@ -88,7 +88,9 @@ def write_bench(out: Path) -> None:
 def test_the_summary_puts_every_study_of_the_gpu_check_in_one_table(tmp_path):
     (tmp_path / "machine.json").write_text(json.dumps(MACHINE))
     (tmp_path / "gpu_tests.xml").write_text(JUNIT)
-    (tmp_path / "steps.tsv").write_text("install\t0\t95\ngpu_tests\t1\t42\nheadline\t0\t300\n")
+    (tmp_path / "steps.tsv").write_text(
+        "install\t0\t95\ngpu_tests\t1\t42\nheadline\t0\t300\nprecision\t0\t60\ninference\t0\t90\n"
+    )
     write_study(
         tmp_path / "headline",
         "optim",
@@ -124,6 +126,13 @@ def test_the_summary_puts_every_study_of_the_gpu_check_in_one_table(tmp_path):
     assert "| `precision=fp16` | n/a | n/a | n/a | n/a | n/a | failed (3 runs): CUDA error: boom |" in table
     assert "| fast | 8000 (2.50x) | 0.50 | yes |" in table and "keeps quality: fast." in table
     assert "No comparison.json: the study stopped before its report; see inference.log." in table
+
+
+def test_a_study_that_steps_left_out_is_said_not_run_not_stopped(tmp_path):
+    (tmp_path / "machine.json").write_text(json.dumps(MACHINE))
+    (tmp_path / "steps.tsv").write_text("install\t0\t20\ngpu_tests\t0\t103\n")  # STEPS=gpu_tests
+    table = (summarize.summarize(tmp_path), (tmp_path / "summary.md").read_text())[1]
+    assert table.count("Not run: `STEPS` left this step out.") == 4 and "No comparison.json" not in table
 
 
 def test_a_check_that_stopped_early_is_still_summarized_and_names_this_machine(tmp_path):

@@ -190,8 +190,10 @@ def to_markdown(summary: dict[str, Any]) -> str:
     ]
     for name, result in summary["studies"].items():
         lines += ["", f"## {name} ({name}/comparison.md)", ""]
-        if result is None:
-            step = name.split("/")[0]
+        step = name.split("/")[0]
+        if result is None and summary["steps"] and step not in {s["step"] for s in summary["steps"]}:
+            lines.append("Not run: `STEPS` left this step out.")
+        elif result is None:
             lines.append(f"No comparison.json: the study stopped before its report; see {step}.log.")
         else:
             lines += study_table(result) if "baseline" in result else bench_table(result)
