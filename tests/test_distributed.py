@@ -76,7 +76,11 @@ def test_two_ranks_train_like_one_process_with_the_whole_batch(launch, strategy)
     # like the one process's
     mine, theirs = (torch.load(d / "model.pt", weights_only=True)["weights"] for d in (run_dir, one_dir))
     assert mine.keys() == theirs.keys()
-    assert all(torch.allclose(mine[k], theirs[k], rtol=1e-4, atol=1e-6) for k in mine)
+    # but an attention pool's score bias (AttentionPooling.score: one number added to every score before a
+    # softmax): its gradient is zero but for rounding, which AdamW turns into steps of up to lr, of either
+    # sign (3.6e-6 apart after 4 steps on an AVX2-only EPYC, 2026-11-26)
+    trained_keys = [k for k in mine if not k.endswith("score.bias")]
+    assert all(torch.allclose(mine[k], theirs[k], rtol=1e-4, atol=1e-6) for k in trained_keys)
     if profile:
         assert 0 < summary["profile"]["comm_time_frac"] < 1  # the profiled step's share in collectives
         files += ["profile_trace.json", "profile_trace_rank1.json"]
