@@ -256,6 +256,10 @@ def measure_compile(
     of one transformer block (aamperf's `Block`) of `block` = (rows, length, dim, heads, ffn_mult); and
     its forward + backward time eager and compiled there, under autocast to `dtype`: what compiling
     one block costs and gains on this device."""
+    # dynamo imported whole before the try: a stop signal in its first import (seconds on a slow CPU)
+    # left it half made, and the `finally` reset below failed in place of the stop (AVX2-only EPYC)
+    import torch._dynamo
+
     from aamperf.model.layers import Block
 
     rows, length, dim, heads, ffn_mult = block or SMALL_BLOCK
