@@ -95,9 +95,10 @@ def choose_attention(
         f"{what} {timed} {ratio:.2f}x the math's time {where} {list(shape)} in "
         f"{str(dtype).removeprefix('torch.')} here: {choice}"
     )
-    if sdpa != "sdpa":
+    no_cudnn = choice == "sdpa" and sdpa != "sdpa"  # "here: math" needs no word on cuDNN
+    if no_cudnn:
         reason += f" without cuDNN (with it {costs['sdpa'] / costs['math']:.2f}x)"
-    extra = {"sdpa_backends": answer["no_cudnn_backends"]} if choice == "sdpa" and sdpa != "sdpa" else {}
+    extra = {"sdpa_backends": answer["no_cudnn_backends"]} if no_cudnn else {}
     if new_shape:
         extra["new_shape_s"] = new_shape
     return decided(
