@@ -163,6 +163,7 @@ class SystemConfig:
     cudnn_benchmark: bool = False
     deterministic: bool = False  # torch.use_deterministic_algorithms
     channels_last: bool = False  # only for models with 4-D activations
+    reuse_freed_memory: bool = False  # glibc keeps freed blocks for the next step instead of unmapping them
 
 
 @dataclass

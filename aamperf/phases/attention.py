@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aamperf.model.layers import MathAttention
-from aamperf.phases.dropout import draw_keep, keep_scale
+from aamperf.phases.dropout import draw_keep, keep_bits, keep_scale, zero_unkept_
 from aamperf.phases.record import applied, skipped
 
 BACKENDS = {
@@ -40,45 +40,52 @@ class ChunkedDropoutAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: nn.Dropout) -> Tensor:
         n, heads, length, _ = q.shape
         keep = draw_keep(dropout, torch.Size((n, heads, length, k.size(-2))), q.dtype, q.device)
-        dropped = keep.logical_not_()  # in place: the elements dropout zeroes
-        hidden = None if mask is None else ~mask.expand(n, *mask.shape[1:])  # keys a query may not see
+        # keys a query may not see: the math's large finite negative added to their scores (score + min
+        # rounds to min for any score below 1e31 in fp32), and an integer mask for their gradient
+        ctx.hidden = None
+        if mask is not None:
+            mask = mask.expand(n, *mask.shape[1:])
+            ctx.hidden = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+            ctx.hidden.masked_fill_(~mask, torch.finfo(q.dtype).min)
+            ctx.visible = keep_bits(mask, q.dtype)
         rows = max(1, CHUNK_BYTES // (heads * length * k.size(-2) * q.element_size()))
         ctx.chunks = [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
         # both as the math has them: scores divided by sqrt(d), kept weights times 1/(1-p) in q's dtype
         ctx.sqrt_d = math.sqrt(q.size(-1))
         ctx.keep_scale = keep_scale(dropout.p, q)
-        ctx.save_for_backward(q, k, v, hidden, dropped)
+        ctx.save_for_backward(q, k, v, keep)
         out = torch.empty_like(q)
         with torch.autocast(q.device.type, enabled=False):  # q's dtype throughout, as said above
             for rows in ctx.chunks:
-                weights = ChunkedDropoutAttention._weights(ctx, q, k, hidden, rows)
-                kept = weights.masked_fill_(dropped[rows], 0).mul_(ctx.keep_scale)
+                weights = ChunkedDropoutAttention._weights(ctx, q, k, rows)
+                kept = zero_unkept_(weights, keep_bits(keep[rows], q.dtype)).mul_(ctx.keep_scale)
                 torch.matmul(kept, v[rows], out=out[rows])
         return out
 
     @staticmethod
-    def _weights(ctx, q: Tensor, k: Tensor, hidden: Tensor | None, rows: slice) -> Tensor:
+    def _weights(ctx, q: Tensor, k: Tensor, rows: slice) -> Tensor:
         scores = torch.matmul(q[rows], k[rows].transpose(-2, -1)).div_(ctx.sqrt_d)
-        if hidden is not None:  # a large finite negative, as MathAttention: a fully masked row stays finite
-            scores.masked_fill_(hidden[rows], torch.finfo(scores.dtype).min)
+        if ctx.hidden is not None:
+            scores.add_(ctx.hidden[rows])
         return torch.softmax(scores, dim=-1)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, k, v, hidden, dropped = ctx.saved_tensors
+        q, k, v, keep = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         with torch.autocast(q.device.type, enabled=False):
             for rows in ctx.chunks:
-                weights = ChunkedDropoutAttention._weights(ctx, q, k, hidden, rows)
-                kept = weights.masked_fill(dropped[rows], 0).mul_(ctx.keep_scale)
+                weights = ChunkedDropoutAttention._weights(ctx, q, k, rows)
+                bits = keep_bits(keep[rows], q.dtype)
+                kept = zero_unkept_(weights.clone(), bits).mul_(ctx.keep_scale)
                 torch.matmul(kept.transpose(-2, -1), grad[rows], out=dv[rows])
                 d_kept = torch.matmul(grad[rows], v[rows].transpose(-2, -1))
-                d_weights = d_kept.masked_fill_(dropped[rows], 0).mul_(ctx.keep_scale)
+                d_weights = zero_unkept_(d_kept, bits).mul_(ctx.keep_scale)
                 d_scores = torch._softmax_backward_data(d_weights, weights, -1, weights.dtype).div_(
                     ctx.sqrt_d
                 )
-                if hidden is not None:  # masked scores are constants: no gradient reaches q or k through them
-                    d_scores.masked_fill_(hidden[rows], 0)
+                if ctx.hidden is not None:  # masked scores are constants: no gradient to q or k through them
+                    zero_unkept_(d_scores, ctx.visible[rows])
                 torch.matmul(d_scores, k[rows], out=dq[rows])
                 torch.matmul(d_scores.transpose(-2, -1), q[rows], out=dk[rows])
         return dq, dk, dv, None, None

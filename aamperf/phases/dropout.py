@@ -33,6 +33,29 @@ def keep_scale(p: float, x: Tensor) -> Tensor:
     return torch.full((), 1 / (1 - p), dtype=x.dtype, device=x.device)
 
 
+# On CPU, masked_fill_ and where() with a bool mask run an element at a time: zeroing the dropped 10% of a
+# cached [5, 4, 151, 151] fp32 chunk took 545 us with masked_fill_, 20 us as an AND of its bits with an
+# integer mask (72 us to make that mask from the bools); over a [38656, 512] activation, where() and a
+# multiply took 32.6 ms, a multiply by the mask made float 23 ms (AMD EPYC, AVX2, 2 cores)
+INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def keep_bits(keep: Tensor, dtype: torch.dtype) -> Tensor:
+    """The bool mask `keep` as integers the size of `dtype`'s: every bit set where True, none where False."""
+    return keep.to(INT_OF_SIZE[dtype.itemsize]).neg_()
+
+
+def zero_unkept_(x: Tensor, bits: Tensor) -> Tensor:
+    """x, in place, with +0.0 where `bits` (from `keep_bits`, broadcastable to x) is 0: an AND of x's bits."""
+    x.view(bits.dtype).bitwise_and_(bits)
+    return x
+
+
+def kept_times(x: Tensor, keep: Tensor, scale: Tensor) -> Tensor:
+    """x times `scale` where `keep`, times 0 elsewhere: torch's dropout arithmetic (x * mask / (1 - p))."""
+    return x * keep.view(torch.uint8).to(x.dtype).mul_(scale)
+
+
 class MaskedScale(torch.autograd.Function):
     """x where `keep`, else 0, times `scale`; backward keeps the bool mask (1 byte an element), not a
     multiplier in x's dtype (2-4 bytes) as `x * multiplier` would."""
@@ -41,12 +64,12 @@ class MaskedScale(torch.autograd.Function):
     def forward(ctx, x: Tensor, keep: Tensor, scale: Tensor) -> Tensor:
         ctx.save_for_backward(keep)
         ctx.scale = scale
-        return torch.where(keep, x, 0).mul_(scale)
+        return kept_times(x, keep, scale)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         (keep,) = ctx.saved_tensors
-        return torch.where(keep, grad, 0).mul_(ctx.scale), None, None
+        return kept_times(grad, keep, ctx.scale), None, None
 
 
 class FastDropout(nn.Dropout):

@@ -1,5 +1,7 @@
-"""Process-level switches: torch threads, CPU affinity, cudnn.benchmark, determinism, channels_last."""
+"""Process-level switches: torch threads, CPU affinity, malloc's reuse of freed memory, cudnn.benchmark,
+determinism, channels_last."""
 
+import ctypes
 import os
 
 import torch
@@ -47,6 +49,7 @@ def apply_system(cfg: DictConfig, device: torch.device) -> dict[str, dict]:
             records["threads"]["inter_op"] = cfg.interop_threads
         except RuntimeError as exc:
             records["threads"]["inter_op_note"] = f"unchanged: {exc}"
+    records["malloc"] = apply_malloc(cfg.reuse_freed_memory)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         records["cudnn_benchmark"] = applied(enabled=cfg.cudnn_benchmark)
@@ -55,6 +58,57 @@ def apply_system(cfg: DictConfig, device: torch.device) -> dict[str, dict]:
     torch.use_deterministic_algorithms(cfg.deterministic, warn_only=True)
     records["deterministic"] = applied() if cfg.deterministic else skipped("system.deterministic=false")
     return records
+
+
+# glibc's mallopt parameters, and their values when glibc starts (its own defaults)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+GLIBC_DEFAULT_BYTES = 128 * 1024
+# Blocks up to this size come from the heap and stay there when freed, and the heap keeps up to this much
+# free memory at its top: a step's activations (tens of MiB each at the headline's shapes) reuse the last
+# step's pages instead of mapping new ones and faulting each page in again.
+REUSE_BYTES = 1 << 30
+_malloc_changed = False  # an earlier job of this process set the thresholds
+
+
+def glibc_version() -> str | None:
+    """ "glibc 2.36", or None where the C library is another (musl, macOS, Windows)."""
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def apply_malloc(reuse: bool) -> dict:
+    """system.reuse_freed_memory: glibc returns each freed block above its mmap threshold (128 KiB,
+    rising to 32 MiB as blocks are freed) to the OS, so every larger tensor of every step maps fresh pages
+    and faults them in: an fp32 [38656, 512] product took 52.9 ms in new memory, 9.1 ms in memory already
+    touched; forward + backward of two headline blocks (200 rows, dropout) ran 1.19x faster with reuse
+    (median of 8 alternating pairs in one process, 0.96-1.33x; AMD EPYC, AVX2, 2 cores). The price:
+    freed memory stays with the process, up to REUSE_BYTES at the heap's top."""
+    global _malloc_changed
+    libc = glibc_version()
+    if not reuse:
+        if _malloc_changed:  # an earlier job of an in-process sweep asked for reuse: glibc's values again
+            _mallopt(GLIBC_DEFAULT_BYTES)
+            ctypes.CDLL(None).malloc_trim(0)  # the free memory the heap kept, back to the OS
+            _malloc_changed = False
+            return skipped(
+                "system.reuse_freed_memory=false: glibc's starting thresholds (128 KiB) set again and the "
+                "kept free memory returned, after an earlier job of this process raised them (glibc's "
+                "dynamic mmap threshold stays off)"
+            )
+        return skipped("system.reuse_freed_memory=false: malloc as the C library has it")
+    if libc is None:
+        return skipped("not glibc: its mallopt thresholds do not exist here, malloc as the C library has it")
+    if not _mallopt(REUSE_BYTES):
+        return skipped(f"{libc} refused mallopt's thresholds of {REUSE_BYTES} bytes: malloc as it was")
+    _malloc_changed = True
+    return applied(libc=libc, mmap_threshold=REUSE_BYTES, trim_threshold=REUSE_BYTES)
+
+
+def _mallopt(nbytes: int) -> bool:
+    mallopt = ctypes.CDLL(None).mallopt
+    return bool(mallopt(M_MMAP_THRESHOLD, nbytes)) and bool(mallopt(M_TRIM_THRESHOLD, nbytes))
 
 
 def threads_for_quota(given_threads: int) -> str | None:

@@ -66,6 +66,7 @@ def test_every_phase_is_recorded_in_the_run(make_cfg, tmp_path):
         "threads",
         "cpu_affinity",
         "cudnn_benchmark",
+        "malloc",
         "deterministic",
         "cuda_memory",
         "dataloader",

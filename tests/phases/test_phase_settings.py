@@ -1,6 +1,7 @@
 """The phases that change settings rather than numbers: optimizer, system, loader, memory guard."""
 
 import os
+import resource
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from aamperf.phases.dataloader import resolve_dataloader
 from aamperf.phases.memory import apply_cuda_memory
 from aamperf.phases.optimizer import build_optimizer
-from aamperf.phases.system import apply_channels_last, apply_system
+from aamperf.phases.system import apply_channels_last, apply_system, glibc_version
 
 CPU = torch.device("cpu")
 
@@ -51,6 +52,30 @@ def test_tuned_system_sets_threads_and_records_cpu_only_skips(make_cfg):
         assert records["cpu_affinity"]["status"] == "skipped"
     finally:
         torch.set_num_threads(before)
+
+
+def page_faults_of_a_second_block(nbytes: int = 64 << 20) -> int:
+    """Minor page faults while filling a block of `nbytes`, allocated right after one just freed."""
+    torch.ones(nbytes // 4)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(nbytes // 4)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@pytest.mark.skipif(glibc_version() is None, reason="mallopt's thresholds are glibc's")
+def test_tuned_system_reuses_freed_memory_and_a_later_default_job_gives_it_back(make_cfg):
+    pages = (64 << 20) // resource.getpagesize()
+    apply_system(make_cfg().system, CPU)  # as a process starts (an earlier test's run may have had reuse)
+    assert page_faults_of_a_second_block() > pages / 2  # glibc unmaps a freed 64 MiB block: faulted in again
+    try:
+        records = apply_system(make_cfg("system=tuned").system, CPU)
+        assert records["malloc"]["status"] == "applied" and records["malloc"]["libc"].startswith("glibc")
+        page_faults_of_a_second_block()  # the heap grows to hold it once
+        assert page_faults_of_a_second_block() < pages / 20  # the freed block's pages, reused
+    finally:
+        records = apply_system(make_cfg().system, CPU)  # an in-process sweep's next job, system defaults
+    assert records["malloc"]["status"] == "skipped" and "set again" in records["malloc"]["reason"]
+    assert page_faults_of_a_second_block() > pages / 2
 
 
 def test_cpu_cores_pin_the_process_and_size_the_thread_pool(make_cfg):
