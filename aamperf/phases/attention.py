@@ -39,6 +39,8 @@ class ChunkedDropoutAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: nn.Dropout) -> Tensor:
         n, heads, length, _ = q.shape
+        # q, k, v are permuted views of the qkv projection: copied once here, not by every chunk's matmuls
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         keep = draw_keep(dropout, torch.Size((n, heads, length, k.size(-2))), q.dtype, q.device)
         # keys a query may not see: the math's large finite negative added to their scores (score + min
         # rounds to min for any score below 1e31 in fp32), and an integer mask for their gradient
@@ -72,6 +74,7 @@ class ChunkedDropoutAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         q, k, v, keep = ctx.saved_tensors
+        grad = grad.contiguous()  # the gradient of a transposed view: copied once, not by each chunk
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         with torch.autocast(q.device.type, enabled=False):
             for rows in ctx.chunks:
