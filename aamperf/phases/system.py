@@ -81,10 +81,10 @@ def glibc_version() -> str | None:
 def apply_malloc(reuse: bool) -> dict:
     """system.reuse_freed_memory: glibc returns each freed block above its mmap threshold (128 KiB,
     rising to 32 MiB as blocks are freed) to the OS, so every larger tensor of every step maps fresh pages
-    and faults them in: an fp32 [38656, 512] product took 52.9 ms in new memory, 9.1 ms in memory already
-    touched; forward + backward of two headline blocks (200 rows, dropout) ran 1.19x faster with reuse
-    (median of 8 alternating pairs in one process, 0.96-1.33x; AMD EPYC, AVX2, 2 cores). The price:
-    freed memory stays with the process, up to REUSE_BYTES at the heap's top."""
+    and faults them in again. `experiments/headline/step_parts.py` (AMD EPYC, AVX2, 2 cores; 8 alternating
+    pairs in one process): x * scale over an fp32 [38656, 512] 14.3 ms with glibc's thresholds, 10.8 ms
+    with reuse (1.31x); forward + backward of two headline blocks 1.12x (pairs 0.69-1.71x). The price:
+    freed memory stays with the process, up to REUSE_BYTES at the heap's top (experiments/memory/)."""
     global _malloc_changed
     libc = glibc_version()
     if not reuse:
