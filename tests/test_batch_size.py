@@ -2,11 +2,13 @@
 requested effective batch kept by accumulation, and a run that starts as if the batch had been given."""
 
 import psutil
+import pytest
 from conftest import read_metrics, read_summary
 
 from aamperf.run import train
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_auto_batch_fits_the_budget_and_keeps_the_effective_batch(launch):
     # A budget of ~0.65 GiB: a few tiny batches fit, a batch of the whole training set does not.
     vm = psutil.virtual_memory()
@@ -34,6 +36,7 @@ def test_auto_batch_fits_the_budget_and_keeps_the_effective_batch(launch):
     assert all(abs(r["samples_per_s"] * r["step_time_s"] - 32) < 1e-6 for r in rows)  # trained at 32
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_auto_batch_run_trains_like_the_batch_given(make_cfg, tmp_path):
     """The probes leave no trace: weights, optimizer state, random draws and data order as before."""
     train(make_cfg("trainer.batch_size=8", "trainer.max_steps=4"), tmp_path / "given")

@@ -86,6 +86,7 @@ def cpu_cgroup(quota_cores: float):
         group.rmdir()  # its processes have ended
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_a_run_under_a_cpu_quota_takes_threads_for_the_time_it_has(launch):
     if len(os.sched_getaffinity(0)) < 2 or torch.get_num_threads() < 2:
         pytest.skip("needs 2 cores and torch's 2 threads to tell the quota's threads from the cores'")

@@ -19,6 +19,7 @@ RESUMABLE = [
 ]
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_a_run_killed_mid_training_resumes_with_the_same_losses(launch):
     proc, whole = launch(*RESUMABLE, name="whole")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -154,6 +155,7 @@ def test_torchrun_restarts_a_killed_rank_and_goes_on_from_the_last_checkpoint(la
     )
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_compile_auto_on_a_resume_counts_only_the_steps_left(make_cfg, tmp_path):
     """A trial that pays over a run's 30 steps (0.5 s saved a step, 10 s to compile) does not over the 15
     a resume from step 15 has left: the resumed run stays eager and says so."""

@@ -4,9 +4,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import read_summary
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_main_job_writes_run_directory(launch):
     proc, run_dir = launch("trainer.max_steps=5")
     assert proc.returncode == 0, proc.stderr
@@ -43,6 +45,7 @@ def test_a_run_of_warm_up_steps_only_says_why_it_has_no_speed(launch):
     )
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_help_says_what_aamperf_is_its_groups_and_commands(launch):
     proc, _ = launch("--help", tiny=False, name=None)
     assert proc.returncode == 0 and proc.stdout.startswith("aamperf: PyTorch training made fast")

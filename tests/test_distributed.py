@@ -43,6 +43,7 @@ def values(rows, key):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_two_ranks_train_like_one_process_with_the_whole_batch(launch, strategy):
     # DDP: NaN in a gradient at step 3, in the one process and on rank 1 only: both ranks must skip it
     poison = ["loss._target_=plugin_model.PoisonedLoss", "+loss.into=grad", "+loss.steps=[3]"]
@@ -103,6 +104,7 @@ def test_no_process_per_node_is_one_line(launch):
     assert last == "error: --nproc_per_node=0 must be >= 1 (processes on this node)"
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_bad_input_under_aamperf_launch_is_one_line_and_exit_2_for_the_job(launch):
     """`python -m aamperf.launch` is torchrun with aamperf's exit codes: both ranks refuse the batch (3 does
     not split over 2 ranks); the job shows that line once and exits 2, where torchrun exits 1 with its
@@ -118,6 +120,7 @@ def test_bad_input_under_aamperf_launch_is_one_line_and_exit_2_for_the_job(launc
     assert lines[0] in theirs.stderr
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_the_bf16_gradient_hook_on_cpu_is_refused_before_anything_runs(launch):
     bad = ["distributed=ddp", "distributed.comm_hook=bf16"]
     proc, run_dir = launch(*bad, launcher=torchrun(2, module="aamperf.launch"))
@@ -239,6 +242,7 @@ def _rank_main(rank: int, config: dict, port: int, out: str) -> None:
     first_step_gradients(config, rank, 2, port, out)
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_ddp_gradients_equal_one_process_parameter_by_parameter(make_cfg, tmp_path):
     ddp = OmegaConf.to_container(make_cfg(*SAME_TRAINING, "distributed=ddp"), resolve=True)
     single = OmegaConf.to_container(make_cfg(*SAME_TRAINING), resolve=True)
@@ -306,6 +310,7 @@ def _auto_phases_on_two_ranks(rank: int, config: dict, port: int, out: str, how:
 
 
 @pytest.mark.parametrize("how", ["cached", "trial"])
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_auto_phases_decided_on_two_ranks_train_like_one_process(make_cfg, tmp_path, how):
     auto = ["compile=auto", "compile.backend=eager", "dataloader=auto", f"probe.cache={tmp_path / 'p.json'}"]
     # a rank that waits for a collective its peer never joins fails the test in 30 s, not in 10 min
@@ -342,6 +347,7 @@ def _loader_trial_on_two_ranks(rank: int, config: dict, port: int, out: str) -> 
     torch.save({"record": plan.records["dataloader"], "workers": setup.loader.num_workers}, f"{out}.{rank}")
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_both_loader_pipelines_are_timed_by_every_rank_together_and_the_first_decides(make_cfg, tmp_path):
     cache = f"probe.cache={tmp_path / 'p.json'}"
     plugin = ["~model", "+model._target_=plugin_model.MeanPoolModel", "+model.dim=8", "data.max_asvs=16"]
@@ -355,6 +361,7 @@ def test_both_loader_pipelines_are_timed_by_every_rank_together_and_the_first_de
     assert first["workers"] == first["record"]["auto"]["chose"]
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_slurm_tasks_train_like_torchrun_ranks(launch):
     """Two tasks of a SLURM job step on one node, as srun (or hydra/launcher=slurm) starts them."""
     pytest.importorskip("submitit")

@@ -21,6 +21,7 @@ from aamperf.interrupts import Interrupts, RunInterrupted
 LONG = ["trainer.max_steps=40", "trainer.val_every=8", "trainer.resume=auto"]
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_sigterm_finishes_the_step_keeps_a_checkpoint_and_the_run_goes_on_from_it(launch):
     proc, whole = launch(*LONG, name="whole")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -120,6 +121,7 @@ class Payload:
 
 
 @pytest.mark.parametrize("fmt", ["pt", "sharded"])
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_a_checkpoint_with_a_pickle_payload_is_refused_and_runs_nothing(launch, tmp_path, fmt):
     """A run with trainer.resume=auto finds a crafted newest checkpoint: a file, or a sharded directory
     whose `.metadata` (a pickle, read by torch.distributed.checkpoint) is the payload."""
@@ -221,6 +223,7 @@ def _put_payload_in_a_bytes_item(path: Path, marker: Path) -> None:
 # ---- run directories, full disks, damaged caches and records ------------------------------------------
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_two_runs_started_together_get_a_directory_each(launch, tmp_path):
     """The default run directory: two launches in the same second (both started at once here) used to
     share outputs/runs/<date>/<time> and interleave their metrics."""
@@ -249,6 +252,7 @@ def test_a_run_directory_in_use_is_refused_and_a_stale_one_taken_over(make_cfg, 
     assert not (tmp_path / LOCK).exists()  # released at the end
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_a_partial_last_line_in_the_metrics_does_not_stop_a_resume(make_cfg, tmp_path):
     from aamperf.run import train
 
@@ -329,6 +333,7 @@ def tmpfs_works(tmp_path) -> bool:
     return run.returncode == 0
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_a_full_disk_during_a_checkpoint_says_so_in_one_line_and_keeps_the_last_good_one(launch, tmp_path):
     if not tmpfs_works(tmp_path):
         pytest.skip("no tmpfs can be mounted here (unshare or mount refused): a full disk needs one")

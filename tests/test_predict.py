@@ -133,6 +133,7 @@ def test_a_run_of_another_model_is_refused_in_one_line_and_its_model_must_import
         load_model(run_dir)
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_two_ranks_write_what_one_process_writes(launch, trained_run):
     run_dir, _ = trained_run
     # in chunks of 9 samples (7 rounded up to whole batches of 3): each rank its batches of each chunk
@@ -185,6 +186,7 @@ def _levels_of_two_ranks(rank: int, config: dict, run_dir: str, port: int, out: 
     torch.save(records, f"{out}.{rank}")
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_two_ranks_predict_with_the_level_the_first_rank_chose(trained_run, tmp_path):
     run_dir, _ = trained_run
     register_predict_configs()
@@ -202,6 +204,7 @@ def test_two_ranks_predict_with_the_level_the_first_rank_chose(trained_run, tmp_
     assert second["compile"]["auto"] == first["compile"]["auto"]
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_the_exported_program_gives_the_models_outputs_at_other_shapes(launch, trained_run):
     run_dir, _ = trained_run
     out, summary = predicted(launch, f"run={run_dir}", "export=true", "batch_size=4", name="export")

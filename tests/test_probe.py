@@ -88,6 +88,7 @@ def test_a_quiet_answer_is_cached_and_reused(tmp_path):
     assert len(keys) == 2 and all(k.startswith(device_key(CPU)) for k in keys)
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_a_first_run_says_what_it_measures_and_a_later_one_reads_the_cache(launch, tmp_path):
     cache = tmp_path / "probe.json"
     lines = []

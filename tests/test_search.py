@@ -23,6 +23,7 @@ def test_a_trial_that_loses_quality_scores_zero(tmp_path):
     assert objective(cfg, {"samples_per_s": 50.0, "val_loss": None}) == 0.0  # no validation: not counted
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_search_runs_trials_and_writes_a_ready_optim_level(launch):
     proc, sweep_dir = launch(
         "hparams_search=fastest",

@@ -57,6 +57,7 @@ def test_sweep_ends_with_the_report_of_its_own_runs(sweep):
     assert "at the same time" not in (sweep_dir / "comparison.md").read_text()
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_jobs_that_ran_at_once_are_named_and_their_verdicts_left_undecided(tmp_path, cache_dir):
     # submitit's local launcher starts every job at once, on this machine's two cores
     proc, sweep_dir = launch_run(

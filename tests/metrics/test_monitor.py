@@ -95,6 +95,7 @@ def test_another_programs_load_on_the_cores_is_named_and_the_jobs_own_workers_ar
     )
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_a_run_timed_beside_another_program_says_so(launch):
     with spinning(ours=False, count=len(os.sched_getaffinity(0))):
         proc, run_dir = launch("trainer.max_steps=12")

@@ -516,6 +516,7 @@ def test_dataloader_auto_times_no_step_where_its_flops_at_the_peak_settle_it():
     assert step_floor_s(1e12, None, 0.001) is None
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_a_run_times_both_pipelines_on_its_own_batches_and_trains_as_it_would_have(make_cfg, tmp_path):
     """A model whose step is a few milliseconds (batch-making a large share of it): dataloader=auto times
     a real worker against in-process batches, decides as `worker_pays` says, and the run trains as with
@@ -538,6 +539,7 @@ def test_a_run_times_both_pipelines_on_its_own_batches_and_trains_as_it_would_ha
     assert again["phases"]["dataloader"]["auto"]["trial"]["source"] == "cache"
 
 
+@pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_a_run_with_every_auto_records_each_decision_beside_its_phase(make_cfg, tmp_path):
     """attention and the loader measured here; compile decided from the probe's block (injected:
     compiling for real takes a minute on 2 cores); precision=auto has its own test above."""
