@@ -473,6 +473,7 @@ def _long_waits_of_two_ranks(rank: int, port: int, out: str) -> None:
     torch.save(got, f"{out}.{rank}")
 
 
+@pytest.mark.slow  # over 12 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_a_rank_waits_for_another_that_works_alone_longer_than_the_timeout_and_no_longer(tmp_path):
     mp.spawn(_long_waits_of_two_ranks, args=(free_port(), str(tmp_path / "got")), nprocs=2, join=True)
     first, second = torch.load(tmp_path / "got.0"), torch.load(tmp_path / "got.1")

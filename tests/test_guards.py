@@ -55,6 +55,7 @@ def test_a_nonfinite_step_is_skipped_and_counted(make_cfg, tmp_path, optimizer, 
     assert summary["val"]["val_loss"] is not None and all(p is not None for p in summary["val"].values())
 
 
+@pytest.mark.slow  # over 12 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_nonfinite_steps_in_a_row_abort_with_the_last_good_state(launch):
     overrides = [*EVERY_STEP, "trainer.max_steps=12", "trainer.max_nonfinite=3", "metrics.log_every=2"]
     proc, run_dir = launch(*overrides, *poisoned("batch", from_step=5))
@@ -87,6 +88,7 @@ def test_grad_scaler_backs_off_on_a_nonfinite_step():
     assert scaler.get_scale() == 512.0
 
 
+@pytest.mark.slow  # over 12 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_memory_over_max_fraction_checkpoints_and_stops(launch):
     total = psutil.virtual_memory().total  # the limit: no cgroup limit here (else, adjust)
     used = 0.6 * 2**30 / total  # the run's own memory: ~0.5 GiB at its start
@@ -108,6 +110,7 @@ def test_memory_over_max_fraction_checkpoints_and_stops(launch):
     assert (run_dir / "checkpoints" / f"step_{summary['steps']:08d}.pt").exists()
 
 
+@pytest.mark.slow  # over 12 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_another_programs_memory_warns_but_does_not_stop_the_run(launch):
     """The guard measures the run's own memory: a program beside it holding 3 GiB pushes the machine
     over memory.max_fraction, which is a warning, not a stop."""

@@ -83,6 +83,7 @@ def test_the_runs_own_samples_one_row_each_with_the_pairwise_unifrac_of_their_em
     assert summary["samples_per_s"] > 0 and latency["p95"] >= latency["p50"] > 0
 
 
+@pytest.mark.slow  # over 12 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_a_new_table_with_new_asvs(launch, trained_run, cache_dir):
     run_dir, trained = trained_run
     # another simulated data set: another phylogeny, so sequences the model never saw
@@ -291,6 +292,7 @@ def test_the_pairwise_matrix_written_a_block_of_rows_at_a_time_is_the_whole_one(
     assert np.allclose(matrix, predicted_unifrac(embedding).numpy(), atol=1e-6)
 
 
+@pytest.mark.slow  # over 12 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_a_table_read_a_chunk_at_a_time_gives_what_the_whole_table_gives(launch, trained_run, cache_dir):
     import biom
 
@@ -310,6 +312,7 @@ def test_a_table_read_a_chunk_at_a_time_gives_what_the_whole_table_gives(launch,
         assert (chunked / name).read_text() == (whole / name).read_text(), name
 
 
+@pytest.mark.slow  # over 12 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_batch_size_auto_finds_the_largest_forward_pass_that_fits(launch, trained_run):
     run_dir, _ = trained_run
     # with a level whose auto choices are measured at the batch's shapes: those of a real batch
