@@ -57,8 +57,8 @@ def kept_times(x: Tensor, keep: Tensor, scale: Tensor) -> Tensor:
 
 
 class MaskedScale(torch.autograd.Function):
-    """x where `keep`, else 0, times `scale`; backward keeps the bool mask (1 byte an element), not a
-    multiplier in x's dtype (2-4 bytes) as `x * multiplier` would."""
+    """x times `scale` where `keep`, times 0 elsewhere; backward keeps the bool mask (1 byte an element),
+    not a multiplier in x's dtype (2-4 bytes) as `x * multiplier` would."""
 
     @staticmethod
     def forward(ctx, x: Tensor, keep: Tensor, scale: Tensor) -> Tensor:

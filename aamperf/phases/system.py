@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from aamperf.cgroups import core_budget, cpu_quota, usable_cores
+from aamperf.metrics.monitor import release_freed_memory
 from aamperf.phases.record import applied, skipped
 
 # The cores and intra-op threads the process had before its first job changed them: a later job of an
@@ -86,11 +87,10 @@ def apply_malloc(reuse: bool) -> dict:
     with reuse (1.31x); forward + backward of two headline blocks 1.12x (pairs 0.69-1.71x). The price:
     freed memory stays with the process, up to REUSE_BYTES at the heap's top (experiments/memory/)."""
     global _malloc_changed
-    libc = glibc_version()
     if not reuse:
         if _malloc_changed:  # an earlier job of an in-process sweep asked for reuse: glibc's values again
             _mallopt(GLIBC_DEFAULT_BYTES)
-            ctypes.CDLL(None).malloc_trim(0)  # the free memory the heap kept, back to the OS
+            release_freed_memory()  # the free memory the heap kept, back to the OS
             _malloc_changed = False
             return skipped(
                 "system.reuse_freed_memory=false: glibc's starting thresholds (128 KiB) set again and the "
@@ -98,6 +98,7 @@ def apply_malloc(reuse: bool) -> dict:
                 "dynamic mmap threshold stays off)"
             )
         return skipped("system.reuse_freed_memory=false: malloc as the C library has it")
+    libc = glibc_version()
     if libc is None:
         return skipped("not glibc: its mallopt thresholds do not exist here, malloc as the C library has it")
     if not _mallopt(REUSE_BYTES):
