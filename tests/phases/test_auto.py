@@ -571,10 +571,17 @@ def test_a_run_with_every_auto_records_each_decision_beside_its_phase(make_cfg, 
     assert (
         summary["auto_s"] + 1e-3 >= phases["compile"]["decide_s"] >= phases["compile"]["auto"]["trial_s"] > 0
     )
-    # the same device and cache: every answer read, none measured
+    # the same device and cache: every answer kept is read, none measured again. An attention answer
+    # measured while other processes shared the cores is not kept (CI's shared machine), so it is
+    # measured again.
+    first = phases["attention"]["auto"]["source"]
     again = train(make_cfg(*overrides), tmp_path / "again")
-    assert again["phases"]["attention"]["auto"]["source"] == "cache"
-    assert again["auto_s"] < summary["auto_s"] / 2
+    assert first in ("measured", "measured_under_load")
+    if first == "measured":
+        assert again["phases"]["attention"]["auto"]["source"] == "cache"
+        assert again["auto_s"] < summary["auto_s"] / 2
+    else:
+        assert again["phases"]["attention"]["auto"]["source"] in ("measured", "measured_under_load")
 
 
 def test_the_time_compile_auto_spends_deciding_is_the_runs_auto_s(make_cfg, tmp_path):
