@@ -1,11 +1,9 @@
 """Dropout masks from a cheaper random source. On CPU, drawing one Bernoulli sample per element is
 the largest single cost of an AAM training step (the attention weights alone are rows x heads x
 151 x 151 per layer); this phase cuts each mask from 64-bit random words instead: 16 random bits per
-element, one generator call per four elements, the same keep probability (to 1/65536). Each transformer
-FFN then keeps h and its mask for backward, not the dropped GELU output as well (LeanFFN)."""
+element, one generator call per four elements, the same keep probability (to 1/65536)."""
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
@@ -90,69 +88,8 @@ class FastDropout(nn.Dropout):
         return x * keep.to(x.dtype).mul_(keep_scale(self.p, x))
 
 
-class GeluDropLinear(torch.autograd.Function):
-    """linear(dropout(gelu(h))) that keeps h and the bool mask for backward, not dropout's output as well
-    (the second linear's input, as large as h): backward makes it again, one elementwise pass, for the
-    weight's gradient. The same kernels in the same order as the three modules: the same numbers."""
-
-    @staticmethod
-    def forward(
-        ctx, h: Tensor, keep: Tensor, scale: Tensor, approximate: str, weight: Tensor, bias: Tensor | None
-    ):
-        ctx.save_for_backward(h, keep, weight)
-        ctx.scale, ctx.approximate, ctx.has_bias = scale, approximate, bias is not None
-        return F.linear(kept_times(F.gelu(h, approximate=approximate), keep, scale), weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        h, keep, weight = ctx.saved_tensors
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_h = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[4]:
-            a = kept_times(F.gelu(h, approximate=ctx.approximate), keep, ctx.scale)
-            grad_weight = rows.t().mm(a.view(-1, a.shape[-1]))
-            del a
-        if ctx.has_bias and ctx.needs_input_grad[5]:
-            grad_bias = rows.sum(0)
-        if ctx.needs_input_grad[0]:
-            grad_a = kept_times(rows.mm(weight).view(h.shape), keep, ctx.scale)
-            grad_h = torch.ops.aten.gelu_backward(grad_a, h, approximate=ctx.approximate)
-        return grad_h, None, None, None, grad_weight, grad_bias
-
-
-class LeanFFN(nn.Sequential):
-    """A transformer FFN (Linear, GELU, FastDropout, Linear, dropout) whose middle keeps half the
-    activations for backward: GeluDropLinear in training in fp32 without autocast, the plain modules
-    otherwise. The same children, so the same state_dict keys."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        expand, gelu, drop, project, last = self
-        h = expand(x)
-        if not (self.training and drop.p > 0 and h.dtype == torch.float32) or torch.is_autocast_enabled(
-            h.device.type
-        ):
-            return super().forward(x)
-        keep = keep_mask(h.shape, drop.p, h.device)
-        return last(
-            GeluDropLinear.apply(
-                h, keep, keep_scale(drop.p, h), gelu.approximate, project.weight, project.bias
-            )
-        )
-
-
-def lean_ffn(module: nn.Module) -> LeanFFN | None:
-    """`module` as a LeanFFN where it is a Sequential(Linear, GELU, FastDropout, Linear, any), else None."""
-    kinds = (nn.Linear, nn.GELU, FastDropout, nn.Linear, nn.Module)
-    if type(module) is not nn.Sequential or len(module) != len(kinds):
-        return None
-    if not all(isinstance(child, kind) for child, kind in zip(module, kinds, strict=True)):
-        return None
-    return LeanFFN(*module)
-
-
 def apply_dropout(model: nn.Module, cfg: DictConfig, device: torch.device) -> dict:
-    """Replace every nn.Dropout of `model` (attention weights included) by FastDropout, and each
-    transformer FFN by a LeanFFN."""
+    """Replace every nn.Dropout of `model` (attention weights included) by FastDropout."""
     if cfg.impl == "standard":
         return skipped("dropout=standard")
     if device.type == "cuda":
@@ -165,10 +102,4 @@ def apply_dropout(model: nn.Module, cfg: DictConfig, device: torch.device) -> di
                 replaced += 1
     if not replaced:
         return skipped("the model has no active nn.Dropout")
-    lean = 0
-    for parent in list(model.modules()):
-        for name, child in parent.named_children():
-            if (ffn := lean_ffn(child)) is not None:
-                setattr(parent, name, ffn)
-                lean += 1
-    return applied(modules=replaced, lean_ffns=lean)
+    return applied(modules=replaced)

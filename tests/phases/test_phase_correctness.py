@@ -5,7 +5,6 @@ import copy
 import pytest
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from aamperf.data import build_data
 from aamperf.device import to_device
@@ -195,60 +194,3 @@ def test_fast_dropout_phase_reaches_every_dropout_and_keeps_eval_exact(make_cfg)
     assert record["modules"] == n_dropout
     assert not any(type(m) is torch.nn.Dropout for m in model.modules())
     assert sum(isinstance(m, FastDropout) for m in model.modules()) == n_dropout
-
-
-def saved_bytes(fn) -> int:
-    """Bytes of the distinct tensors autograd keeps for backward while `fn()` runs forward."""
-    kept = {}
-
-    def pack(t):
-        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(kept.values())
-
-
-def test_lean_ffn_gives_the_three_modules_numbers_and_keeps_less_for_backward():
-    """dropout=fast turns each FFN into a LeanFFN: the same output and gradients, bit for bit, as
-    Linear, GELU, FastDropout, Linear, FastDropout drawing the same masks; the GELU's dropped output
-    (the second Linear's input) is not kept for backward; bf16 autocast and eval run the plain modules."""
-    from aamperf.model.layers import Block
-    from aamperf.phases.dropout import FastDropout, LeanFFN, apply_dropout
-
-    torch.manual_seed(0)
-    block = Block(32, 4, 4, 0.1)
-    plain = copy.deepcopy(block)
-    for parent in list(plain.modules()):  # FastDropout everywhere, the FFN left a Sequential
-        for name, child in parent.named_children():
-            if type(child) is torch.nn.Dropout:
-                setattr(parent, name, FastDropout(child.p))
-    lean = copy.deepcopy(block)
-    record = apply_dropout(lean, OmegaConf.create({"impl": "fast"}), torch.device("cpu"))
-    assert record["lean_ffns"] == 1 and type(lean.ffn) is LeanFFN and type(plain.ffn) is torch.nn.Sequential
-    assert lean.state_dict().keys() == block.state_dict().keys()  # a checkpoint loads either way
-    x = torch.randn(6, 20, 32)
-    weights = torch.randn(6, 20, 32)
-
-    def run(model):
-        torch.manual_seed(1)  # the same masks, drawn in the same order
-        model.zero_grad(set_to_none=True)
-        inp = x.clone().requires_grad_()
-        out = model(inp, None)
-        (out * weights).sum().backward()
-        return [out.detach(), inp.grad, *(p.grad for p in model.parameters())]
-
-    for got, want in zip(run(lean), run(plain), strict=True):
-        assert torch.equal(got, want)
-    h = torch.randn(6, 20, 32)
-
-    def forward(ffn):
-        return lambda: ffn(h.clone().requires_grad_())
-
-    hidden = 6 * 20 * 128 * 4  # one fp32 activation of the FFN's width
-    assert saved_bytes(forward(plain.ffn)) - saved_bytes(forward(lean.ffn)) == hidden
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast: the plain modules, bf16 out
-        assert lean.ffn(h).dtype == torch.bfloat16
-    lean.eval(), plain.eval()
-    assert torch.equal(lean(x, None), plain(x, None))

@@ -63,12 +63,12 @@ def page_faults_of_a_second_block(nbytes: int = 64 << 20) -> int:
 
 
 @pytest.mark.skipif(glibc_version() is None, reason="mallopt's thresholds are glibc's")
-def test_reusing_freed_memory_keeps_pages_and_a_later_default_job_gives_them_back(make_cfg):
+def test_tuned_system_reuses_freed_memory_and_a_later_default_job_gives_it_back(make_cfg):
     pages = (64 << 20) // resource.getpagesize()
     apply_system(make_cfg().system, CPU)  # as a process starts (an earlier test's run may have had reuse)
     assert page_faults_of_a_second_block() > pages / 2  # glibc unmaps a freed 64 MiB block: faulted in again
     try:
-        records = apply_system(make_cfg("system.reuse_freed_memory=true").system, CPU)
+        records = apply_system(make_cfg("system=tuned").system, CPU)
         assert records["malloc"]["status"] == "applied" and records["malloc"]["libc"].startswith("glibc")
         page_faults_of_a_second_block()  # the heap grows to hold it once
         assert page_faults_of_a_second_block() < pages / 20  # the freed block's pages, reused
