@@ -86,8 +86,9 @@ def apply_malloc(reuse: bool) -> dict:
     pairs in one process): x * scale over an fp32 [38656, 512] 14.3 ms with glibc's thresholds, 10.8 ms
     with reuse (1.31x); forward + backward of two headline blocks 1.12x (pairs 0.69-1.71x). The price:
     freed memory stays with the process, holes in the heap included: ultra's peak RSS at the memory
-    study's batch 0.98-1.10x the baseline's with it, 0.84-0.91x without, where its headline step took
-    1.47x as long (experiments/memory/, experiments/headline/)."""
+    study's batch 0.98-1.10x the baseline's with it, 0.84-0.91x without; its headline step took 1.47x as
+    long without reuse and with a leaner FFN since reverted, the two not separated (experiments/memory/,
+    experiments/headline/)."""
     global _malloc_changed
     if not reuse:
         if _malloc_changed:  # an earlier job of an in-process sweep asked for reuse: glibc's values again
