@@ -45,6 +45,7 @@ CONFIG_CASES = {
     "seed above 32 bits": (["data.seed=99999999999"], "data.seed=99999999999 must be an integer from 0"),
     "negative lr": (["trainer.lr=-0.001"], "trainer.lr=-0.001 must be > 0"),
     "unknown device": (["device=tpu"], "device=tpu is not one of auto, cpu, cuda, cuda:N"),
+    "unknown allocator": (["system.allocator=jemalloc"], "system.allocator=jemalloc is not one of tcmalloc"),
     "more ASVs than model positions": (["data.max_asvs=32"], "raise model.max_asvs"),
     "unknown resume mode": (["trainer.resume=maybe"], "trainer.resume=maybe is not one of disabled, auto"),
     "memory fraction above 1": (["memory.warn_fraction=1.5"], "memory.warn_fraction=1.5 must be in (0, 1]"),
@@ -347,7 +348,7 @@ def test_a_bug_keeps_its_traceback(cache_dir, tmp_path, monkeypatch, capfd):
     def broken(cfg, run_dir, interrupts=None, sweep_job=False):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("aamperf.train.train", broken)
+    monkeypatch.setattr("aamperf.run.train", broken)  # main() imports it when it runs
     with pytest.raises(RuntimeError, match="a bug"):  # uncaught: Python prints the traceback, exit 1
         invoke(monkeypatch, capfd, *TINY, f"hydra.run.dir={tmp_path}")
     assert "HYDRA_FULL_ERROR" not in os.environ  # set for the call only

@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from aamperf.allocator import check_allocator
 from aamperf.distributed import World
 from aamperf.errors import UserError
 from aamperf.guards import MemoryGuard
@@ -44,7 +45,7 @@ def check_phases(cfg: DictConfig, device: torch.device) -> None:
     problems = check_precision(cfg.precision, device)
     problems += check_attention(cfg.attention, device, DTYPES.get(cfg.precision.dtype, torch.float32))
     problems += check_memory(cfg.memory) + check_dataloader(cfg.dataloader)
-    problems += check_comm_hook(cfg.distributed, device)
+    problems += check_comm_hook(cfg.distributed, device) + check_allocator(cfg.system)
     if problems:
         raise UserError("; ".join(problems))
 

@@ -1,5 +1,5 @@
-"""Process-level switches: torch threads, CPU affinity, malloc's reuse of freed memory, cudnn.benchmark,
-determinism, channels_last."""
+"""Process-level switches: torch threads, CPU affinity, the allocator (aamperf/phases/allocator.py),
+glibc malloc's reuse of freed memory, cudnn.benchmark, determinism, channels_last."""
 
 import ctypes
 import os
@@ -8,6 +8,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from aamperf.allocator import ALLOCATORS, in_process, sweeping, why_not_restarted
 from aamperf.cgroups import core_budget, cpu_quota, usable_cores
 from aamperf.metrics.monitor import release_freed_memory
 from aamperf.phases.record import applied, skipped
@@ -50,7 +51,12 @@ def apply_system(cfg: DictConfig, device: torch.device) -> dict[str, dict]:
             records["threads"]["inter_op"] = cfg.interop_threads
         except RuntimeError as exc:
             records["threads"]["inter_op_note"] = f"unchanged: {exc}"
-    records["malloc"] = apply_malloc(cfg.reuse_freed_memory)
+    records["allocator"] = allocator_record(cfg)
+    preloaded = in_process()
+    if preloaded:
+        records["malloc"] = skipped(f"malloc is {preloaded} here: glibc's thresholds do not apply")
+    else:
+        records["malloc"] = apply_malloc(cfg.reuse_freed_memory)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         records["cudnn_benchmark"] = applied(enabled=cfg.cudnn_benchmark)
@@ -59,6 +65,19 @@ def apply_system(cfg: DictConfig, device: torch.device) -> dict[str, dict]:
     torch.use_deterministic_algorithms(cfg.deterministic, warn_only=True)
     records["deterministic"] = applied() if cfg.deterministic else skipped("system.deterministic=false")
     return records
+
+
+def allocator_record(cfg: DictConfig) -> dict:
+    """The system phase's record of system.allocator."""
+    name, have = cfg.allocator, in_process()
+    if name is None:
+        where = f"{have}, preloaded when it started" if have else "the C library's"
+        return skipped(f"system.allocator=null: malloc as the process has it ({where})")
+    if have == name:
+        settings = {k: os.environ.get(k) for k in ALLOCATORS[name].settings}
+        return applied(name=name, preloaded=os.environ.get("LD_PRELOAD"), settings=settings)
+    why = why_not_restarted(name, sweeping()) or "not preloaded"
+    return skipped(f"system.allocator={name}: {why}: malloc as the process has it")
 
 
 # glibc's mallopt parameters, and their values when glibc starts (its own defaults)

@@ -1,0 +1,77 @@
+"""system.allocator: a run that asks for tcmalloc starts again with it preloaded, in its own directory;
+where it cannot, its record says why and how."""
+
+import json
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from aamperf.allocator import ALLOCATORS, Allocator, find, in_process, this_command, why_not_restarted
+from aamperf.phases.system import allocator_record
+
+TCMALLOC = find("tcmalloc")
+needs_tcmalloc = pytest.mark.skipif(
+    TCMALLOC is None, reason=f"tcmalloc is not installed here ({ALLOCATORS['tcmalloc'].install})"
+)
+
+
+@needs_tcmalloc
+def test_a_run_asking_for_tcmalloc_starts_again_with_it_in_the_same_directory(launch, tmp_path):
+    proc, run_dir = launch("system.allocator=tcmalloc", "trainer.max_steps=2")
+    assert proc.returncode == 0, proc.stderr
+    phases = json.loads((run_dir / "summary.json").read_text())["phases"]
+    assert phases["allocator"]["status"] == "applied", phases["allocator"]
+    assert phases["allocator"]["name"] == "tcmalloc" and TCMALLOC in phases["allocator"]["preloaded"]
+    assert phases["allocator"]["settings"]["TCMALLOC_RELEASE_RATE"] == "0"
+    assert phases["malloc"]["reason"] == "malloc is tcmalloc here: glibc's thresholds do not apply"
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no second (dated) run directory
+    log = (run_dir / "train.log").read_text()
+    assert log.count("starting again with") == 1  # once, and the restarted run logs to the same file
+
+
+def test_a_run_without_an_allocator_keeps_the_process_malloc():
+    record = allocator_record(OmegaConf.create({"allocator": None}))
+    assert record["status"] == "skipped"
+    assert record["reason"] == "system.allocator=null: malloc as the process has it (the C library's)"
+    assert in_process() is None  # pytest was not started with a preloaded allocator
+
+
+def test_a_process_that_is_not_the_train_command_is_never_started_again():
+    assert not this_command()  # pytest: a restart would replace the tests' own process
+    if TCMALLOC is not None:
+        record = allocator_record(OmegaConf.create({"allocator": "tcmalloc"}))
+        assert record["status"] == "skipped"
+        assert "is not a python -m aamperf.train command" in record["reason"]
+        assert "LD_PRELOAD=libtcmalloc_minimal.so.4 python -m aamperf.train" in record["reason"]
+
+
+def test_a_sweep_keeps_its_process_malloc_and_says_how_to_have_the_allocator():
+    if TCMALLOC is None:
+        pytest.skip(f"tcmalloc is not installed here ({ALLOCATORS['tcmalloc'].install})")
+    why = why_not_restarted("tcmalloc", in_sweep=True)
+    assert why.startswith("a sweep's jobs share one process")
+    assert "LD_PRELOAD=libtcmalloc_minimal.so.4 python -m aamperf.train ... -m" in why
+
+
+def test_a_missing_library_says_how_to_install_it(monkeypatch):
+    missing = Allocator(libraries=("libno_such_malloc.so.9",), install="apt install no-such-malloc")
+    monkeypatch.setitem(ALLOCATORS, "tcmalloc", missing)
+    assert find("tcmalloc") is None
+    record = allocator_record(OmegaConf.create({"allocator": "tcmalloc"}))
+    assert record["reason"] == (
+        "system.allocator=tcmalloc: libno_such_malloc.so.9 is not installed here "
+        "(apt install no-such-malloc): malloc as the process has it"
+    )
+
+
+def test_the_train_command_is_recognised_from_the_process_arguments(monkeypatch):
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-X", "dev", "-m", "aamperf.train", "optim=ultra"])
+    monkeypatch.setattr(sys, "argv", ["/src/aamperf/train.py", "optim=ultra"])
+    assert this_command()
+    monkeypatch.setattr(sys, "orig_argv", ["/venv/bin/python", "/venv/bin/aamperf-train", "optim=ultra"])
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/aamperf-train", "optim=ultra"])
+    assert this_command()
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "pytest", "tests"])
+    monkeypatch.setattr(sys, "argv", ["aamperf.train", "optim=ultra"])  # a test calling cli() in its process
+    assert not this_command()
