@@ -120,6 +120,8 @@ def restart_with_allocator(cfg: DictConfig, run_dir: Path) -> None:
     quoted = "'" + str(run_dir).replace("'", "\\'") + "'"  # Hydra's quoted string: any path
     args = [a for a in sys.orig_argv[1:] if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={quoted}"]
     log.info("system.allocator=%s: starting again with %s preloaded", name, library)
+    if HydraConfig.initialized():
+        os.chdir(HydraConfig.get().runtime.cwd)  # where the command was started (hydra.job.chdir moves it)
     logging.shutdown()  # the run's log file is appended to by the new process
     sys.stdout.flush()
     sys.stderr.flush()

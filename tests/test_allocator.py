@@ -2,6 +2,8 @@
 where it cannot, its record says why and how."""
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -75,3 +77,23 @@ def test_the_train_command_is_recognised_from_the_process_arguments(monkeypatch)
     monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "pytest", "tests"])
     monkeypatch.setattr(sys, "argv", ["aamperf.train", "optim=ultra"])  # a test calling cli() in its process
     assert not this_command()
+
+
+@needs_tcmalloc
+def test_freed_memory_is_given_back_under_tcmalloc_too(tmp_path):
+    """The batch-size finder and a sweep's next job start from what the process holds: with tcmalloc's
+    freed spans kept (TCMALLOC_RELEASE_RATE=0), release_freed_memory hands them back."""
+    script = (
+        "import psutil, torch\n"
+        "from aamperf.metrics.monitor import release_freed_memory\n"
+        "rss_bytes = lambda: psutil.Process().memory_info().rss\n"
+        "x = torch.ones(2**27)\n"  # 512 MiB, its pages touched
+        "del x\n"
+        "kept = rss_bytes()\n"
+        "release_freed_memory()\n"
+        "print(kept / 2**20, rss_bytes() / 2**20)\n"
+    )
+    env = {**os.environ, "LD_PRELOAD": TCMALLOC, **ALLOCATORS["tcmalloc"].settings}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    kept_mib, after_mib = map(float, out.stdout.split())
+    assert kept_mib - after_mib > 400, out.stdout  # the 512 MiB were kept, then returned

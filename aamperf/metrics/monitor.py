@@ -110,10 +110,16 @@ def pss_bytes(pid: int | str = "self") -> int:
 
 
 def release_freed_memory() -> None:
-    """Give memory freed by earlier jobs of this process back to the OS (glibc keeps it otherwise),
-    so a job starts from what it really holds."""
+    """Give memory freed by earlier jobs of this process (or the batch-size finder's probes) back to the
+    OS, which the allocator keeps otherwise, so what comes next starts from what it really holds:
+    tcmalloc's free spans where it is preloaded (system.allocator), else glibc's free heap."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        process = ctypes.CDLL(None)  # every library of the process, the preloaded one first
+        release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)  # tcmalloc's C API
+        if release is not None:
+            release()
+        else:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
 
