@@ -250,7 +250,10 @@ def auto_compile(
         return probe.answer("eager_step", params, lambda: eager_step(step, probe.device))["eager_step_s"]
 
     with forked_rng(probe.device):  # the trial's dropout draws leave the run's stream as it was
-        floor_s = probe.least("compile", "block_compile_s")  # any block compiled here before: no new probe
+        # any block compiled here before: a floor that can spare this block's probe, unless that probe is
+        # cached (it then decides for nothing, and a compiled block no faster needs no eager step timed)
+        probed = probe.cached("compile", {"block": block, "dtype": dtype}) is not None
+        floor_s = None if probed else probe.least("compile", "block_compile_s")
         if floor_s is not None and (eager_s := timed_eager_step()) * steps <= floor_s:
             reason = (
                 f"{steps} steps of {eager_s:.3g} s take {eager_s * steps:.1f} s in all, no more than "

@@ -387,6 +387,25 @@ def test_compile_auto_skips_the_trial_where_a_compiled_block_is_slower_here(tmp_
     assert "compiling cannot pay" in record["reason"] and model._compiled_call_impl is None
 
 
+def test_compile_auto_times_no_step_where_the_cached_probe_says_compiling_is_slower(tmp_path):
+    """The headline's second run here timed an eager step (6.6 s) to compare with the quickest compile
+    known here, although this block's own cached probe already said a compiled block is slower."""
+    from aamperf.phases.compile import auto_compile
+
+    model, cfg, _ = tiny_step()
+    probe = Probe(CPU, tmp_path / "probe.json")
+    inject(probe, "compile", SMALL, block_answer(compile_s=30.0, compiled_s=1.18))
+    other_block = {"block": (8, 32, 64, 2, 4), "dtype": torch.float32}  # another model's, compiled quicker
+    inject(probe, "compile", other_block, block_answer(compile_s=5.0))
+
+    def no_step(i: int) -> None:
+        raise AssertionError("an eager step was timed although the cached probe decides")
+
+    record = auto_compile(model, cfg, no_step, 2, 10**6, probe, "c")
+    assert record["auto"]["chose"] == "disabled" and "ran 1.18x its eager time" in record["reason"]
+    assert probe.cached("eager_step", {"context": "c"}) is None
+
+
 def test_compile_auto_trial_times_both_and_caches_its_figures(tmp_path):
     """A real trial: eager and compiled steps timed here, the decision follows the figures."""
     from aamperf.phases.compile import auto_compile, pays
