@@ -105,6 +105,29 @@ def why_not_restarted(name: str, in_sweep: bool) -> str | None:
     return None
 
 
+def restart_before_hydra() -> None:
+    """For a plain run (`python -m aamperf.train key=value ...`, no flags), before Hydra starts and
+    torch is imported: compose its config (0.4 s) and, where it asks for an allocator this process does
+    not have, start again with it preloaded. Anything else (a sweep, a flag, a config Hydra refuses) is
+    left to `restart_with_allocator` in the job, or to Hydra's own report."""
+    args = sys.argv[1:]
+    if os.environ.get(RESTARTED) or any(a.startswith("-") for a in args) or not this_command():
+        return
+    if all(find(name) is None for name in ALLOCATORS):
+        return  # nothing to preload: no composing
+    from hydra import compose, initialize_config_dir
+
+    from aamperf.config import CONF_DIR
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            name = compose(config_name="config", overrides=args).system.allocator
+    except Exception:  # noqa: BLE001 - bad input: Hydra's own run reports it, with its fix
+        return
+    if name in ALLOCATORS and in_process() != name and find(name) is not None:
+        _start_again(name, args)  # nothing is written yet: the run's directory is the new process's
+
+
 def restart_with_allocator(cfg: DictConfig, run_dir: Path) -> None:
     """Start this command again with system.allocator's library preloaded, in the same run directory,
     where the config asks for one this process does not have and it can be; else return (the system
@@ -112,20 +135,29 @@ def restart_with_allocator(cfg: DictConfig, run_dir: Path) -> None:
     name = cfg.allocator
     if name not in ALLOCATORS or in_process() == name or why_not_restarted(name, sweeping()):
         return
+    quoted = "'" + str(run_dir).replace("'", "\\'") + "'"  # Hydra's quoted string: any path
+    # the same arguments, the run directory fixed (a dated one would be a new directory), among the other
+    # overrides: Hydra takes them as one run of arguments between its flags
+    args = [a for a in sys.argv[1:] if not a.startswith("hydra.run.dir=")]
+    last = max((i for i, a in enumerate(args) if "=" in a and not a.startswith("-")), default=-1)
+    args.insert(last + 1, f"hydra.run.dir={quoted}")
+    if HydraConfig.initialized():
+        os.chdir(HydraConfig.get().runtime.cwd)  # where the command was started (hydra.job.chdir moves it)
+    _start_again(name, args)
+
+
+def _start_again(name: str, args: list[str]) -> None:
+    """Replace this process by the same command (its interpreter options, -X, -u, kept) with `args` and
+    `name`'s library preloaded: the same process id, so its start counts in the run's time."""
     allocator, library = ALLOCATORS[name], find(name)
     preload = " ".join(p for p in (library, os.environ.get("LD_PRELOAD")) if p)
     env = {**allocator.settings, **os.environ, "LD_PRELOAD": preload, RESTARTED: name}
-    # the same arguments, the run directory fixed (a dated one would be a new directory); the interpreter's
-    # own options (-X, -u) are kept
-    quoted = "'" + str(run_dir).replace("'", "\\'") + "'"  # Hydra's quoted string: any path
-    args = [a for a in sys.orig_argv[1:] if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={quoted}"]
+    command = sys.orig_argv[: len(sys.orig_argv) - len(sys.argv) + 1]  # python [options] -m aamperf.train
     log.info("system.allocator=%s: starting again with %s preloaded", name, library)
-    if HydraConfig.initialized():
-        os.chdir(HydraConfig.get().runtime.cwd)  # where the command was started (hydra.job.chdir moves it)
-    logging.shutdown()  # the run's log file is appended to by the new process
+    logging.shutdown()  # a run's log file is appended to by the new process
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *args], env)
+    os.execve(sys.executable, [sys.executable, *command[1:], *args], env)
 
 
 def sweeping() -> bool:

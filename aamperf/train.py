@@ -10,7 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from aamperf.allocator import restart_with_allocator
+from aamperf.allocator import restart_before_hydra, restart_with_allocator
 from aamperf.config import CONF_DIR, register_configs
 from aamperf.errors import (
     RunAborted,
@@ -71,6 +71,7 @@ def cli() -> None:
     `interrupted:` line and exit code 128 + the signal (143 for SIGTERM, 130 for SIGINT); a bug keeps its
     traceback and exit code 1. HYDRA_FULL_ERROR=1 keeps Hydra's own reports."""
     logging.raiseExceptions = False  # a log file on a full disk: no "--- Logging error ---" tracebacks
+    restart_before_hydra()  # a plain run whose config preloads an allocator: before torch is imported
     with bad_input_exits():
         try:
             main()

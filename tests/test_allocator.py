@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import TINY
 from omegaconf import OmegaConf
 
 from aamperf.allocator import ALLOCATORS, Allocator, find, in_process, this_command, why_not_restarted
@@ -19,8 +20,15 @@ needs_tcmalloc = pytest.mark.skipif(
 
 
 @needs_tcmalloc
-def test_a_run_asking_for_tcmalloc_starts_again_with_it_in_the_same_directory(launch, tmp_path):
-    proc, run_dir = launch("system.allocator=tcmalloc", "trainer.max_steps=2")
+@pytest.mark.parametrize("flag", [None, "--config-name=config"])
+def test_a_run_asking_for_tcmalloc_starts_again_with_it_in_the_same_directory(
+    launch, tmp_path, cache_dir, flag
+):
+    """A plain run starts again before Hydra does (nothing written yet); one with a flag, which is not
+    composed ahead, from its job, in the directory Hydra made for it."""
+    flags = [flag] if flag else []  # first, as Hydra takes them: its overrides are one run of arguments
+    overrides = [*TINY, f"data.cache_dir={cache_dir}", "system.allocator=tcmalloc", "trainer.max_steps=2"]
+    proc, run_dir = launch(*flags, *overrides, tiny=False)
     assert proc.returncode == 0, proc.stderr
     phases = json.loads((run_dir / "summary.json").read_text())["phases"]
     assert phases["allocator"]["status"] == "applied", phases["allocator"]
@@ -28,8 +36,8 @@ def test_a_run_asking_for_tcmalloc_starts_again_with_it_in_the_same_directory(la
     assert phases["allocator"]["settings"]["TCMALLOC_RELEASE_RATE"] == "0"
     assert phases["malloc"]["reason"] == "malloc is tcmalloc here: glibc's thresholds do not apply"
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no second (dated) run directory
-    log = (run_dir / "train.log").read_text()
-    assert log.count("starting again with") == 1  # once, and the restarted run logs to the same file
+    # from the job: said in the run's log, which the new process goes on writing
+    assert (run_dir / "train.log").read_text().count("starting again with") == (1 if flag else 0)
 
 
 def test_a_run_without_an_allocator_keeps_the_process_malloc():
