@@ -126,7 +126,7 @@ def restart_before_hydra() -> None:
             name = compose(config_name="config", overrides=args).system.allocator
     except Exception:  # noqa: BLE001 - bad input: Hydra's own run reports it, with its fix
         return
-    if name in ALLOCATORS and in_process() != name and find(name) is not None:
+    if name in ALLOCATORS and in_process() != name and not why_not_restarted(name, in_sweep=False):
         _start_again(name, args)  # nothing is written yet: the run's directory is the new process's
 
 

@@ -164,7 +164,7 @@ class SystemConfig:
     deterministic: bool = False  # torch.use_deterministic_algorithms
     channels_last: bool = False  # only for models with 4-D activations
     reuse_freed_memory: bool = False  # glibc keeps freed blocks for the next step instead of unmapping them
-    allocator: str | None = None  # tcmalloc: preloaded at the process's start (aamperf/phases/allocator.py)
+    allocator: str | None = None  # tcmalloc: preloaded at the process's start (aamperf/allocator.py)
 
 
 @dataclass

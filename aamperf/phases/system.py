@@ -1,4 +1,4 @@
-"""Process-level switches: torch threads, CPU affinity, the allocator (aamperf/phases/allocator.py),
+"""Process-level switches: torch threads, CPU affinity, the allocator (aamperf/allocator.py),
 glibc malloc's reuse of freed memory, cudnn.benchmark, determinism, channels_last."""
 
 import ctypes
