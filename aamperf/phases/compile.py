@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from aamperf.distributed import World, alone, every_rank, main_decides
 from aamperf.errors import one_line
@@ -57,7 +58,24 @@ def _targets(model: nn.Module, cfg: DictConfig) -> list[nn.Module]:
     # blocks of one shape share one compiled graph, and replaying it for the next block overwrites the
     # activations the previous block's backward needs (seen on an H200: "accessing tensor output of
     # CUDAGraphs that has been overwritten by a subsequent run"); the whole model's pieces are distinct.
-    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    # A block that memory= recomputes is compiled with its checkpoint wrapper, so dynamo traces the
+    # recomputation into the block's graph. Compiled inside the wrapper, its forward and the recompute
+    # in backward could run different graphs: on an H100 the recomputation saved other tensors than the
+    # forward ("Recomputed values ... have different metadata than during the forward pass"; likely a
+    # static graph for a block's first shapes and a dynamic one for the next block's, which matches
+    # both, looked up first). It costs compile time where
+    # only some blocks recompute (memory=selective): those and the others are separate graphs (aam_tiny
+    # with 2 layers a stack, dynamic, new inductor cache, 2-core AVX2 EPYC: 4 graphs in 103 / 109 s
+    # against 2 in 54 / 58 s); compile=auto's trial times the model's own compile, so it still decides.
+    wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, CheckpointWrapper)}
+    blocks = [
+        m
+        for m in model.modules()
+        if isinstance(m, CheckpointWrapper)
+        and isinstance(m._checkpoint_wrapped_module, Block)
+        or isinstance(m, Block)
+        and id(m) not in wrapped
+    ]
     per_block = cfg.per_block and blocks and not uses_cuda_graphs(model, cfg)
     return blocks if per_block else [model]
 

@@ -133,6 +133,22 @@ def test_compile_gives_the_same_loss_and_gradients(tiny, make_cfg):
     assert_same(reference, loss_and_grads(other, loss_fn, batch), rtol=1e-4, atol=1e-5)
 
 
+def test_compile_traces_the_recomputation_of_checkpointed_blocks(tiny, make_cfg):
+    """Blocks that memory= recomputes are compiled with their checkpoint wrapper (the recomputation in
+    the block's graph: an H100 run that compiled the block inside it recomputed with another graph)."""
+    cfg, model, loss_fn, batch = tiny
+    reference = loss_and_grads(model, loss_fn, batch)
+    other = copy.deepcopy(model)
+    assert apply_checkpointing(other, make_cfg("memory=full").memory)["layers"] == 3
+    record = apply_compile(
+        other, make_cfg("compile=default").compile, lambda: loss_and_grads(other, loss_fn, batch)
+    )
+    assert record["status"] == "applied" and record["modules"] == 3, record
+    compiled = [type(m).__name__ for m in other.modules() if m._compiled_call_impl is not None]
+    assert compiled == ["CheckpointWrapper"] * 3  # not the blocks inside them
+    assert_same(reference, loss_and_grads(other, loss_fn, batch), rtol=1e-4, atol=1e-5)
+
+
 def test_compile_failure_falls_back_to_eager_and_says_why(tiny, make_cfg):
     cfg, model, loss_fn, batch = tiny
     other = copy.deepcopy(model)
