@@ -48,6 +48,7 @@ MEASURES = {
     "compile": "the compile of one transformer block (compile=auto)",
     "eager_step": "one eager training step (compile=auto)",
     "compile_trial": "eager and compiled steps of this model on its batches (compile=auto)",
+    "precision_trial": "training steps of this model under each dtype (precision=auto on a GPU)",
     "loader_trial": "steps with and without a loader worker (dataloader=auto)",
 }
 

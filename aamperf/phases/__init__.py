@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from aamperf.allocator import check_allocator
-from aamperf.distributed import World
+from aamperf.distributed import World, alone, main_decides
 from aamperf.errors import UserError
 from aamperf.guards import MemoryGuard
 from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to
@@ -33,7 +33,7 @@ from aamperf.phases.distributed import check_comm_hook, grad_sync, wrap_model
 from aamperf.phases.dropout import apply_dropout
 from aamperf.phases.memory import apply_checkpointing, apply_cuda_memory, check_memory
 from aamperf.phases.optimizer import build_optimizer
-from aamperf.phases.precision import DTYPES, apply_precision, check_precision
+from aamperf.phases.precision import DTYPES, apply_precision, check_precision, confirm_precision, step_times
 from aamperf.phases.system import apply_channels_last, apply_system
 from aamperf.probe import Probe, compile_block
 
@@ -90,16 +90,22 @@ def apply_phases(
     world: World,
     micro_batch: int,
     steps: int | None = None,
+    precision: dict | None = None,
 ) -> Plan:
     """Transform `model` in the fixed order; `warmup(model, autocast, scaler, i)` runs one forward + backward
     of the run's i-th batch (i < TRIAL_BATCHES); `steps`: those the run will train (compile=auto's stake;
-    default trainer.max_steps)."""
+    default trainer.max_steps); `precision`: precision=auto's decision, where it was auto (a GPU's is
+    confirmed by timing steps, and changed in place where fp32 is faster)."""
     autocast, scaler, records["precision"] = apply_precision(cfg.precision, device)
     records["attention"] = apply_attention(model, cfg.attention)
     records["dropout"] = apply_dropout(model, cfg.dropout, device)  # after attention: reaches its dropout too
     records["aam_ops"] = apply_aam_ops(model, cfg.aam_ops)
     records["channels_last"] = apply_channels_last(model, cfg.system)
     records["checkpointing"] = apply_checkpointing(model, cfg.memory)
+    if precision is not None and precision["chose"] != "fp32" and device.type == "cuda":
+        autocast, scaler, records["precision"] = confirm_low_precision(
+            model, cfg, device, warmup, precision, micro_batch
+        )
     step = partial(warmup, model, autocast, scaler)
     if cfg.compile.mode == "auto":
         steps = cfg.trainer.max_steps if steps is None else steps
@@ -114,6 +120,42 @@ def apply_phases(
     return Plan(
         model, autocast, scaler, optimizer, guard, records, grad_sync(model), world.is_main, world.rank
     )
+
+
+def confirm_low_precision(
+    model: nn.Module,
+    cfg: DictConfig,
+    device: torch.device,
+    warmup: Callable,
+    decision: dict,
+    micro_batch: int,
+) -> tuple[Callable[[], AbstractContextManager], torch.amp.GradScaler, dict]:
+    """precision=auto on a GPU: the matmul rate chose a low-precision dtype; training steps of the model
+    (its phases applied, before compile) under it and under fp32 decide. A faster matmul did not make a
+    faster step on an H100 at the headline's shapes: the steps wait on kernel launches (MFU 0.005) and
+    autocast adds a cast kernel per matmul input (experiments/gpu/README.md). On CPUs the matmul rule
+    stands (the step studies agree with it there, and a trial would cost seconds a step). The first rank
+    times, alone; the figures are cached by device, model, phases and batch shape."""
+    probe = Probe(device, cfg.probe.cache, cfg.probe.refresh)
+    dtypes = [decision["chose"], "fp32"]
+
+    def trial() -> dict:
+        with alone():
+            return probe.answer(
+                "precision_trial",
+                {"context": trial_context(cfg, micro_batch)},
+                lambda: {
+                    **step_times(partial(warmup, model), cfg.precision, device, dtypes, TRIAL_BATCHES),
+                    "under_load": None,
+                },
+            )
+
+    start = time.perf_counter()
+    changed = confirm_precision(decision, main_decides(trial))
+    decision["decide_s"] = time.perf_counter() - start  # counted in the run's auto_s
+    if changed:
+        cfg.precision.dtype = "fp32"
+    return apply_precision(cfg.precision, device)
 
 
 def decide_compile(

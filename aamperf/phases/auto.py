@@ -3,7 +3,8 @@
 Each decision is recorded in summary.json `phases.<group>.auto`: what was chosen, the measured reason,
 and the evidence (the probe's figures, whether they were cached or measured in this run).
 - precision=auto: the low-precision autocast dtype whose matmuls at the model's shapes beat fp32's by
-  MIN_MATMUL_GAIN, else fp32.
+  MIN_MATMUL_GAIN, else fp32. On a GPU, training steps under it and under fp32 then confirm it
+  (`phases.confirm_low_precision`: a faster matmul did not make a faster step on an H100).
 - attention=auto: SDPA where one of its kernels runs here and its forward + backward at the model's
   attention shape is not slower than the written-out math, else the math. On a GPU whose rows change
   from batch to batch (no bucketing), timed at row counts not run before, with SDPA without cuDNN's

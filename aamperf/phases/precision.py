@@ -1,14 +1,17 @@
 """Mixed precision: autocast on the run's device, a GradScaler for fp16, matmul precision switches."""
 
+import statistics
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
+from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from aamperf.metrics.flops import DTYPES  # one home: precision.dtype -> the torch dtype
 from aamperf.phases.record import applied, skipped
+from aamperf.probe import timed
 
 
 def check_precision(cfg: DictConfig, device: torch.device) -> list[str]:
@@ -37,3 +40,47 @@ def apply_precision(
         scaler,
         applied(dtype=cfg.dtype, grad_scaler=scaler.is_enabled(), matmul_precision=cfg.matmul_precision),
     )
+
+
+# A low-precision step must be this much faster than fp32's to be kept: it may cost quality, fp32 not.
+MIN_STEP_GAIN = 1.05
+
+
+def step_times(
+    step: Callable[[Callable, torch.amp.GradScaler, int], None],
+    cfg: DictConfig,
+    device: torch.device,
+    dtypes: list[str],
+    batches: int,
+) -> dict[str, Any]:
+    """Median seconds of a training step (forward + backward of batch i, `step(autocast, scaler, i)`)
+    under each of `dtypes`, after a warm-up pass over the trial batches (a GPU's kernels and plans for
+    each new shape are made then). {step_s: {dtype: s}, batches}."""
+    figures: dict[str, float] = {}
+    for dtype in dtypes:
+        autocast, scaler, _ = apply_precision(OmegaConf.merge(cfg, {"dtype": dtype}), device)
+
+        def one_pass(autocast=autocast, scaler=scaler) -> None:
+            for i in range(batches):
+                step(autocast, scaler, i)
+
+        figures[dtype] = statistics.median(timed(one_pass, device, trials=3)) / batches
+    return {"step_s": figures, "batches": batches}
+
+
+def confirm_precision(decision: dict, figures: dict[str, Any]) -> bool:
+    """Keep precision=auto's low-precision choice only where the trial's steps gain MIN_STEP_GAIN over
+    fp32's; else turn `decision` to fp32, saying why. True where it changed."""
+    low, step_s = decision["chose"], figures["step_s"]
+    gain = step_s["fp32"] / step_s[low]
+    keep = gain >= MIN_STEP_GAIN
+    decision["step_trial"] = figures
+    verdict = (
+        f"; a training step under {low} autocast ran {1 / gain:.2f}x fp32's time here "
+        f"({step_s[low]:.3g} s vs {step_s['fp32']:.3g} s over {figures['batches']} batches; "
+        f"{'>=' if keep else '<'} {MIN_STEP_GAIN}x faster): {low if keep else 'fp32'}"
+    )
+    decision["reason"] = decision["reason"].removesuffix(f": {low}") + verdict
+    if not keep:
+        decision["chose"] = "fp32"
+    return not keep

@@ -83,6 +83,26 @@ def test_every_level_runs_on_cuda_and_says_what_each_auto_chose(make_cfg, tmp_pa
         assert {"precision", "attention"} <= {g for g, r in summary["phases"].items() if "auto" in r}
 
 
+def test_precision_auto_on_cuda_is_confirmed_by_training_steps_and_cached(make_cfg, tmp_path):
+    """A low-precision dtype the matmul rate chose is kept only where the model's steps under it beat
+    fp32's (on an H100 they did not); the run runs the dtype the trial chose, and a second run reads
+    the trial from the cache."""
+    probe = f"probe.cache={tmp_path / 'probe.json'}"
+    summary = train(make_cfg(*GPU, "optim=advanced", probe), tmp_path / "first")
+    decision = summary["phases"]["precision"]["auto"]
+    if "step_trial" not in decision:  # the matmul rate already said fp32: nothing to confirm
+        assert decision["chose"] == "fp32"
+        pytest.skip(f"no step trial: {decision['reason']}")
+    step_s = decision["step_trial"]["step_s"]
+    low = next(dtype for dtype in step_s if dtype != "fp32")
+    faster = step_s["fp32"] / step_s[low] >= 1.05
+    assert decision["chose"] == (low if faster else "fp32"), decision["reason"]
+    ran = summary["phases"]["precision"]
+    assert (ran["status"], ran.get("dtype")) == (("applied", low) if faster else ("skipped", None))
+    again = train(make_cfg(*GPU, "optim=advanced", probe), tmp_path / "again")
+    assert again["phases"]["precision"]["auto"]["step_trial"]["source"] == "cache"
+
+
 def test_pinned_batches_copied_asynchronously_from_a_worker(make_cfg, tmp_path):
     summary = train(make_cfg(*GPU, "dataloader=tuned"), tmp_path)
     loader = summary["phases"]["dataloader"]

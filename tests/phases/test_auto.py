@@ -57,6 +57,57 @@ def test_precision_auto_for_a_model_of_unknown_shapes_says_it_measured_a_square_
     assert decision["chose"] in ("fp32", "bf16")
 
 
+@pytest.mark.parametrize(("fp32_s", "low_s", "chosen"), [(0.020, 0.015, "fp16"), (0.019, 0.028, "fp32")])
+def test_precision_auto_on_a_gpu_keeps_the_low_dtype_only_where_its_steps_are_faster(fp32_s, low_s, chosen):
+    """The step trial's figures decide after the matmul rate (an H100: fp16 matmuls 1.58x fp32's, its
+    steps 0.68x fp32's speed); the reason keeps the matmul's figure and adds the steps'."""
+    from aamperf.phases.precision import confirm_precision
+
+    decision = {
+        "chose": "fp16",
+        "reason": "fp16 matmul 1.58x fp32 at the model's shapes here (>= 1.15): fp16",
+    }
+    changed = confirm_precision(decision, {"step_s": {"fp16": low_s, "fp32": fp32_s}, "batches": 4})
+    assert decision["chose"] == chosen and changed == (chosen == "fp32")
+    assert decision["reason"].startswith("fp16 matmul 1.58x fp32 at the model's shapes here (>= 1.15); ")
+    assert decision["reason"].endswith(
+        f"over 4 batches; {'>=' if chosen == 'fp16' else '<'} 1.05x faster): {chosen}"
+    )
+    assert f"ran {low_s / fp32_s:.2f}x fp32's time" in decision["reason"]
+
+
+def test_the_precision_step_trial_times_real_steps_decides_by_them_and_caches_them(make_cfg, tmp_path):
+    """confirm_low_precision on this CPU's real steps (runs call it on GPUs; its timing is the device's
+    own): the run's dtype is the one the figures favour, the config says it, the second call reads
+    the cache, and the steps leave no gradients behind."""
+    from hydra.utils import instantiate
+
+    from aamperf.data import build_data
+    from aamperf.device import to_device
+    from aamperf.job import warmup_step
+    from aamperf.phases import confirm_low_precision
+
+    cfg = make_cfg("precision=bf16", f"probe.cache={tmp_path / 'probe.json'}")
+    model, loss_fn = instantiate(cfg.model), instantiate(cfg.loss)
+    data = build_data(cfg.data, batch_size=4, seed=0, loader=cfg.dataloader)
+    warmup = warmup_step(loss_fn, [to_device(b, CPU) for b in list(data.train_loader)[:2]])
+    sources = []
+    for _ in range(2):
+        cfg.precision.dtype = "bf16"
+        decision = {
+            "chose": "bf16",
+            "reason": "bf16 matmul 2.00x fp32 at the model's shapes here (>= 1.15): bf16",
+        }
+        _, _, record = confirm_low_precision(model, cfg, CPU, warmup, decision, micro_batch=4)
+        step_s = decision["step_trial"]["step_s"]
+        kept = step_s["fp32"] / step_s["bf16"] >= 1.05
+        assert decision["chose"] == cfg.precision.dtype == ("bf16" if kept else "fp32")
+        assert record["status"] == ("applied" if kept else "skipped") and decision["decide_s"] > 0
+        sources.append(decision["step_trial"]["source"])
+    assert sources == ["measured", "cache"]
+    assert all(p.grad is None for p in model.parameters())
+
+
 # torch's kernels held to AVX2, as on a CPU without AVX-512 (oneDNN's bf16 matmul: no native instructions)
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
