@@ -83,15 +83,16 @@ def build_job(cfg: DictConfig, summary: dict[str, Any], run_dir: Path | None = N
     counted = None if hasattr(model, "flops_per_step") else counted_flops(model, loss_fn, first)
     trial = [first] + [to_device(b, device) for b in host_batches[1:TRIAL_BATCHES]]
     warmup, steps = warmup_step(loss_fn, trial), steps_left(tc, run_dir)
+    precision = decisions.get("precision", {})  # precision=auto's, which a GPU's step trial may turn to fp32
     plan = apply_phases(
-        model, cfg, device, warmup, setup.records, world, micro_batch, steps, decisions.get("precision")
+        model, cfg, device, warmup, setup.records, world, micro_batch, steps, precision or None
     )
-    if "step_trial" in decisions.get("precision", {}):  # a GPU's steps confirmed or changed the dtype
+    if "step_trial" in precision and precision["chose"] == "fp32":  # the peak of the dtype it runs
         peak, summary["peak_flops_calibration"] = measure_peak(cfg, device, micro_batch)
     for group, decision in decisions.items():  # each `auto` beside what its phase then did
         plan.records[group]["auto"] = decision
     measuring.seconds += plan.records["compile"].get("decide_s", 0.0)
-    measuring.seconds += decisions.get("precision", {}).get("decide_s", 0.0)
+    measuring.seconds += precision.get("decide_s", 0.0)
     if auto_batch:
         with measuring:
             found = find_batch_size(plan, loss_fn, data, cfg, device, world.world_size)

@@ -103,9 +103,8 @@ def apply_phases(
     records["channels_last"] = apply_channels_last(model, cfg.system)
     records["checkpointing"] = apply_checkpointing(model, cfg.memory)
     if precision is not None and precision["chose"] != "fp32" and device.type == "cuda":
-        autocast, scaler, records["precision"] = confirm_low_precision(
-            model, cfg, device, warmup, precision, micro_batch
-        )
+        if confirm_low_precision(model, cfg, device, warmup, precision, micro_batch):  # turned to fp32
+            autocast, scaler, records["precision"] = apply_precision(cfg.precision, device)
     step = partial(warmup, model, autocast, scaler)
     if cfg.compile.mode == "auto":
         steps = cfg.trainer.max_steps if steps is None else steps
@@ -129,9 +128,10 @@ def confirm_low_precision(
     warmup: Callable,
     decision: dict,
     micro_batch: int,
-) -> tuple[Callable[[], AbstractContextManager], torch.amp.GradScaler, dict]:
+) -> bool:
     """precision=auto on a GPU: the matmul rate chose a low-precision dtype; training steps of the model
-    (its phases applied, before compile) under it and under fp32 decide. A faster matmul did not make a
+    (its phases applied, before compile) under it and under fp32 decide; True where they turned it (and
+    cfg.precision.dtype) to fp32. A faster matmul did not make a
     faster step on an H100 at the headline's shapes: the steps wait on kernel launches (MFU 0.005) and
     autocast adds a cast kernel per matmul input (experiments/gpu/README.md). On CPUs the matmul rule
     stands (the step studies agree with it there, and a trial would cost seconds a step). The first rank
@@ -155,7 +155,7 @@ def confirm_low_precision(
     decision["decide_s"] = time.perf_counter() - start  # counted in the run's auto_s
     if changed:
         cfg.precision.dtype = "fp32"
-    return apply_precision(cfg.precision, device)
+    return changed
 
 
 def decide_compile(

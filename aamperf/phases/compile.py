@@ -63,19 +63,14 @@ def _targets(model: nn.Module, cfg: DictConfig) -> list[nn.Module]:
     # in backward could run different graphs: on an H100 the recomputation saved other tensors than the
     # forward ("Recomputed values ... have different metadata than during the forward pass"; likely a
     # static graph for a block's first shapes and a dynamic one for the next block's, which matches
-    # both, looked up first). It costs compile time where
-    # only some blocks recompute (memory=selective): those and the others are separate graphs (aam_tiny
-    # with 2 layers a stack, dynamic, new inductor cache, 2-core AVX2 EPYC: 4 graphs in 103 / 109 s
-    # against 2 in 54 / 58 s); compile=auto's trial times the model's own compile, so it still decides.
-    wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, CheckpointWrapper)}
-    blocks = [
-        m
-        for m in model.modules()
-        if isinstance(m, CheckpointWrapper)
-        and isinstance(m._checkpoint_wrapped_module, Block)
-        or isinstance(m, Block)
-        and id(m) not in wrapped
-    ]
+    # both, looked up first). It costs compile time where only some blocks recompute (memory=selective):
+    # those and the others are separate graphs (experiments/compile/cold_compile.py: aam_tiny with 2
+    # layers a stack, dynamic, 2-core AVX2 EPYC: 4 graphs in 103 / 109 s against 2 in 54 / 58 s);
+    # compile=auto's trial times the model's own compile, so it still decides.
+    wrappers = {
+        id(m._checkpoint_wrapped_module): m for m in model.modules() if isinstance(m, CheckpointWrapper)
+    }
+    blocks = [wrappers.get(id(m), m) for m in model.modules() if isinstance(m, Block)]
     per_block = cfg.per_block and blocks and not uses_cuda_graphs(model, cfg)
     return blocks if per_block else [model]
 
