@@ -5,9 +5,12 @@ import copy
 import pytest
 import torch
 from hydra.utils import instantiate
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from aamperf.data import build_data
 from aamperf.device import to_device
+from aamperf.model.layers import Block
 from aamperf.phases.attention import SDPAttention, apply_attention
 from aamperf.phases.compile import apply_compile
 from aamperf.phases.memory import apply_checkpointing
@@ -121,31 +124,26 @@ def test_checkpointing_gives_the_same_loss_and_gradients(tiny, make_cfg, option)
     assert_same(reference, loss_and_grads(other, loss_fn, batch))
 
 
-def test_compile_gives_the_same_loss_and_gradients(tiny, make_cfg):
+def test_compile_gives_the_same_loss_and_gradients_and_traces_the_recomputation_of_checkpointed_blocks(
+    tiny, make_cfg
+):
+    """Plain blocks and one that memory= recomputes (as memory=selective leaves them: some of each), in
+    one compile: each gives the eager loss and gradients, and the recomputed one is compiled with its
+    checkpoint wrapper, the recomputation in the block's graph (an H100 run that compiled the block
+    inside its wrapper recomputed with another graph). One compile for both: about 55 s in a new
+    inductor cache on a 2-core AVX2 EPYC, against 85 s for a test of each."""
     cfg, model, loss_fn, batch = tiny
     reference = loss_and_grads(model, loss_fn, batch)
     other = copy.deepcopy(model)
-    record = apply_compile(
-        other, make_cfg("compile=default").compile, lambda: loss_and_grads(other, loss_fn, batch)
-    )
-    assert record["status"] == "applied", record["reason"]
-    assert record["compile_time_s"] > 0
-    assert_same(reference, loss_and_grads(other, loss_fn, batch), rtol=1e-4, atol=1e-5)
-
-
-def test_compile_traces_the_recomputation_of_checkpointed_blocks(tiny, make_cfg):
-    """Blocks that memory= recomputes are compiled with their checkpoint wrapper (the recomputation in
-    the block's graph: an H100 run that compiled the block inside it recomputed with another graph)."""
-    cfg, model, loss_fn, batch = tiny
-    reference = loss_and_grads(model, loss_fn, batch)
-    other = copy.deepcopy(model)
-    assert apply_checkpointing(other, make_cfg("memory=full").memory)["layers"] == 3
+    stack = next(m for m in other.modules() if isinstance(m, nn.ModuleList) and isinstance(m[0], Block))
+    stack[0] = checkpoint_wrapper(stack[0])  # what apply_checkpointing does to a block it recomputes
     record = apply_compile(
         other, make_cfg("compile=default").compile, lambda: loss_and_grads(other, loss_fn, batch)
     )
     assert record["status"] == "applied" and record["modules"] == 3, record
-    compiled = [type(m).__name__ for m in other.modules() if m._compiled_call_impl is not None]
-    assert compiled == ["CheckpointWrapper"] * 3  # not the blocks inside them
+    assert record["compile_time_s"] > 0
+    compiled = sorted(type(m).__name__ for m in other.modules() if m._compiled_call_impl is not None)
+    assert compiled == ["Block", "Block", "CheckpointWrapper"]  # not the block inside its wrapper
     assert_same(reference, loss_and_grads(other, loss_fn, batch), rtol=1e-4, atol=1e-5)
 
 
