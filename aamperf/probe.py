@@ -54,6 +54,7 @@ MEASURES = {
 
 STAMP = "%Y-%m-%dT%H:%M:%S"  # a measurement's time, as the cache keeps it
 TRIALS = 7  # timed repeats of each measurement; its median is the figure
+PAIRED_TRIALS = 3  # pairs of two calls timed in turn (the compile probe's eager and compiled block)
 SETTLED = 4  # a low-precision matmul this many times slower than fp32 in one call: no more trials
 
 
@@ -72,6 +73,17 @@ def low_precision_dtypes(device: torch.device) -> list[str]:
     return ["bf16"]
 
 
+def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds of one call of `fn`, synchronized on a GPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
 def timed(
     fn: Callable[[], Any], device: torch.device, trials: int = TRIALS, min_s: float = 0.0, warmup: bool = True
 ) -> list[float]:
@@ -81,14 +93,22 @@ def timed(
         fn()
     times: list[float] = []
     while len(times) < trials or sum(times) < min_s:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append(_seconds(fn, device))
     return times
+
+
+def timed_in_turn(
+    first: Callable[[], Any], second: Callable[[], Any], device: torch.device, trials: int, min_s: float = 0.0
+) -> tuple[list[float], list[float]]:
+    """Seconds of each call of two warm functions called in turn: `trials` pairs, and more until each
+    one's add up to `min_s`. A slow or quick spell of the machine falls on both alike, so fewer trials
+    compare them as well as TRIALS of one and then TRIALS of the other did."""
+    a: list[float] = []
+    b: list[float] = []
+    while len(a) < trials or min(sum(a), sum(b)) < min_s:
+        a.append(_seconds(first, device))
+        b.append(_seconds(second, device))
+    return a, b
 
 
 def iqr_spread(values: list[float]) -> float:
@@ -278,16 +298,19 @@ def measure_compile(
 
         return run
 
-    watch = LoadWatch()  # over the timed steps only: compiling runs the C++ compiler in other processes
-    eager_s = timed(step(module), device, min_s=MIN_WATCH_S / 2)
-    watch.pause()
+    step(module)()  # eager warm-up
     try:
         compiled = torch.compile(module)
         start = time.perf_counter()
         step(compiled)()
         compile_s = time.perf_counter() - start
-        watch.resume()
-        compiled_s = timed(step(compiled), device, min_s=MIN_WATCH_S / 2)
+        # in turn, after the compile (which runs the C++ compiler in other processes), watched: at the
+        # headline's width on a 2-core AVX2 EPYC, TRIALS of each timed apart took 22-28 s of the probe's
+        # 49-55 s (experiments/compile/cold_compile.py --probe)
+        watch = LoadWatch()
+        eager_s, compiled_s = timed_in_turn(
+            step(module), step(compiled), device, trials=PAIRED_TRIALS, min_s=MIN_WATCH_S / 2
+        )
     except Exception as exc:  # a missing C compiler, an unsupported device: compile does not work here
         error = one_line(f"{type(exc).__name__}: {exc}")[:300]
         return {"works": False, "error": error, "under_load": None}

@@ -4,8 +4,10 @@ compile of one headline-width block. The figures behind the recomputed-block not
 aamperf/phases/compile.py (`memory=selective memory.recompute_every=2 model.asv_layers=2
 model.sample_layers=2 model.encoder_layers=2 compile.dynamic=true`; the code before 0ffe7d7, which
 compiled the blocks inside their wrappers: `git checkout 0ffe7d7~1 -- aamperf/phases/compile.py`), and
-behind the compile-threads trial (--probe with TORCHINDUCTOR_COMPILE_THREADS=1 set or not).
-    python experiments/compile/cold_compile.py [--probe] [override ...]
+behind the compile-threads trial (--probe with TORCHINDUCTOR_COMPILE_THREADS=1 set or not); or
+(--trivial) the least any compile costs a first run: importing dynamo and inductor, then the forward +
+backward of a two-op function (one fused kernel each way).
+    python experiments/compile/cold_compile.py [--probe | --trivial] [override ...]
 """
 
 import argparse
@@ -16,6 +18,7 @@ from pathlib import Path
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--probe", action="store_true", help="the probe's block compile, not a run")
+parser.add_argument("--trivial", action="store_true", help="a two-op function's compile, not a run")
 parser.add_argument("overrides", nargs="*", help="the run's overrides (aam_tiny, 3 steps, compile=default)")
 args = parser.parse_args()
 work = Path(tempfile.mkdtemp(prefix="cold_compile_"))
@@ -27,7 +30,18 @@ from aamperf.metrics.flops import cpu_description  # noqa: E402
 
 print(f"CPU: {cpu_description()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
 print(f"TORCHINDUCTOR_COMPILE_THREADS={os.environ.get('TORCHINDUCTOR_COMPILE_THREADS', '(torch decides)')}")
-if args.probe:
+if args.trivial:
+    start = time.perf_counter()
+    import torch._dynamo  # noqa: E402, F401 (what any compile loads first)
+    import torch._inductor.compile_fx  # noqa: E402, F401
+
+    imported = time.perf_counter()
+    x = torch.randn(64, 64, requires_grad=True)
+    torch.compile(lambda t: (t.sin() * 2).relu())(x).sum().backward()
+    done = time.perf_counter()
+    compiled_s = done - imported
+    print(f"trivial: import {imported - start:.1f} s, compile + first step {compiled_s:.1f} s")
+elif args.probe:
     from aamperf.probe import measure_compile
 
     start = time.perf_counter()
