@@ -14,7 +14,7 @@ import torch
 
 from aamperf.files import update_json_cache
 from aamperf.interrupts import Interrupts, RunInterrupted
-from aamperf.probe import Probe, device_key, measure_attention, measure_matmul, model_shapes
+from aamperf.probe import Probe, device_key, measure_attention, measure_matmul, model_shapes, timed_in_turn
 
 CPU = torch.device("cpu")
 
@@ -213,3 +213,20 @@ except RunInterrupted as exc:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.stdout.strip() == "stopped: SIGTERM received before training began; nothing to keep", proc
     assert not (tmp_path / "probe.json").exists()
+
+
+def test_two_functions_timed_in_turn_alternate_until_each_fills_the_window():
+    """The compile probe's eager and compiled block: called in turn, so a slow spell of the machine
+    falls on both; at least `trials` pairs, more until each one's calls add up to `min_s`."""
+    calls: list[str] = []
+
+    def call(name: str, seconds: float) -> Callable[[], None]:
+        return lambda: (calls.append(name), time.sleep(seconds))
+
+    quick, slow = timed_in_turn(call("a", 0.001), call("b", 0.03), CPU, trials=3)
+    assert calls == ["a", "b"] * 3 and len(quick) == len(slow) == 3
+    assert all(q < 0.03 <= s for q, s in zip(quick, slow, strict=True))
+    calls.clear()
+    quick, slow = timed_in_turn(call("a", 0.001), call("b", 0.03), CPU, trials=3, min_s=0.05)
+    assert sum(quick) >= 0.05 and len(quick) == len(slow) == len(calls) // 2 > 3  # the quick one sets it
+    assert calls == ["a", "b"] * len(quick)
