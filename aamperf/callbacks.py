@@ -6,6 +6,7 @@ import importlib.resources
 import io
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from aamperf.errors import (
     hydra_error_message,
     hydra_reports_wanted,
     no_such_option,
+    one_line,
 )
 from aamperf.files import write_atomic
 from aamperf.interrupts import RunInterrupted, exit_interrupted
@@ -193,7 +195,8 @@ class CompareReport(Callback):
     and the comparison logged to W&B beside the jobs when logger=wandb.
 
     Exit status: 2 when the baseline cannot be found (compare.baseline names the fix), 1 when a job
-    failed (it is a row of the report with its error), 0 otherwise.
+    failed (it is a row of the report with its error) or the report could not be made (its traceback,
+    then one line), 0 otherwise.
     """
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -214,6 +217,14 @@ class CompareReport(Callback):
                 file=sys.stderr,
             )
             sys.exit(2)
+        except Exception as exc:  # the disk, or a bug: Hydra would turn it into a warning and exit 0
+            traceback.print_exc()
+            print(
+                f"error: the comparison report failed ({one_line(f'{type(exc).__name__}: {exc}')}); the runs "
+                f"are kept: python -m aamperf.compare {sweep_dir}",
+                file=sys.stderr,
+            )
+            sys.exit(1)
         print(to_markdown(result))
         print(f"report: {sweep_dir / 'comparison.md'}, {sweep_dir / 'comparison.png'}")
         if config.logger.backend == "wandb":

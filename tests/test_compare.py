@@ -7,7 +7,9 @@ import signal
 import time
 
 import pytest
+from omegaconf import OmegaConf
 
+from aamperf.callbacks import CompareReport
 from aamperf.compare import main
 from aamperf.report import compare, find_runs
 
@@ -412,3 +414,24 @@ def test_a_stop_signal_ends_the_report_in_one_line(sweep, monkeypatch, capsys):
     left = "stopped before the whole report was written (each file is whole or absent): run it again"
     assert capsys.readouterr().err == f"interrupted: SIGINT received; {left}\n"
     assert signal.getsignal(signal.SIGINT) is before  # given back
+
+
+def test_a_sweep_whose_report_cannot_be_written_fails_in_one_line_and_keeps_its_runs(sweep, capsys):
+    """Hydra turns an exception of a callback into a warning and exits 0: a sweep without its report
+    looked like one that had it. Here the report cannot be written (a directory where comparison.md goes)."""
+    (sweep / "comparison.md").mkdir()
+    before = {path: path.read_bytes() for path in sweep.rglob("*") if path.is_file()}
+    config = OmegaConf.create(
+        {
+            "hydra": {"sweep": {"dir": str(sweep)}},
+            "compare": {"baseline": "optim=baseline", "quality_tolerance": 0.02, "confidence": 0.95},
+            "logger": {"backend": "none"},
+        }
+    )
+    with pytest.raises(SystemExit) as failed:
+        CompareReport().on_multirun_end(config)
+    assert failed.value.code == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: the comparison report failed (IsADirectoryError: ")
+    assert last.endswith(f"the runs are kept: python -m aamperf.compare {sweep}")
+    assert all(path.read_bytes() == content for path, content in before.items())  # nothing lost
