@@ -84,8 +84,12 @@ def build_job(cfg: DictConfig, summary: dict[str, Any], run_dir: Path | None = N
     trial = [first] + [to_device(b, device) for b in host_batches[1:TRIAL_BATCHES]]
     warmup, steps = warmup_step(loss_fn, trial), steps_left(tc, run_dir)
     precision = decisions.get("precision", {})  # precision=auto's, which a GPU's step trial may turn to fp32
+    # compile=auto's hint whether a run is short enough to time a step against the compiler's import: the
+    # step's FLOPs at the peak, counted before the phases (fewer after some: a hint, never a decision)
+    hint = counted if counted is not None else min(analytic_flops(model, host_batches))
+    least_step_s = hint / peak if peak and hint > 0 else None
     plan = apply_phases(
-        model, cfg, device, warmup, setup.records, world, micro_batch, steps, precision or None
+        model, cfg, device, warmup, setup.records, world, micro_batch, steps, precision or None, least_step_s
     )
     if "step_trial" in precision and precision["chose"] == "fp32":  # the peak of the dtype it runs
         peak, summary["peak_flops_calibration"] = measure_peak(cfg, device, micro_batch)

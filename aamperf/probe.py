@@ -7,6 +7,8 @@ Three questions, each answered by a measurement, never by a CPU model name:
   math at the model's attention shape (on a GPU also at row counts not run before, and of SDPA without
   cuDNN's kernel, which builds a plan per shape).
 - `compile`: does torch.compile work here, and how long does compiling one transformer block take?
+  Before it, on a device that has compiled nothing: how long importing torch's compiler takes
+  (`compiler_import`), the least any compile costs a process.
 
 Answers are cached per device (machine, CPU flags or GPU name, torch, threads) and question shape in
 `probe.cache`; one measured while other processes used the CPU is used but never cached, and
@@ -17,6 +19,7 @@ MB a call), and one a run re-measures each time would cost each run its seconds.
 
 import logging
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +48,7 @@ log = logging.getLogger(__name__)
 MEASURES = {
     "matmul": "matmul rates per dtype at the model's shapes (precision=auto)",
     "attention": "SDPA against the written-out attention (attention=auto)",
+    "compiler_import": "the import of torch's compiler (compile=auto)",
     "compile": "the compile of one transformer block (compile=auto)",
     "eager_step": "one eager training step (compile=auto)",
     "compile_trial": "eager and compiled steps of this model on its batches (compile=auto)",
@@ -268,6 +272,28 @@ def new_shape_calls(
 SMALL_BLOCK = (4, 16, 32, 2, 4)  # [rows, length, dim], heads, ffn_mult: a block for a model that says none
 
 
+COMPILER = "torch._inductor.compile_fx"  # what torch.compile(backend="inductor") imports, dynamo with it
+
+
+def compiler_imported() -> bool:
+    """Has this process imported torch's compiler (dynamo and inductor) already?"""
+    return COMPILER in sys.modules
+
+
+def measure_compiler_import() -> dict[str, Any]:
+    """Seconds this process takes to import dynamo and inductor, which any torch.compile loads first:
+    the least compiling costs a process here (3.3-4.7 s on a 2-core AVX2 EPYC; a two-op compile then
+    takes 10-11 s more: experiments/compile/). Measured only where not imported yet."""
+    watch = LoadWatch()
+    start = time.perf_counter()
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+
+    import_s = time.perf_counter() - start
+    load = watch.stop()
+    return {"import_s": import_s, **load, "under_load": LoadWatch.verdict(load, use_loadavg=False)}
+
+
 def measure_compile(
     device: torch.device,
     block: tuple[int, int, int, int, int] | None = None,
@@ -427,6 +453,9 @@ class Probe:
         return self.answer(
             "attention", params, lambda: measure_attention(self.device, dtype, shape, backward, dropout)
         )
+
+    def compiler_import(self) -> dict:
+        return self.answer("compiler_import", {}, measure_compiler_import)
 
     def compile(self, block: tuple[int, int, int, int, int] | None, dtype: torch.dtype) -> dict:
         params = {"block": block, "dtype": dtype}

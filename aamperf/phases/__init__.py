@@ -91,11 +91,13 @@ def apply_phases(
     micro_batch: int,
     steps: int | None = None,
     precision: dict | None = None,
+    least_step_s: float | None = None,
 ) -> Plan:
     """Transform `model` in the fixed order; `warmup(model, autocast, scaler, i)` runs one forward + backward
     of the run's i-th batch (i < TRIAL_BATCHES); `steps`: those the run will train (compile=auto's stake;
     default trainer.max_steps); `precision`: precision=auto's decision, where it was auto (a GPU's is
-    confirmed by timing steps, and changed in place where fp32 is faster)."""
+    confirmed by timing steps, and changed in place where fp32 is faster); `least_step_s`: a step's FLOPs
+    at the device's peak, where known (compile=auto tells a run too short to compile by it)."""
     autocast, scaler, records["precision"] = apply_precision(cfg.precision, device)
     records["attention"] = apply_attention(model, cfg.attention)
     records["dropout"] = apply_dropout(model, cfg.dropout, device)  # after attention: reaches its dropout too
@@ -108,7 +110,7 @@ def apply_phases(
     step = partial(warmup, model, autocast, scaler)
     if cfg.compile.mode == "auto":
         steps = cfg.trainer.max_steps if steps is None else steps
-        records["compile"] = decide_compile(model, cfg, step, world, micro_batch, device, steps)
+        records["compile"] = decide_compile(model, cfg, step, world, micro_batch, device, steps, least_step_s)
     else:
         records["compile"] = apply_compile(model, cfg.compile, lambda: step(0))
     param_dtype = DTYPES.get(cfg.precision.dtype, torch.float32)
@@ -166,6 +168,7 @@ def decide_compile(
     micro_batch: int,
     device: torch.device,
     steps: int,
+    least_step_s: float | None = None,
 ) -> dict:
     """compile=auto over the `steps` the run will train, decided by the first rank alone (ranks timing
     steps together would each see the others' load) and followed by every rank (`compile_on_ranks`).
@@ -179,7 +182,9 @@ def decide_compile(
     def decide() -> dict:
         block = compile_block(cfg.model, micro_batch, cfg.data.max_asvs)
         dtype = DTYPES.get(cfg.precision.dtype, torch.float32)
-        return auto_compile(model, cfg.compile, step, TRIAL_BATCHES, steps, probe(), context, block, dtype)
+        return auto_compile(
+            model, cfg.compile, step, TRIAL_BATCHES, steps, probe(), context, block, dtype, least_step_s
+        )
 
     def known() -> dict | None:
         return cached_decision(probe(), context, steps)

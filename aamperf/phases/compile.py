@@ -11,6 +11,12 @@ reuse its graph where their shapes match and recompile it where they do not
 first headline-width block 23.3 s, a second of the same shapes 0.3 s, one of another stack's shapes
 5.0 s, its twin 0.0 s; counting every block as a first one overstated the cost about 3x). Where the gain
 bound exceeds that least cost, the trial decides on the model's own compile time.
+
+Before any block is probed, a run too short for any compile to pay is told apart for less: on a device
+that has compiled nothing, where the step's FLOPs at the device's peak (no step is quicker) over the run's
+steps are below importing torch's compiler (measured once here, 3-5 s on a 2-core AVX2 EPYC, against
+25-41 s for the block probe), one eager step is timed; if every step together takes no longer than that
+import, compiling cannot pay.
 """
 
 import hashlib
@@ -31,7 +37,7 @@ from aamperf.errors import one_line
 from aamperf.metrics.flops import MIN_WATCH_S, LoadWatch
 from aamperf.model.layers import Block
 from aamperf.phases.record import applied, fallback, skipped
-from aamperf.probe import Probe, timed
+from aamperf.probe import Probe, compiler_imported, timed
 from aamperf.rng import forked_rng
 
 log = logging.getLogger(__name__)
@@ -245,10 +251,12 @@ def auto_compile(
     context: str,
     block: tuple[int, int, int, int, int] | None = None,
     dtype: torch.dtype = torch.float32,
+    least_step_s: float | None = None,
 ) -> dict:
     """compile=auto: compile `model` only if it pays over `steps`; `step(i)` runs forward + backward of
     trial batch i (< `batches`); `block` and `dtype`: the model's block shape and autocast dtype, for the
-    device probe. The record's `auto` holds the decision, its reason and the figures."""
+    device probe; `least_step_s`: a step's FLOPs at the device's peak, where known (no step is quicker).
+    The record's `auto` holds the decision, its reason and the figures."""
 
     def eager(reason: str, **figures: Any) -> dict:
         return skipped(f"compile=auto: {reason}", auto={"chose": "disabled", "reason": reason, **figures})
@@ -267,11 +275,17 @@ def auto_compile(
         # cached (it then decides for nothing, and a compiled block no faster needs no eager step timed)
         probed = probe.cached("compile", {"block": block, "dtype": dtype}) is not None
         floor_s = None if probed else probe.least("compile", "block_compile_s")
+        floor_what = "the quickest block compile measured on this device"
+        if floor_s is None and not probed and least_step_s is not None and not compiler_imported():
+            # nothing compiled here yet: importing the compiler is the least a compile costs; a step is
+            # timed only where the steps' FLOPs at the peak leave room for the import to outweigh them
+            import_s = probe.compiler_import()["import_s"]
+            if least_step_s * steps < import_s:
+                floor_s, floor_what = import_s, "importing torch's compiler, measured here"
         if floor_s is not None and (eager_s := timed_eager_step()) * steps <= floor_s:
             reason = (
                 f"{steps} steps of {eager_s:.3g} s take {eager_s * steps:.1f} s in all, no more than "
-                f"compiling costs here (at least {floor_s:.1f} s: the quickest block compile measured on "
-                "this device): compiling cannot pay"
+                f"compiling costs here (at least {floor_s:.1f} s: {floor_what}): compiling cannot pay"
             )
             return eager(reason, trial_s=time.perf_counter() - start, eager_step_s=eager_s)
         works = probe.compile(block, dtype)

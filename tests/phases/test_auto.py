@@ -392,6 +392,64 @@ def test_compile_auto_skips_a_trial_that_cannot_pay(tmp_path, monkeypatch):
     assert again["auto"]["eager_step_s"] == timed_s and again["reason"] == record["reason"]
 
 
+@pytest.mark.parametrize(
+    ("least_step_s", "eager_step_s", "by_import"),
+    [(1e-6, None, True), (10.0, None, False), (1e-6, 10.0, False)],
+    ids=["short-run", "flops-too-many", "steps-too-slow"],
+)
+def test_compile_auto_on_a_device_that_compiled_nothing_weighs_the_run_against_the_compilers_import(
+    tmp_path, monkeypatch, least_step_s, eager_step_s, by_import
+):
+    """3 steps against a 5 s import of the compiler (injected): a run whose steps take less in all stays
+    eager without a block probe; one whose FLOPs at the peak already outweigh the import times no step and
+    goes on to the probe; one whose timed steps outweigh it goes on to the probe too."""
+    from aamperf.phases import compile as compile_phase
+
+    monkeypatch.setattr(compile_phase, "compiler_imported", lambda: False)  # this process compiled before
+    model, cfg, step = tiny_step()
+    probe = Probe(CPU, tmp_path / "probe.json")
+    inject(probe, "compiler_import", {}, {"import_s": 5.0})
+    if eager_step_s is not None:
+        inject(probe, "eager_step", {"context": "c"}, {"eager_step_s": eager_step_s})
+    probed = []  # the block probe, not cached yet: its answer given here (slower compiled: no trial)
+    monkeypatch.setattr(
+        probe, "compile", lambda *args: probed.append(args) or block_answer(30.0, compiled_s=1.3)
+    )
+    record = compile_phase.auto_compile(model, cfg, step, 2, 3, probe, "c", least_step_s=least_step_s)
+    assert record["auto"]["chose"] == "disabled" and model._compiled_call_impl is None
+    assert len(probed) == (0 if by_import else 1)
+    if by_import:
+        assert "(at least 5.0 s: importing torch's compiler, measured here)" in record["reason"]
+        assert probe.cached("eager_step", {"context": "c"})["eager_step_s"] < 5.0 / 3
+    else:
+        assert "ran 1.30x its eager time" in record["reason"]  # the block probe decided
+    if least_step_s == 10.0:
+        assert probe.cached("eager_step", {"context": "c"}) is None  # no step timed for the import
+
+
+def test_compile_auto_asks_nothing_of_the_import_where_the_compiler_is_loaded(tmp_path, monkeypatch):
+    from aamperf.phases import compile as compile_phase
+
+    monkeypatch.setattr(compile_phase, "compiler_imported", lambda: True)
+    model, cfg, step = tiny_step()
+    probe = Probe(CPU, tmp_path / "probe.json")
+    monkeypatch.setattr(probe, "compiler_import", lambda: pytest.fail("compiling here would not import it"))
+    monkeypatch.setattr(probe, "compile", lambda *args: block_answer(30.0, compiled_s=1.3))  # not cached
+    record = compile_phase.auto_compile(model, cfg, step, 2, 3, probe, "c", least_step_s=1e-6)
+    assert "ran 1.30x its eager time" in record["reason"]
+
+
+def test_the_compilers_import_is_measured_in_a_process_that_has_not_loaded_it():
+    code = (
+        "from aamperf.probe import compiler_imported, measure_compiler_import\n"
+        "before = compiler_imported(); r = measure_compiler_import()\n"
+        "print(before, compiler_imported(), r['import_s'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    before, after, import_s = out.split()
+    assert (before, after) == ("False", "True") and float(import_s) > 0.1
+
+
 def test_compile_auto_skips_a_trial_whose_gain_at_the_probed_speed_is_below_its_cost(tmp_path):
     """100 steps of 1 s could pay a 60 s compile, but at the probe's 0.5x a step they gain 50 s: no trial."""
     from aamperf.phases.compile import auto_compile
