@@ -86,8 +86,10 @@ def build_job(cfg: DictConfig, summary: dict[str, Any], run_dir: Path | None = N
     precision = decisions.get("precision", {})  # precision=auto's, which a GPU's step trial may turn to fp32
     # compile=auto's hint whether a run is short enough to time a step against the compiler's import: the
     # step's FLOPs at the peak, counted before the phases (fewer after some: a hint, never a decision)
-    hint = counted if counted is not None else min(analytic_flops(model, host_batches))
-    least_step_s = hint / peak if peak and hint > 0 else None
+    least_step_s = None
+    if cfg.compile.mode == "auto" and peak:
+        hint = counted if counted is not None else min(analytic_flops(model, host_batches))
+        least_step_s = hint / peak if hint > 0 else None
     plan = apply_phases(
         model, cfg, device, warmup, setup.records, world, micro_batch, steps, precision or None, least_step_s
     )

@@ -105,8 +105,8 @@ def timed_in_turn(
     first: Callable[[], Any], second: Callable[[], Any], device: torch.device, trials: int, min_s: float = 0.0
 ) -> tuple[list[float], list[float]]:
     """Seconds of each call of two warm functions called in turn: `trials` pairs, and more until each
-    one's add up to `min_s`. A slow or quick spell of the machine falls on both alike, so fewer trials
-    compare them as well as TRIALS of one and then TRIALS of the other did."""
+    one's add up to `min_s`. A slow or quick spell of the machine falls on both alike, not on one of
+    them, which matters for their ratio (what the compile probe's reader uses)."""
     a: list[float] = []
     b: list[float] = []
     while len(a) < trials or min(sum(a), sum(b)) < min_s:
@@ -282,8 +282,9 @@ def compiler_imported() -> bool:
 
 def measure_compiler_import() -> dict[str, Any]:
     """Seconds this process takes to import dynamo and inductor, which any torch.compile loads first:
-    the least compiling costs a process here (3.3-4.7 s on a 2-core AVX2 EPYC; a two-op compile then
-    takes 10-11 s more: experiments/compile/). Measured only where not imported yet."""
+    the least compiling costs a process here (1.8-2.3 s in runs, 3.3-4.7 s in
+    experiments/compile/cold_compile.py --trivial, 2-core AVX2 EPYC; a two-op compile then takes 10-11 s
+    more). Measured only where not imported yet."""
     watch = LoadWatch()
     start = time.perf_counter()
     import torch._dynamo  # noqa: F401

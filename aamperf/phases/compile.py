@@ -13,10 +13,10 @@ first headline-width block 23.3 s, a second of the same shapes 0.3 s, one of ano
 bound exceeds that least cost, the trial decides on the model's own compile time.
 
 Before any block is probed, a run too short for any compile to pay is told apart for less: on a device
-that has compiled nothing, where the step's FLOPs at the device's peak (no step is quicker) over the run's
-steps are below importing torch's compiler (measured once here, 3-5 s on a 2-core AVX2 EPYC, against
-25-41 s for the block probe), one eager step is timed; if every step together takes no longer than that
-import, compiling cannot pay.
+that has compiled nothing, where the step's FLOPs at the device's peak (a hint of its least time: it
+decides only whether a step is timed) over the run's steps are below importing torch's compiler
+(measured once per device: 1.8-4.7 s on a 2-core AVX2 EPYC, against 25-41 s for the block probe), one
+eager step is timed; if every step together takes no longer than that import, compiling cannot pay.
 """
 
 import hashlib
@@ -255,7 +255,8 @@ def auto_compile(
 ) -> dict:
     """compile=auto: compile `model` only if it pays over `steps`; `step(i)` runs forward + backward of
     trial batch i (< `batches`); `block` and `dtype`: the model's block shape and autocast dtype, for the
-    device probe; `least_step_s`: a step's FLOPs at the device's peak, where known (no step is quicker).
+    device probe; `least_step_s`: a step's FLOPs at the device's peak, where known (whether a step is
+    worth timing against the compiler's import).
     The record's `auto` holds the decision, its reason and the figures."""
 
     def eager(reason: str, **figures: Any) -> dict:
