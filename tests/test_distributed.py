@@ -388,18 +388,21 @@ def test_slurm_tasks_train_like_torchrun_ranks(launch):
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in one], rel=1e-5)
 
 
-@pytest.mark.slow  # about 40 s: rank 0 answers every probe of ultra on a new cache, a block compile too
+@pytest.mark.slow  # about 25 s: rank 0 answers every probe of ultra on a new cache
 def test_ultra_under_aamperf_launch_decides_on_rank_0_and_every_rank_trains(launch, tmp_path):
     """The command that waited 10 minutes for a collective: rank 0's compile=auto trial step gathered
     the UniFrac embeddings while rank 1 waited for the decision. With a collective timeout shorter than
-    rank 0's measuring (its probes take 20 s or more on a new cache): rank 1 waits for it all the same."""
-    new_cache = [f"probe.cache={tmp_path / 'probe.json'}", "distributed.timeout_s=5"]
+    rank 0's measuring (its probes take 5 s or more on a new cache, a 4-step run's compile=auto times one
+    eager step): rank 1 waits for it all the same."""
+    timeout_s = 2
+    new_cache = [f"probe.cache={tmp_path / 'probe.json'}", f"distributed.timeout_s={timeout_s}"]
     settings = ["distributed=ddp", "optim=ultra", "trainer.max_steps=4", *new_cache]
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # as on a new machine
     proc, run_dir = launch(*settings, launcher=torchrun(2, module="aamperf.launch"), timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_summary(run_dir)
-    assert summary["world_size"] == 2 and summary["status"] == "completed" and summary["auto_s"] > 10
+    assert summary["world_size"] == 2 and summary["status"] == "completed"
+    assert summary["auto_s"] > timeout_s, summary["auto_s"]  # rank 1 waited past its timeout (4-5 s)
     decided = {group: record["auto"] for group, record in summary["phases"].items() if "auto" in record}
     assert {"precision", "attention", "compile", "dataloader"} <= decided.keys(), summary["phases"]
     assert all(auto["reason"] for auto in decided.values())
