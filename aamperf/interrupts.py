@@ -11,6 +11,7 @@ requeued job goes on from it with trainer.resume=auto.
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -74,12 +75,40 @@ def stop_at_once(left: str) -> Iterator[None]:
     stops = (signal.SIGTERM, signal.SIGINT)
     previous = {signum: signal.signal(signum, handle) for signum in stops}
     try:
-        yield
+        with resent_when_dropped():
+            yield
     except StopSignal as stop:
         exit_interrupted(stop.interrupted)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+@contextmanager
+def resent_when_dropped() -> Iterator[None]:
+    """A signal handled while a finalizer runs (a weakref's callback, a `__del__`) raises its StopSignal
+    there, and Python drops an exception raised in a finalizer (it prints "Exception ignored in ..."):
+    the command went on to the end, exit 0 (predict, a SIGINT that came as a weakref was removed). Here the
+    dropped StopSignal's signal is sent again a moment later, to be handled in the code the finalizer
+    interrupted."""
+    timers: list[threading.Timer] = []
+
+    def dropped(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, StopSignal):
+            return hook(unraisable)
+        # not sent from here: the handler would run in this hook, whose exceptions are dropped too
+        again = threading.Timer(0.01, os.kill, (os.getpid(), unraisable.exc_value.interrupted.signum))
+        again.daemon = True
+        timers.append(again)
+        again.start()
+
+    hook, sys.unraisablehook = sys.unraisablehook, dropped
+    try:
+        yield
+    finally:
+        sys.unraisablehook = hook
+        for timer in timers:
+            timer.cancel()
 
 
 def preemption_signal() -> signal.Signals | None:

@@ -16,7 +16,7 @@ from conftest import PYTHON, losses, on_tmpfs, read_metrics, read_summary, torch
 
 from aamperf import checkpoint, rng
 from aamperf.errors import UserError
-from aamperf.interrupts import Interrupts, RunInterrupted
+from aamperf.interrupts import Interrupts, RunInterrupted, stop_at_once
 
 LONG = ["trainer.max_steps=40", "trainer.val_every=8", "trainer.resume=auto"]
 
@@ -79,6 +79,21 @@ def test_a_signal_outside_the_training_loop_stops_the_run_at_once_and_says_when(
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the handler raises here, at once
     assert stopped.value.exit_code == 143 and interrupts.signum == signal.SIGTERM
+
+
+def test_a_stop_signal_handled_in_a_finalizer_still_stops_the_command(capfd):
+    """predict went on to the end (exit 0) when its SIGINT was handled as a weakref's callback ran: Python
+    drops an exception raised in a finalizer. The signal is sent again, to land in the code around it."""
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)  # handled here, inside the finalizer
+
+    with pytest.raises(SystemExit) as stopped, stop_at_once("nothing written"):
+        Finalized()  # gone at once
+        time.sleep(5)  # the code the finalizer interrupted: the stop lands here
+    assert stopped.value.code == 130
+    assert capfd.readouterr().err.strip().splitlines() == ["interrupted: SIGINT received; nothing written"]
 
 
 @pytest.mark.slow  # about 40 s: submitit's runner, a requeue and a resumed run (the suite stays under 10 min)
