@@ -18,7 +18,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from aamperf.checks import check_config, check_values, unwritable
+from aamperf.checks import check_config, check_values, earlier_run, earlier_sweep, unwritable
 from aamperf.device import resolve_device
 from aamperf.errors import (
     RunAborted,
@@ -42,10 +42,12 @@ BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 
 def check_start(config: DictConfig) -> None:
     """What can be checked without reading data and without writing: the values and the user's files
-    (check_config), the chosen options, the phases on this device and the run directory."""
+    (check_config), the chosen options, the phases on this device and the run directory (writable, and
+    not holding an earlier run this one would write over)."""
     check_job(config)
     check_phases(config, resolve_device(config.device))
     problem = unwritable(config.hydra.run.dir, "hydra.run.dir", "the run directory")
+    problem = problem or earlier_run(config.hydra.run.dir, config.trainer.resume)
     if problem:
         raise UserError(problem)
 
@@ -151,6 +153,8 @@ class CheckBeforeRun(Callback):
         find (its data, its checkpoint) still fails that job alone, and the sweep goes on."""
         try:
             problem = unwritable(config.hydra.sweep.dir, "hydra.sweep.dir", "the sweep directory")
+            if not problem and config.trainer.resume != "auto":
+                problem = earlier_sweep(config.hydra.sweep.dir)
             if problem:
                 raise UserError(problem)
             check_jobs(config)

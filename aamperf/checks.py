@@ -11,11 +11,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
+from aamperf import checkpoint
 from aamperf.alerts import check_alerts
 from aamperf.config import Config
 from aamperf.data.tables import check_data
 from aamperf.distributed import check_distributed
 from aamperf.errors import UserError
+from aamperf.files import read_json_cache
+from aamperf.metrics.record import METRICS_FILE, SUMMARY_FILE
+from aamperf.weights import MODEL_FILE
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -115,6 +119,46 @@ def unwritable(value: str, key: str, what: str) -> str | None:
             f"choose another {key}"
         )
     return None
+
+
+def earlier_run(run_dir: str | Path, resume: str) -> str | None:
+    """The problem with starting a run in `run_dir`, or None: an earlier run's record there (summary.json,
+    metrics.jsonl, model.pt, checkpoints) that a new run would write over: its rows would follow the old
+    ones in metrics.jsonl, its summary and model replace theirs. trainer.resume=auto goes on from the
+    newest checkpoint, or starts over a run that did not complete (its rows dropped, aamperf/trainer/)."""
+    run_dir = Path(str(run_dir)).expanduser()
+    left = [name for name in (SUMMARY_FILE, METRICS_FILE, MODEL_FILE) if (run_dir / name).is_file()]
+    saved = checkpoint.checkpoints(run_dir)
+    if not left and not saved:
+        return None
+    summary = read_json_cache(run_dir / SUMMARY_FILE)  # {} where absent or damaged
+    status = summary.get("status")
+    if resume == "auto" and (saved or status != "completed"):
+        return None
+    found = [*left, f"{checkpoint.CHECKPOINT_DIR}/"] if saved else left
+    what = f"{status} at step {summary.get('steps')}" if status else ", ".join(found)
+    if resume == "auto":  # a completed run and no checkpoint: going on would train it again from the start
+        what += ", no checkpoint to go on from"
+    go_on = f", go on from its step {checkpoint.step_of(saved[-1])} with trainer.resume=auto" if saved else ""
+    return (
+        f"run directory {run_dir} holds an earlier run ({what}) that this run would write over; give this "
+        f"run its own hydra.run.dir{go_on}, or remove {run_dir} to run there again"
+    )
+
+
+def earlier_sweep(sweep_dir: str | Path) -> str | None:
+    """The problem with starting a sweep in `sweep_dir`, or None: runs of an earlier sweep there (its jobs'
+    directories are numbered the same: each job would write over one)."""
+    sweep_dir = Path(str(sweep_dir)).expanduser()
+    runs = {p.parent for name in (SUMMARY_FILE, METRICS_FILE) for p in sweep_dir.rglob(name)}
+    if not runs:
+        return None
+    directories = f"{len(runs)} run director{'y' if len(runs) == 1 else 'ies'}"
+    return (
+        f"sweep directory {sweep_dir} holds the runs of an earlier sweep ({directories}) that this sweep "
+        f"would write over; give this sweep its own hydra.sweep.dir (or trainer.resume=auto to go on from "
+        f"their checkpoints), or remove {sweep_dir} to sweep there again"
+    )
 
 
 def unread_keys(node: DictConfig, schema: type, path: str = "") -> list[str]:

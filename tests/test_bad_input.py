@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CONF_DIR, TINY, read_summary
+from conftest import CONF_DIR, TINY, read_metrics, read_summary
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
@@ -256,6 +256,59 @@ def test_corrupt_checkpoint_is_refused_and_the_run_kept(rerun):
 
     fix = "cannot resume from"
     assert_refused_and_kept(*rerun([], fix, damage=truncate_newest_checkpoint), fix)
+
+
+def test_a_new_run_where_an_earlier_one_is_refused_and_writes_nothing(
+    earlier_run, cache_dir, tmp_path, monkeypatch, capfd
+):
+    """Started again in a run's directory without trainer.resume=auto, a run wrote its rows after the
+    earlier run's in metrics.jsonl (steps 1, 1) and replaced its summary and model."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(earlier_run, run_dir)
+    before = files_of(run_dir)
+    code, _, err = invoke(
+        monkeypatch, capfd, *TINY, f"data.cache_dir={cache_dir}", f"hydra.run.dir={run_dir}"
+    )
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: run directory {run_dir} holds an earlier run (completed at step 1) that this run would "
+        f"write over; give this run its own hydra.run.dir, go on from its step 1 with trainer.resume=auto, "
+        f"or remove {run_dir} to run there again"
+    ]
+    assert files_of(run_dir) == before  # not even .hydra/ or the log
+
+
+def test_resume_auto_starts_over_a_run_that_kept_no_checkpoint_and_refuses_a_completed_one(
+    earlier_run, cache_dir, tmp_path, monkeypatch, capfd
+):
+    """A run stopped before its first checkpoint goes on from the start: its rows are logged again, not
+    after the old ones. A completed run without a checkpoint is not trained over."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(earlier_run, run_dir)
+    shutil.rmtree(run_dir / "checkpoints")
+    args = [*TINY, f"data.cache_dir={cache_dir}", f"hydra.run.dir={run_dir}", "trainer.resume=auto"]
+    code, _, err = invoke(monkeypatch, capfd, *args, "trainer.max_steps=1")
+    assert code == 2 and "(completed at step 1, no checkpoint to go on from)" in err, err
+    summary = read_summary(run_dir)
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "status": "interrupted"}))
+    code, _, err = invoke(monkeypatch, capfd, *args, "trainer.max_steps=1")
+    assert code == 0, err
+    assert [row["step"] for row in read_metrics(run_dir)] == [1]
+    assert read_summary(run_dir)["status"] == "completed"
+
+
+def test_a_sweep_where_an_earlier_one_is_refused_before_any_job_runs(
+    earlier_run, tmp_path, monkeypatch, capfd
+):
+    sweep_dir = tmp_path / "sweep"
+    shutil.copytree(earlier_run, sweep_dir / "0")
+    before = files_of(sweep_dir)
+    code, out, err = invoke(monkeypatch, capfd, "-m", *TINY, f"hydra.sweep.dir={sweep_dir}", "seed=0,1")
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: sweep directory {sweep_dir} holds the runs of an earlier sweep (1 run directory) that this "
+        f"sweep would write over; give this sweep its own hydra.sweep.dir (or trainer.resume=auto to go on "
+        f"from their checkpoints), or remove {sweep_dir} to sweep there again"
+    ]
+    assert files_of(sweep_dir) == before and "#0" not in out
 
 
 def test_recorded_fallbacks_keep_the_run_going(inputs, cache_dir, tmp_path, monkeypatch, capfd):

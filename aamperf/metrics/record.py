@@ -13,6 +13,7 @@ from aamperf.errors import UserError, disk_full, no_space
 from aamperf.files import json_line, json_safe, write_atomic, write_json_atomic
 
 SPACE_FIX = "free space there or set hydra.run.dir elsewhere"
+METRICS_FILE, SUMMARY_FILE = "metrics.jsonl", "summary.json"
 LOCK = ".running"  # host and pid of the run that holds the directory; removed when it ends
 
 
@@ -63,8 +64,8 @@ class RunRecord:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._lock = claim(self.run_dir)
-        self.metrics_path = self.run_dir / "metrics.jsonl"
-        self.summary_path = self.run_dir / "summary.json"
+        self.metrics_path = self.run_dir / METRICS_FILE
+        self.summary_path = self.run_dir / SUMMARY_FILE
         self.sinks = list(sinks or [])
         self._metrics = None
 

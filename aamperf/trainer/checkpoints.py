@@ -44,6 +44,8 @@ class Checkpoints:
         """Go on from the newest checkpoint as if the run had never stopped: its step (0: a fresh run)."""
         saved = checkpoint.checkpoints(self.run_dir) if self.run_dir and self.tc.resume == "auto" else []
         if not saved:
+            if self.tc.resume == "auto":  # an earlier start kept no checkpoint: its rows are logged again
+                self.record.truncate_after(0)
             return 0
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         loaded = checkpoint.load(saved[-1], self.model, self.optimizer)
