@@ -20,7 +20,9 @@ needs_tcmalloc = pytest.mark.skipif(
 
 
 @needs_tcmalloc
-@pytest.mark.parametrize("flag", [None, "--config-name=config"])
+@pytest.mark.parametrize(  # the restart from the job: 11-17 s, in the longer tests
+    "flag", [None, pytest.param("--config-name=config", marks=pytest.mark.slow)]
+)
 def test_a_run_asking_for_tcmalloc_starts_again_with_it_in_the_same_directory(
     launch, tmp_path, cache_dir, flag
 ):

@@ -341,6 +341,7 @@ def test_compile_auto_follows_a_cached_trial(tmp_path, steps, compiled):
     from aamperf.phases.compile import auto_compile
 
     model, cfg, step = tiny_step()
+    cfg.backend = "eager"  # dynamo without inductor: what is tested is the decision (15 s less, cold)
     probe = Probe(CPU, tmp_path / "probe.json")
     figures = {"eager_step_s": 1.0, "compiled_step_s": 0.5, "compile_s": 10.0, "graphs": 1}
     inject(probe, "compile_trial", {"context": "c"}, figures)  # saves 0.5 s a step; 10 s to compile
