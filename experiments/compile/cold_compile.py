@@ -31,16 +31,13 @@ from aamperf.metrics.flops import cpu_description  # noqa: E402
 print(f"CPU: {cpu_description()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
 print(f"TORCHINDUCTOR_COMPILE_THREADS={os.environ.get('TORCHINDUCTOR_COMPILE_THREADS', '(torch decides)')}")
 if args.trivial:
-    start = time.perf_counter()
-    import torch._dynamo  # noqa: E402, F401 (what any compile loads first)
-    import torch._inductor.compile_fx  # noqa: E402, F401
+    from aamperf.probe import measure_compiler_import
 
-    imported = time.perf_counter()
+    import_s = measure_compiler_import()["import_s"]  # what any compile loads first, as compile=auto times it
+    start = time.perf_counter()
     x = torch.randn(64, 64, requires_grad=True)
     torch.compile(lambda t: (t.sin() * 2).relu())(x).sum().backward()
-    done = time.perf_counter()
-    compiled_s = done - imported
-    print(f"trivial: import {imported - start:.1f} s, compile + first step {compiled_s:.1f} s")
+    print(f"trivial: import {import_s:.1f} s, compile + first step {time.perf_counter() - start:.1f} s")
 elif args.probe:
     from aamperf.probe import measure_compile
 
