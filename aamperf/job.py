@@ -22,6 +22,7 @@ from aamperf.device import resolve_device, sync, to_device
 from aamperf.distributed import World, from_main, init_world, main_decides, world_size
 from aamperf.errors import UserError
 from aamperf.metrics import count_flops, machine, matmul_dtype, peak_flops
+from aamperf.metrics.flops import LoadWatch
 from aamperf.phases import TRIAL_BATCHES, Plan, apply_phases, check_phases, setup_phases
 from aamperf.phases import dataloader as loader_phase
 from aamperf.phases.auto import resolve_auto
@@ -190,7 +191,8 @@ def loader_workers(
     """dataloader=auto, now that a step can be timed: a worker where making a batch would hold the step
     up. The step's seconds: `step_s` (compile=auto timed it on this batch where it did not compile),
     else a floor from its FLOPs where that settles it (the first rank's, from the peak it calibrated),
-    else one step timed now, by every rank together (a step's collectives pair up across the ranks).
+    else one step timed by every rank together (a step's collectives pair up across the ranks), once per
+    device and configuration (`loader_step_s`).
     Where making a batch is a share of that, both pipelines are timed (`timed_pipelines`). Every rank
     loads as the first rank decided."""
     floor = False
@@ -198,18 +200,40 @@ def loader_workers(
         step_s = loader_phase.step_floor_s(hardware_flops, peak, batch_s)
         floor = step_s is not None
     step_s, floor = from_main((step_s, floor))
+    source = None
     if step_s is None:
-        step_s = warm_step_s(warmup_step(loss_fn, [to_device(batch, device)]), plan, device)
+        step = warmup_step(loss_fn, [to_device(batch, device)])
+        step_s, source = loader_step_s(cfg, plan, step, device, data.train_loader.batch_size)
     batch_s, step_s = from_main((batch_s, step_s))  # every rank times the same trial, or none
     per_round = loader_phase.trial_steps(batch_s, step_s, steps, cfg.dataloader.prefetch_factor or 0)
     trial = None if per_round is None else timed_pipelines(cfg, setup, plan, data, loss_fn, device, per_round)
     notes = plan.records["dataloader"]["notes"]
     asked = cfg.dataloader
-    decision = loader_phase.decide_workers(setup.loader, asked, batch_s, step_s, notes, floor, trial, steps)
+    decision = loader_phase.decide_workers(
+        setup.loader, asked, batch_s, step_s, notes, floor, trial, steps, step_source=source
+    )
     loader, plan.records["dataloader"] = from_main(decision)
     if loader is not None:
         setup.loader = loader
         rebatch(data, data.train_loader.batch_size, cfg.seed, loader)
+
+
+def loader_step_s(cfg, plan, step, device: torch.device, batch_size: int) -> tuple[float, str]:
+    """dataloader=auto's step seconds where nothing else gave them, and where they came from: the first
+    rank's cached figure (the loader trial's context: this model, its phases, data and loader, the ranks),
+    or a warm step timed now by every rank and kept where the first rank's machine was quiet while it ran
+    (the default run's timing cost each run 0.7-0.9 s of its 32 s of training, 2-core AVX2 EPYC)."""
+    probe = Probe(device, cfg.probe.cache, cfg.probe.refresh)
+    context = {"context": loader_context(cfg, batch_size)}
+    cached = from_main(probe.cached("loader_step", context))
+    if cached is not None:
+        return cached["step_s"], "cache"
+    watch = LoadWatch()
+    step_s = warm_step_s(step, plan, device)
+    load = watch.stop()
+    if plan.is_main and LoadWatch.verdict(load, use_loadavg=False) is None:
+        probe.keep("loader_step", context, {"step_s": step_s, **load})
+    return step_s, "measured"
 
 
 def timed_pipelines(cfg, setup, plan, data, loss_fn, device, per_round: int) -> dict[str, Any]:

@@ -53,6 +53,7 @@ MEASURES = {
     "eager_step": "one eager training step (compile=auto)",
     "compile_trial": "eager and compiled steps of this model on its batches (compile=auto)",
     "precision_trial": "training steps of this model under each dtype (precision=auto on a GPU)",
+    "loader_step": "one training step of this model, to weigh making a batch against (dataloader=auto)",
     "loader_trial": "steps with and without a loader worker (dataloader=auto)",
 }
 

@@ -172,18 +172,21 @@ def decide_workers(
     floor: bool = False,
     trial: dict[str, Any] | None = None,
     steps: int = 0,
+    step_source: str | None = None,
 ) -> tuple[DictConfig | None, dict]:
     """dataloader=auto: (the loader config with one worker, or None to keep batches in-process;
     the decision with its measured reason). `cfg` is the resolved (in-process) loader config,
     `requested` the dataloader node as asked for (its persistent_workers and prefetch_factor),
     `notes` those of `resolve_dataloader`; `floor`: `step_s` is `step_floor_s`, not a timed step;
-    `trial`: `time_pipelines`' figures, where `trial_steps` asked for them; `steps`: the run's."""
+    `trial`: `time_pipelines`' figures, where `trial_steps` asked for them; `steps`: the run's;
+    `step_source`: "measured" or "cache" where the loader timed the step itself (`job.loader_step_s`)."""
     share = batch_s / step_s
     step = (
         f"at most {share:.2%} of a step here, which takes at least {step_s * 1e3:.0f} ms (its FLOPs at "
         "the calibrated peak)"
         if floor
         else f"{share:.1%} of a {step_s * 1e3:.0f} ms step here"
+        + (" (timed by an earlier run)" if step_source == "cache" else "")
     )
     made = f"making a batch takes {batch_s * 1e3:.1f} ms, {step}"
     if share < MIN_BATCH_SHARE:
@@ -203,6 +206,7 @@ def decide_workers(
     reason = f"{made} {why}: " + ("one loader worker" if workers else "batches made in the training process")
     step_key = "step_floor_s" if floor else "step_s"
     auto = {"chose": workers, "reason": reason, "batch_s": batch_s, step_key: step_s}
+    auto.update({"step_source": step_source} if step_source is not None else {})
     auto.update({"trial": trial} if trial is not None else {})
     if not workers:
         record = skipped(f"dataloader=auto: {reason}", **OmegaConf.to_container(cfg), notes=list(notes))

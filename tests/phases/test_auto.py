@@ -645,6 +645,25 @@ def test_dataloader_auto_times_no_step_where_its_flops_at_the_peak_settle_it():
     assert step_floor_s(1e12, None, 0.001) is None
 
 
+def test_the_loaders_timed_step_is_kept_for_the_next_run_of_the_same_configuration(make_cfg, tmp_path):
+    """dataloader=auto where no FLOP floor settles it (a given peak of 1e18 FLOP/s floors the step near
+    zero) times one step of the phased model; a later run of the same model, phases and data reads that
+    figure, where a run of another batch size times its own."""
+    from aamperf.run import train
+
+    cache = tmp_path / "probe.json"
+    given = ("dataloader=auto", "precision=fp32", "attention=math", "metrics.peak_flops=1e18")
+    run = (*given, "trainer.max_steps=2", f"probe.cache={cache}")
+    first = train(make_cfg(*run), tmp_path / "first")["phases"]["dataloader"]["auto"]
+    assert first["step_source"] == "measured" and first["step_s"] > 0, first
+    assert any("|loader_step|" in key for key in json.loads(cache.read_text())), "a quiet timing is kept"
+    again = train(make_cfg(*run, "seed=1"), tmp_path / "again")["phases"]["dataloader"]["auto"]
+    assert again["step_source"] == "cache" and again["step_s"] == first["step_s"], again
+    assert "(timed by an earlier run)" in again["reason"]
+    other = train(make_cfg(*run, "trainer.batch_size=2"), tmp_path / "other")["phases"]["dataloader"]["auto"]
+    assert other["step_source"] == "measured", other
+
+
 @pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_a_run_times_both_pipelines_on_its_own_batches_and_trains_as_it_would_have(make_cfg, tmp_path):
     """A model whose step is a few milliseconds (batch-making a large share of it): dataloader=auto times
