@@ -228,9 +228,10 @@ def loader_step_s(cfg, plan, step, device: torch.device, batch_size: int) -> tup
     cached = from_main(probe.cached("loader_step", context))
     if cached is not None:
         return cached["step_s"], "cache"
-    watch = LoadWatch()
+    started, watch = measuring("loader_step", probe.cache_file), LoadWatch()
     step_s = warm_step_s(step, plan, device)
     load = watch.stop()
+    measured("loader_step", started)
     if plan.is_main and LoadWatch.verdict(load, use_loadavg=False) is None:
         probe.keep("loader_step", context, {"step_s": step_s, **load})
     return step_s, "measured"
