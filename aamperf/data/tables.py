@@ -24,6 +24,35 @@ if TYPE_CHECKING:  # scikit-bio costs ~2 s to import: the readers that need it i
 BIOM_FILES = ("table", "tree", "unifrac", "metadata", "sequences")  # data.*: the user's files (data=biom)
 SIMULATED_SIZES = ("n_samples", "n_asvs", "n_envs", "mean_richness", "depth")  # data.* of data=simulated
 UNIFRAC_SUFFIXES = (".npy", ".h5", ".hdf5", ".csv", ".tsv", ".txt")
+# What metadata writes for "no value" (compared stripped, in lower case): the INSDC / ENA / MIxS terms
+# (https://www.insdc.org/submitting-standards/missing-value-reporting/), the forms Qiita and QIIME
+# templates use ("Not applicable", "Missing: Not provided"), and the spreadsheet spellings. A sample whose
+# data.target holds one is left out as one without a value is.
+MISSING_VALUES = frozenset(
+    {
+        "",
+        "na",
+        "n/a",
+        "nan",
+        "not applicable",
+        "not collected",
+        "not provided",
+        "restricted access",
+        "missing",
+        "missing: not applicable",
+        "missing: not collected",
+        "missing: not provided",
+        "missing: restricted access",
+        "missing: control sample",
+        "missing: sample group",
+        "missing: synthetic construct",
+        "missing: lab stock",
+        "missing: third party data",
+        "missing: data agreement established pre-2023",
+        "missing: endangered species",
+        "missing: human-identifiable",
+    }
+)
 
 
 def check_data(cfg: DictConfig) -> list[str]:
@@ -297,12 +326,14 @@ def read_target(path: Path, column: str) -> dict[str, float]:
             + (f" (and {len(repeated) - 5} more)" if len(repeated) > 5 else "")
             + "; keep one row per sample"
         )
-    values = pd.to_numeric(frame[column], errors="coerce")
-    bad = values.isna() & frame[column].notna()
+    written = frame[column].mask(frame[column].str.strip().str.lower().isin(MISSING_VALUES))
+    values = pd.to_numeric(written, errors="coerce")
+    bad = values.isna() & written.notna()
     if bad.any():
         raise UserError(
             f"data.target: column {column!r} of {path} is not numeric "
-            f"(sample {str(bad.idxmax())!r}: {frame[column][bad].iloc[0]!r})"
+            f"(sample {str(bad.idxmax())!r}: {written[bad].iloc[0]!r}); give a number, or leave it empty "
+            "(or 'not collected', 'not provided', 'NA', ...) to leave the sample out"
         )
     infinite = values.abs() == np.inf
     if infinite.any():

@@ -268,8 +268,10 @@ def test_samples_without_a_target_are_counted_and_left_out(cache_dir, tmp_path, 
     import pandas as pd
 
     files = build_data(data_cfg(cache_dir), batch_size=8, seed=0, loader=LOADER).files
-    metadata = pd.read_csv(files["metadata"], sep="\t", index_col=0)
-    metadata.iloc[:5, metadata.columns.get_loc("target")] = None  # 5 samples without a value
+    metadata = pd.read_csv(files["metadata"], sep="\t", index_col=0, dtype={"target": object})
+    # 5 samples without a value: left empty, or marked missing as Qiita and the INSDC do
+    metadata.iloc[:5, metadata.columns.get_loc("target")] = [None, "Not applicable", "missing: not collected",
+                                                              "not provided", "NA"]  # fmt: skip
     metadata.to_csv(tmp_path / "m.tsv", sep="\t")
     biom = {
         "source": "biom",

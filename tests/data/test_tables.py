@@ -190,6 +190,18 @@ def test_a_matrix_that_is_not_a_unifrac_distance_matrix_is_refused_saying_where(
     assert says in str(refused.value)
 
 
+def test_qiita_and_insdc_missing_value_terms_are_read_as_missing(tmp_path):
+    terms = ["Not applicable", "not collected", "Missing: Not provided", "missing: restricted access",
+             "restricted access", "missing: third party data", "Missing: control sample", "NA", "n/a",
+             "nan", " not provided ", ""]  # fmt: skip
+    rows = "".join(f"m{i}\t{term}\n" for i, term in enumerate(terms))
+    (tmp_path / "m.tsv").write_text(f"sample_name\tph\ns1\t7.25\n{rows}s2\t-1e3\n")
+    assert read_target(tmp_path / "m.tsv", "ph") == {"s1": 7.25, "s2": -1000.0}
+    (tmp_path / "m.tsv").write_text("sample_name\tph\ns1\t7.25\ns2\tunknown\n")  # not a term: a mistake
+    with pytest.raises(UserError, match=r"column 'ph' of .* is not numeric \(sample 's2': 'unknown'\)"):
+        read_target(tmp_path / "m.tsv", "ph")
+
+
 def test_metadata_mistakes_are_refused_naming_the_fix(tmp_path):
     comma = tmp_path / "m.csv"
     comma.write_text("sample,age\ns1,3\ns2,4\n")
