@@ -241,12 +241,23 @@ def hydra_errors_raised() -> Iterator[bool]:
             del os.environ["HYDRA_FULL_ERROR"]
 
 
+def refuse_pickle_rerun(argv: list[str]) -> None:
+    """Hydra's `--experimental-rerun FILE` unpickles FILE, which runs whatever code it holds: refused
+    before it is read (a run is repeated from its overrides, which are text)."""
+    if any(arg == "--experimental-rerun" or arg.startswith("--experimental-rerun=") for arg in argv):
+        raise UserError(
+            "--experimental-rerun loads a pickle, which can run any code: aamperf does not read one; repeat "
+            "a run with the overrides listed in its <run dir>/.hydra/overrides.yaml"
+        )
+
+
 @contextmanager
 def bad_input_exits() -> Iterator[None]:
     """Within: a user mistake (UserError), or a config error of Hydra's, ends the process with its one
     `error:` line and exit code 2; HYDRA_FULL_ERROR=1 keeps Hydra's own reports."""
     with hydra_errors_raised() as hydra_reports:
         try:
+            refuse_pickle_rerun(sys.argv[1:])
             yield
         except UserError as exc:
             exit_bad_input(exc)

@@ -1,7 +1,13 @@
 """The model a completed run keeps: `<run dir>/model.pt`, its weights (plain names, whatever wrapped the
 model while training: DDP, FSDP2, compile, recomputed blocks), the config it was built from and the
-target's scale, readable with `torch.load(weights_only=True)`. `load_model` builds it back."""
+target's scale, readable with `torch.load(weights_only=True)`. `load_model` builds it back.
 
+A model file is data: reading it runs no code (weights_only), and neither does building its model. Hydra's
+`instantiate` calls whatever a `_target_` names (torch.load without weights_only, open(..., "w"), shutil,
+os.system), so a `_target_` from the file is built only when it is aamperf's own model (`OWN_MODELS`) or one
+the caller names again (`trust`, what the user says on the command line), at every depth of the config."""
+
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +20,8 @@ from aamperf.files import write_atomic
 
 MODEL_FILE = "model.pt"
 FORMAT = 1
+# The `_target_`s a model file may name without being named again: aamperf's own model classes.
+OWN_MODELS = frozenset({"aamperf.model.AAM", "aamperf.model.aam.AAM"})
 
 
 def save_model(run_dir: Path, model: nn.Module, config: dict[str, Any], target: dict | None) -> Path | None:
@@ -53,26 +61,77 @@ def read_model_file(run_dir: Path) -> dict[str, Any]:
     return payload
 
 
-def load_model(run_dir: Path, device: torch.device | str = "cpu") -> tuple[nn.Module, dict[str, Any]]:
+def leaves(node: Any, where: str = "model") -> Iterator[tuple[str, Any]]:
+    """(full key, value) of every value in a plain config value, nested dicts and lists included."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from leaves(value, f"{where}.{key}")
+    elif isinstance(node, list | tuple):
+        for index, value in enumerate(node):
+            yield from leaves(value, f"{where}[{index}]")
+    else:
+        yield where, node
+
+
+def model_config(payload: dict[str, Any], path: Path, trust: Iterable[str] = ()) -> dict[str, Any]:
+    """The model config of a model file, once every `_target_` in it is aamperf's own model or named in
+    `trust`; else a one-line error naming the first other one (nothing of it is imported or called)."""
+    config = payload.get("config")
+    model = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(model, dict) or "_target_" not in model:
+        raise UserError(f"{path} holds no model config with a _target_; train the run again")
+    allowed = OWN_MODELS | set(trust)
+    for key, value in leaves(model):
+        # saved resolved: an interpolation is not aamperf's, and instantiate would resolve it into new
+        # nodes (oc.decode makes a `_target_` from a string) after this check
+        if isinstance(value, str) and "${" in value:
+            raise UserError(
+                f"{path}: its {key} holds an interpolation ({value[:80]!r}), which aamperf never saves in a "
+                "model file (its config is saved resolved); it is not built: train the run again"
+            )
+        if key.rpartition(".")[2] == "_target_" and not (isinstance(value, str) and value in allowed):
+            named = value if isinstance(value, str) else repr(value)[:80]
+            raise UserError(
+                f"{path}: its {key} {named} is not aamperf's model, and a model file's config builds "
+                f"only aamperf's models (building another runs its code); if you trust the file and "
+                f"{named} is your plug-in model, name it: load_model(run_dir, trust=[{named!r}])"
+            )
+    return model
+
+
+def load_model(
+    run_dir: Path, device: torch.device | str = "cpu", trust: Iterable[str] = ()
+) -> tuple[nn.Module, dict[str, Any]]:
     """The run's trained model, built from its config and given its weights, in eval mode on `device`;
-    and the payload (config, target)."""
+    and the payload (config, target). `trust`: `_target_`s besides aamperf's own model that its config
+    may build (a plug-in model of yours, named again here); any other is refused before it is imported."""
+    payload = read_model_file(run_dir)
+    return build_model(payload, Path(run_dir) / MODEL_FILE, device, trust), payload
+
+
+def build_model(
+    payload: dict[str, Any], path: Path, device: torch.device | str = "cpu", trust: Iterable[str] = ()
+) -> nn.Module:
+    """The model of a model file's payload (read_model_file), with its weights, in eval mode on `device`."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
-    payload = read_model_file(run_dir)
+    model_cfg = model_config(payload, path, trust)
     try:
-        model = instantiate(payload["config"]["model"])
+        model = instantiate(model_cfg)
     except InstantiationException as exc:  # a plug-in model whose module does not import here
-        target = payload["config"]["model"].get("_target_")
         raise UserError(
-            f"{Path(run_dir) / MODEL_FILE}: its model {target} cannot be built here "
+            f"{path}: its model {model_cfg['_target_']} cannot be built here "
             f"({one_line(exc.__cause__ or exc)[:200]}); run where its module imports (on PYTHONPATH)"
         ) from exc
+    if not isinstance(model, nn.Module):
+        built = type(model).__name__
+        raise UserError(f"{path}: its model {model_cfg['_target_']} builds a {built}, not a torch module")
     try:
         model.load_state_dict(payload["weights"])
     except RuntimeError as exc:
         raise UserError(
-            f"{Path(run_dir) / MODEL_FILE}: its weights do not fit the model its config builds "
+            f"{path}: its weights do not fit the model its config builds "
             f"({one_line(exc)[:200]})"
         ) from exc
-    return model.to(device).eval(), payload
+    return model.to(device).eval()

@@ -126,12 +126,17 @@ def test_a_run_of_another_model_is_refused_in_one_line_and_its_model_must_import
     said = f"error: run={run_dir} trained plugin_model.MeanPoolModel (model._target_), not AAM"
     assert last.startswith(said)
     assert not (out / "summary.json").exists()
+    # a plug-in model is built from its file only when the caller names it again
+    with pytest.raises(UserError, match=r"plugin_model\.MeanPoolModel is not aamperf's model"):
+        load_model(run_dir)
+    model, _ = load_model(run_dir, trust=["plugin_model.MeanPoolModel"])
+    assert type(model).__name__ == "MeanPoolModel"
 
     payload = torch.load(run_dir / "model.pt", weights_only=True)
     payload["config"]["model"]["_target_"] = "gone_module.Net"  # moved, or not on PYTHONPATH here
     torch.save(payload, run_dir / "model.pt")
     with pytest.raises(UserError, match=r"its model gone_module\.Net cannot be built here .*on PYTHONPATH"):
-        load_model(run_dir)
+        load_model(run_dir, trust=["gone_module.Net"])
 
 
 @pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes

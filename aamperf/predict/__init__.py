@@ -35,7 +35,7 @@ from aamperf.predict.bench import latencies
 from aamperf.predict.export import export_model
 from aamperf.predict.levels import apply_levels, forward, quality
 from aamperf.predict.outputs import write_predictions
-from aamperf.weights import load_model
+from aamperf.weights import MODEL_FILE, OWN_MODELS, build_model, load_model, read_model_file
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,13 @@ def data_config(run_data: dict[str, Any], new: DictConfig) -> DictConfig:
     cfg.metadata, cfg.sequences = new.metadata, new.sequences
     cfg.target = (new.target or cfg.target) if new.metadata is not None else None
     return cfg
+
+
+def saved_target(payload: dict[str, Any]) -> Any:
+    """The model `_target_` a model file's config names, or None."""
+    config = payload.get("config")
+    model = config.get("model") if isinstance(config, dict) else None
+    return model.get("_target_") if isinstance(model, dict) else None
 
 
 def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
@@ -82,13 +89,17 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             raise UserError("quality_samples and chunk_samples must be >= 0")
         if cfg.bench.enabled and world.world_size > 1:
             raise UserError("bench.enabled=true measures one process: run it without torchrun")
-        model, payload = load_model(Path(cfg.run), device)
-        if not isinstance(model, AAM):  # the levels, files and quality check read AAM's outputs
+        payload = read_model_file(Path(cfg.run))
+        target = saved_target(payload)
+        # the levels, files and quality check read AAM's outputs
+        if not (isinstance(target, str) and target in OWN_MODELS):
             raise UserError(
-                f"run={cfg.run} trained {type(model).__module__}.{type(model).__name__} (model._target_), "
-                "not AAM: predict serves AAM models; load it with aamperf.weights.load_model(run_dir) "
-                "and call it yourself"
+                f"run={cfg.run} trained {target} (model._target_), not AAM: predict serves AAM models (and "
+                "builds no other from a file, which would run its code); load it with "
+                f"aamperf.weights.load_model(run_dir, trust=[{target!r}]) and call it yourself"
             )
+        model = build_model(payload, Path(cfg.run) / MODEL_FILE, device)
+        assert isinstance(model, AAM)
         data_cfg = data_config(payload["config"]["data"], cfg.data)
         chunks = sample_chunks(data_cfg, cfg.chunk_samples, 1 if auto_batch else cfg.batch_size)
         samples = read_samples(data_cfg, keep_unlabelled=True, sample_ids=chunks[0])

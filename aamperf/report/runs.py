@@ -6,15 +6,16 @@ import datetime
 import itertools
 import json
 import statistics
+import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+import yaml
 
 from aamperf.config import config_diff
-from aamperf.errors import UserError
+from aamperf.errors import UserError, one_line
 from aamperf.files import read_json_lines
 
 IGNORED_OVERRIDES = ("seed=", "hydra.", "trainer.progress=", "compare.", "logger.", "hparams_search=")
@@ -131,15 +132,56 @@ def overlapping(runs: list[Run]) -> list[tuple[Run, Run, float]]:
 
 
 def find_runs(dirs: list[Path]) -> list[Run]:
+    """The training runs under `dirs` (each directory with a summary.json), a prediction's directory
+    (`python -m aamperf.predict`) left out with a note; a record that cannot be read is a one-line error
+    naming its file. Records are read as data: JSON, and YAML without Python tags."""
     runs = []
     for directory in dirs:
         for summary_path in sorted(Path(directory).rglob("summary.json")):
-            overrides_path = summary_path.parent / ".hydra" / "overrides.yaml"
-            overrides = (
-                OmegaConf.to_container(OmegaConf.load(overrides_path)) if overrides_path.exists() else []
-            )
-            runs.append(Run(summary_path.parent, overrides or [], json.loads(summary_path.read_text())))
+            summary = read_summary(summary_path)
+            if "inference" in summary and "optim" not in summary:
+                print(
+                    f"note: {summary_path.parent} holds predictions (python -m aamperf.predict), not a "
+                    "training run: left out of the comparison",
+                    file=sys.stderr,
+                )
+                continue
+            overrides = read_overrides(summary_path.parent / ".hydra" / "overrides.yaml")
+            runs.append(Run(summary_path.parent, overrides, summary))
     return runs
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    """A run's summary.json, or a one-line error naming it."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(
+            f"{path} is not a run's summary ({one_line(exc)[:120]}); remove it or its directory, or give "
+            "python -m aamperf.compare only the directories of aamperf runs"
+        ) from exc
+    if not isinstance(summary, dict):
+        raise UserError(f"{path} is not a run's summary (JSON, not an object); remove it or its directory")
+    return summary
+
+
+def read_overrides(path: Path) -> list[str]:
+    """A run's .hydra/overrides.yaml (a list of strings; [] where it has none), or a one-line error. Read
+    with YAML's safe loader: a tag that would build a Python object is refused, not run."""
+    if not path.exists():
+        return []
+    try:
+        overrides = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError(
+            f"{path} is not a run's overrides ({one_line(exc)[:120]}); remove its run directory, or "
+            "give python -m aamperf.compare only the directories of aamperf runs"
+        ) from exc
+    if overrides is None:
+        return []
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise UserError(f"{path} is not a run's overrides (a list of key=value); remove its directory")
+    return overrides
 
 
 def group_runs(runs: list[Run]) -> list[Group]:
