@@ -435,3 +435,29 @@ def test_a_sweep_whose_report_cannot_be_written_fails_in_one_line_and_keeps_its_
     assert last.startswith("error: the comparison report failed (IsADirectoryError: ")
     assert last.endswith(f"the runs are kept: python -m aamperf.compare {sweep}")
     assert all(path.read_bytes() == content for path, content in before.items())  # nothing lost
+
+
+def test_a_summary_that_is_not_json_is_a_one_line_error_naming_it(sweep, capsys):
+    damaged = sweep / "ultra0" / "summary.json"
+    damaged.write_text('{"status": "completed", "samples_per')  # cut short
+    with pytest.raises(SystemExit) as exit_:
+        main([str(sweep)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {damaged} is not a run's summary")
+    assert not (sweep / "comparison.json").exists()
+
+
+def test_a_predictions_directory_is_not_a_row_of_the_report(sweep, capsys):
+    main([str(sweep)])
+    before = json.loads((sweep / "comparison.json").read_text())["rows"]
+    predicted = sweep / "predictions"  # python -m aamperf.predict's output, inside the compared directory
+    predicted.mkdir()
+    prediction = {"status": "completed", "run": "x", "inference": "fast"}
+    (predicted / "summary.json").write_text(json.dumps(prediction))
+    capsys.readouterr()
+    main([str(sweep)])
+    assert f"note: {predicted} holds predictions" in capsys.readouterr().err
+    after = json.loads((sweep / "comparison.json").read_text())["rows"]
+    rows = [[(row["config"], row["seeds"]) for row in report] for report in (before, after)]
+    assert rows[0] == rows[1]
