@@ -131,6 +131,7 @@ def build_job(cfg: DictConfig, summary: dict[str, Any], run_dir: Path | None = N
         unifrac_mode=data.unifrac_mode,
         unifrac_cached=data.unifrac_cached,
         samples_cached=data.samples_cached,
+        **data.counts,  # what reading the data left out or changed (samples too shallow, sequences cut, ...)
     )
     non_blocking = setup.loader.non_blocking
     return Job(device, world, data, loss_fn, plan, non_blocking, model_flops, hardware_flops, peak)

@@ -15,7 +15,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from aamperf.data.tables import check_tips, read_tree
+from aamperf.data.tables import check_tips, read_tree, zero_missing_lengths
 from aamperf.errors import UserError
 
 
@@ -25,6 +25,7 @@ class Branches:
 
     lengths: np.ndarray  # float64 [n_branches]: the branches with a length > 0 (the others never count)
     paths: sp.csr_matrix  # [n_observations, n_branches] 0/1: the branches on each observation's path
+    missing_lengths: int = 0  # branches of the tree written without a length, read as 0 (the root aside)
 
     def of_samples(self, presence: sp.csc_matrix) -> sp.csr_matrix:
         """[n_samples, n_branches] 0/1 from presence [n_observations, n_samples] (counts > 0)."""
@@ -39,12 +40,11 @@ class Branches:
 def read_branches(tree_path: Path, observation_ids: list[str]) -> Branches:
     """The branches of the Newick tree in `tree_path` on the paths of `observation_ids` (its tips)."""
     tree = read_tree(tree_path)
+    missing_lengths = zero_missing_lengths(tree)
     nodes = list(tree.postorder(include_self=True))
     index = {id(node): i for i, node in enumerate(nodes)}
     parent = np.array([-1 if n.parent is None else index[id(n.parent)] for n in nodes])
-    if any(n.length is None for n in nodes[:-1]):  # the root (last in postorder) may have none
-        raise UserError(f"data.tree: {tree_path} has a branch without a length; UniFrac needs every one's")
-    lengths = np.array([float(n.length or 0.0) for n in nodes])
+    lengths = np.array([float(n.length or 0.0) for n in nodes])  # the root (last in postorder) may have none
     if np.isnan(lengths).any() or (lengths < 0).any():
         raise UserError(f"data.tree: {tree_path} has a branch length that is negative or not a number")
     tips = {node.name: index[id(node)] for node in nodes if not node.children}
@@ -65,7 +65,7 @@ def read_branches(tree_path: Path, observation_ids: list[str]) -> Branches:
     paths = sp.csr_matrix(
         (data, (rows[keep], column[cols[keep]])), shape=(len(observation_ids), int(counted.sum()))
     )
-    return Branches(lengths[counted], paths)
+    return Branches(lengths[counted], paths, missing_lengths)
 
 
 def batch_matrix(branch_sets: list[np.ndarray], lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -170,6 +170,10 @@ class Data:
     unifrac_mode: str  # batch (from branch sets, per batch) or precomputed (the n x n matrix)
     unifrac_cached: bool  # precomputed from data.tree: the matrix came from `<cache_dir>/unifrac/`
     samples_cached: bool  # the rarefied samples came from their store (`<cache_dir>/samples/`)
+    # what reading the data left out or changed, each warned in train.log (summary.json's keys):
+    # samples_too_shallow (fewer reads than data.rarefy_depth: left out), sequences_cut (ASVs longer than
+    # the model's 150 bases, cut), longest_sequence_bp, tree_lengths_missing (branches read as 0)
+    counts: dict[str, int]
     files: dict[str, str | None]  # table / tree / unifrac / metadata / sequences actually read
     sample_ids: list[str]  # index = the batch's `sample_idx`
     dataset: SampleDataset
@@ -229,7 +233,9 @@ def build_data(
         unifrac = select_unifrac(*read_unifrac(files["unifrac"]), sample_ids)
     elif mode == "precomputed":
         cache_dir = Path(cfg.cache_dir).expanduser()
-        unifrac, cached = cached_unifrac(rarefied_table(samples), files["tree"], cache_dir)
+        unifrac, cached, samples.missing_lengths = cached_unifrac(
+            rarefied_table(samples), files["tree"], cache_dir
+        )
     unifrac = None if unifrac is None else torch.from_numpy(unifrac).float()
 
     train_idx, val_idx = split_indices(len(sample_ids), cfg.val_fraction, cfg.seed)
@@ -254,6 +260,12 @@ def build_data(
         unifrac_mode=mode,
         unifrac_cached=cached,
         samples_cached=samples_cached,
+        counts={
+            "samples_too_shallow": len(samples.too_shallow),
+            "sequences_cut": samples.sequences_cut,
+            "longest_sequence_bp": samples.longest_sequence_bp,
+            "tree_lengths_missing": samples.missing_lengths,
+        },
         files={k: None if v is None else str(v) for k, v in files.items()},
         sample_ids=sample_ids,
         dataset=dataset,

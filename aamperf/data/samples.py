@@ -18,6 +18,7 @@ from aamperf.data.branches import Branches
 from aamperf.data.tables import observation_sequences, read_table, read_target, resolve_files
 from aamperf.data.tokenize import count_real_tokens, tokenize_sequences
 from aamperf.errors import UserError
+from aamperf.tokens import ASV_BP, TOKENS_PER_ASV
 
 log = logging.getLogger(__name__)
 
@@ -173,10 +174,13 @@ def no_sample_deep_enough(cfg: DictConfig, deepest: int) -> UserError:
     )
 
 
-def table_tokens(obs_ids: list[str], sequences_path) -> tuple[torch.Tensor, np.ndarray]:
-    """Every observation of the table tokenized once [n_obs, 151] uint8, and its real-nucleotide count."""
-    tokens = tokenize_sequences(observation_sequences(obs_ids, sequences_path))  # validated when read
-    return tokens, count_real_tokens(tokens).numpy()
+def table_tokens(obs_ids: list[str], sequences_path) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """Every observation of the table tokenized once [n_obs, 151] uint8, its real-nucleotide count, and
+    each sequence's length in bases (those longer than `ASV_BP` are cut to it)."""
+    sequences = observation_sequences(obs_ids, sequences_path)
+    tokens = tokenize_sequences(sequences)  # validated when read
+    lengths = np.array([len(seq) for seq in sequences], dtype=np.int64)
+    return tokens, count_real_tokens(tokens).numpy(), lengths
 
 
 @dataclass
@@ -189,6 +193,9 @@ class Samples:
     too_shallow: list[str]  # samples with fewer reads than data.rarefy_depth: left out
     n_asvs: int  # distinct ASVs among the samples' max_asvs most abundant
     branch_lengths: np.ndarray | None = None  # of the branches the samples' branch sets index (batch UniFrac)
+    sequences_cut: int = 0  # observations of the table longer than ASV_BP bases: cut to their first ASV_BP
+    longest_sequence_bp: int = 0  # of the table's observations
+    missing_lengths: int = 0  # branches of data.tree without a length, read as 0 (batch UniFrac)
 
 
 def read_samples(
@@ -208,7 +215,7 @@ def read_samples(
         if without_target and not keep_unlabelled:
             warn_without_target(without_target, len(table.ids()), cfg.target, files["metadata"])
             table = table.filter(keep, inplace=False)
-    tokens, real_tokens = table_tokens(
+    tokens, real_tokens, lengths = table_tokens(
         [str(obs) for obs in table.ids(axis="observation")], files["sequences"]
     )
     ids = [str(sid) for sid in table.ids()]
@@ -218,7 +225,37 @@ def read_samples(
     target = None if targets is None else torch.tensor([targets.get(sid, float("nan")) for sid in chunk.ids])
     rarefied = (Ragged.of(chunk.rows, np.int32), Ragged.of(chunk.reads, np.int32))
     dataset = SampleDataset(rarefied, cfg.max_asvs, chunk.n_tokens, target)
-    return Samples(chunk.ids, dataset, tokens, files, without_target, chunk.too_shallow, len(chunk.kept_asvs))
+    kept, cut = len(chunk.kept_asvs), int((lengths > ASV_BP).sum())
+    samples = Samples(chunk.ids, dataset, tokens, files, without_target, chunk.too_shallow, kept)
+    samples.sequences_cut, samples.longest_sequence_bp = cut, int(lengths.max())
+    return samples
+
+
+def warn_too_shallow(too_shallow: list[str], total: int, depth: int) -> None:
+    if too_shallow:
+        log.warning(
+            "%d of %d samples have fewer reads than data.rarefy_depth=%d: left out of training and "
+            "validation (%s%s); lower data.rarefy_depth to keep them",
+            len(too_shallow),
+            total,
+            depth,
+            ", ".join(too_shallow[:5]),
+            ", ..." if len(too_shallow) > 5 else "",
+        )
+
+
+def warn_sequences_cut(n: int, total: int, longest_bp: int) -> None:
+    if n:
+        log.warning(
+            "%d of %d ASV sequences of data.table are longer than the model reads (longest: %d bases): "
+            "cut to their first %d (model.seq_len=%d is START and %d bases, the length of aamperf's tokens)",
+            n,
+            total,
+            longest_bp,
+            ASV_BP,
+            TOKENS_PER_ASV,
+            ASV_BP,
+        )
 
 
 def warn_without_target(n: int, total: int, column: str, metadata) -> None:

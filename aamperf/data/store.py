@@ -41,11 +41,14 @@ from aamperf.data.samples import (
     no_sample_deep_enough,
     rarefy_chunk,
     table_tokens,
+    warn_sequences_cut,
+    warn_too_shallow,
     warn_without_target,
 )
-from aamperf.data.tables import read_target, table_chunks, table_ids
+from aamperf.data.tables import read_target, table_chunks, table_ids, warn_missing_lengths
 from aamperf.errors import UserError, disk_full, no_space
 from aamperf.files import one_builder, replace_durably, sha256_of
+from aamperf.tokens import ASV_BP
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +127,7 @@ def build_store(cfg: DictConfig, files: dict, with_branches: bool, path: Path) -
     """One pass over the table: rarefy, count tokens, branch sets; written to a temporary directory renamed
     into place when whole (several processes may build one store at once: the last rename wins)."""
     obs_ids = table_ids(files["table"], "observation")
-    tokens, real_tokens = table_tokens(obs_ids, files["sequences"])
+    tokens, real_tokens, lengths = table_tokens(obs_ids, files["sequences"])
     branches: Branches | None = read_branches(files["tree"], obs_ids) if with_branches else None
     targets = read_target(files["metadata"], cfg.target) if cfg.target is not None else None
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
@@ -177,6 +180,11 @@ def build_store(cfg: DictConfig, files: dict, with_branches: bool, path: Path) -
             "tokens": tokens.numpy(),
             "meta": np.array([without_target, int(used.sum()), cfg.max_asvs]),
             "crc32": np.array([crc[name] for name in RAGGED[: len(outs)]], dtype=np.int64),
+            # what reading the files changed, warned at each opening: sequences cut (their count, the
+            # longest's bases), branches of the tree without a length (read as 0)
+            "changed": np.array(
+                [(lengths > ASV_BP).sum(), lengths.max(), 0 if branches is None else branches.missing_lengths]
+            ),
         }
         if branches is not None:
             arrays.update(branches_ptr=np.concatenate(ptr["branches"]), branch_lengths=branches.lengths)
@@ -257,9 +265,16 @@ def open_store(path: Path, cfg: DictConfig, files: dict) -> Samples:
         )
         lengths = index["branch_lengths"] if "branch_lengths" in index else None
         without_target, n_asvs, max_asvs = (int(x) for x in index["meta"])
+        sequences_cut, longest_bp, missing_lengths = (int(x) for x in index["changed"])
+    total = without_target + len(ids) + len(too_shallow)
     if without_target:
-        total = without_target + len(ids) + len(too_shallow)
         warn_without_target(without_target, total, cfg.target, files["metadata"])
+    warn_too_shallow(too_shallow, total - without_target, cfg.rarefy_depth)
+    warn_sequences_cut(sequences_cut, len(tokens), longest_bp)
+    warn_missing_lengths(missing_lengths, files["tree"])
     rarefied = (Ragged(rows_ptr, file=str(path / "rows")), Ragged(rows_ptr, file=str(path / "reads")))
     dataset = SampleDataset(rarefied, max_asvs, n_tokens, target, branches)
-    return Samples(ids, dataset, tokens, files, without_target, too_shallow, n_asvs, lengths)
+    samples = Samples(ids, dataset, tokens, files, without_target, too_shallow, n_asvs, lengths)
+    samples.sequences_cut, samples.longest_sequence_bp = sequences_cut, longest_bp
+    samples.missing_lengths = missing_lengths
+    return samples

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import biom
 import numpy as np
 
-from aamperf.data.tables import check_tips, read_tree
+from aamperf.data.tables import check_tips, read_tree, warn_missing_lengths, zero_missing_lengths
 from aamperf.errors import NoSpace, UserError, one_line
 from aamperf.files import one_builder, write_atomic
 
@@ -51,41 +51,55 @@ def compute_unifrac(table: biom.Table, tree: "TreeNode") -> np.ndarray:
     return dm.data
 
 
-def cached_unifrac(table: biom.Table, tree_path: Path, cache_dir: Path) -> tuple[np.ndarray, bool]:
-    """UniFrac of `table` with the tree in `tree_path`: (matrix, served from the cache).
+def cached_unifrac(table: biom.Table, tree_path: Path, cache_dir: Path) -> tuple[np.ndarray, bool, int]:
+    """UniFrac of `table` with the tree in `tree_path`: (matrix, served from the cache, branches of the
+    tree without a length, read as 0: warned, as each run that uses the tree is).
 
     The cache is `<cache_dir>/unifrac/<key>.npz`; on a hit the tree is not even parsed. One process
     computes a missing matrix; others started with it (torchrun ranks) wait and read it.
     """
     path = cache_dir / "unifrac" / f"{cache_key(table, tree_path.read_bytes())}.npz"
     sample_ids = np.asarray(table.ids(), dtype=str)
-    matrix = read_cached(path, sample_ids, warn=False)
-    if matrix is not None:
-        return matrix, True
-    with one_builder(path.parent):
-        matrix = read_cached(path, sample_ids, warn=True)
-        if matrix is not None:  # another process computed it meanwhile
-            return matrix, True
-        matrix = compute_unifrac(table, read_tree(tree_path))
-        try:  # atomic: a reader sees the old file, no file, or the whole new one
-            write_atomic(path, lambda f: np.savez(f, matrix=matrix, ids=sample_ids))
-        except NoSpace:  # the run has its matrix: a cache it cannot keep costs the next run only
-            log.warning(
-                "UniFrac not cached: no space left in %s (free space, or set data.cache_dir)", path.parent
-            )
-            return matrix, False
+    hit = read_cached(path, sample_ids, warn=False)
+    if hit is None:
+        with one_builder(path.parent):
+            hit = read_cached(path, sample_ids, warn=True)  # another process computed it meanwhile?
+            if hit is None:
+                return computed_unifrac(table, tree_path, path, sample_ids)
+    warn_missing_lengths(hit[1], tree_path)
+    return hit[0], True, hit[1]
+
+
+def computed_unifrac(table: biom.Table, tree_path: Path, path: Path, sample_ids: np.ndarray):
+    """cached_unifrac's miss: the matrix computed, then kept in `path` with the count of missing lengths."""
+    tree = read_tree(tree_path)
+    missing_lengths = zero_missing_lengths(tree)
+    warn_missing_lengths(missing_lengths, tree_path)
+    matrix = compute_unifrac(table, tree)
+    try:  # atomic: a reader sees the old file, no file, or the whole new one
+        write_atomic(
+            path, lambda f: np.savez(f, matrix=matrix, ids=sample_ids, missing_lengths=missing_lengths)
+        )
+    except NoSpace:  # the run has its matrix: a cache it cannot keep costs the next run only
+        log.warning(
+            "UniFrac not cached: no space left in %s (free space, or set data.cache_dir)", path.parent
+        )
+        return matrix, False, missing_lengths
     log.info("UniFrac for %d samples cached in %s", len(sample_ids), path)
-    return matrix, False
+    return matrix, False, missing_lengths
 
 
-def read_cached(path: Path, sample_ids: np.ndarray, warn: bool) -> np.ndarray | None:
-    """The cached matrix of these samples, or None (absent; or damaged, said where `warn`)."""
+def read_cached(path: Path, sample_ids: np.ndarray, warn: bool) -> tuple[np.ndarray, int] | None:
+    """The cached matrix of these samples and the tree's missing lengths, or None (absent; or damaged,
+    said where `warn`)."""
     if not path.is_file():
         return None
     try:
         with np.load(path) as cached:  # a zip: each member's CRC is checked as it is read
             if np.array_equal(cached["ids"], sample_ids):  # guards against a hash collision
-                return cached["matrix"]
+                # a matrix cached before the count was kept: its tree had every length (others were refused)
+                missing = int(cached["missing_lengths"]) if "missing_lengths" in cached else 0
+                return cached["matrix"], missing
         problem = "does not match the table"
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:  # truncated, garbage
         problem = f"is damaged ({type(exc).__name__}: {one_line(exc)[:120]})"

@@ -68,9 +68,34 @@ def test_a_tree_that_misses_an_asv_or_repeats_a_tip_is_one_line(tmp_path):
     (tmp_path / "t.nwk").write_text("((a:1,a:2):0.5,c:3);")
     with pytest.raises(UserError, match=r"^data\.tree: 1 tip names appear more than once"):
         read_branches(tmp_path / "t.nwk", ["a", "c"])
-    (tmp_path / "t.nwk").write_text("((a:1,b:2),c:3);")  # scikit-bio refuses it too
-    with pytest.raises(UserError, match=r"^data\.tree: .* has a branch without a length"):
+    (tmp_path / "t.nwk").write_text("((a:1,b:2):-1,c:3);")
+    with pytest.raises(UserError, match=r"^data\.tree: .* has a branch length that is negative"):
         read_branches(tmp_path / "t.nwk", ["a", "c"])
+
+
+def test_a_branch_without_a_length_counts_as_zero_and_is_counted(tmp_path):
+    """Greengenes' tree has internal nodes without a length: read as 0 (scikit-bio refuses them)."""
+    (tmp_path / "t.nwk").write_text("(((a:1,b:2)ab,e:4)abe:0.5,(c:3,d)cd:2)root;\n")
+    (tmp_path / "zero.nwk").write_text("(((a:1,b:2)ab:0,e:4)abe:0.5,(c:3,d:0)cd:2)root;\n")
+    counts = np.array([[3, 1, 0, 0], [2, 0, 1, 0], [0, 5, 0, 1], [0, 0, 7, 0], [0, 0, 0, 4]])
+    ids = ["a", "b", "c", "d", "e"]
+    assert read_branches(tmp_path / "t.nwk", ids).missing_lengths == 2  # ab and d; the root may have none
+    assert read_branches(tmp_path / "zero.nwk", ids).missing_lengths == 0
+    mine = unifrac_of(tmp_path / "t.nwk", counts, ids)
+    np.testing.assert_allclose(mine, skbio_unifrac(tmp_path / "zero.nwk", counts, ids), atol=1e-6)
+    # S1 {a, b, ab, abe} vs S2 {a, ab, abe, c, cd}: b + c + cd = 7 of a b ab abe c cd = 8.5 (ab: 0)
+    assert mine[0, 1] == pytest.approx(7 / 8.5, abs=1e-6)
+
+
+def test_unquoted_tips_with_underscores_are_read_as_written(tmp_path):
+    """DADA2, FastTree and ape write `ASV_1` unquoted: it must match the table's ASV_1 (Newick's own
+    rule reads it as 'ASV 1')."""
+    (tmp_path / "t.nwk").write_text("((ASV_1:1,'ASV_2':2):0.5,ASV_3:3);\n")
+    ids = ["ASV_1", "ASV_2", "ASV_3"]
+    counts = np.array([[1, 0, 4], [1, 1, 0], [0, 2, 3]])
+    tree = skbio.TreeNode.read(["((ASV_1:1,ASV_2:2):0.5,ASV_3:3);"], convert_underscores=False)
+    expected = beta_diversity("unweighted_unifrac", counts.T, ids=["s0", "s1", "s2"], taxa=ids, tree=tree)
+    np.testing.assert_allclose(unifrac_of(tmp_path / "t.nwk", counts, ids), expected.data, atol=1e-6)
 
 
 def test_simulated_batches_equal_the_full_matrix_whatever_else_is_in_the_batch(make_cfg):

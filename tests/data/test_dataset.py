@@ -1,5 +1,8 @@
 """build_data end to end: batch layout, max_asvs, rarefaction, split, loaders, data=biom, errors."""
 
+import json
+import re
+
 import biom
 import h5py
 import numpy as np
@@ -121,13 +124,16 @@ def test_ties_are_broken_by_table_order():
     assert rows.tolist() == [2, 1, 3] and counts.tolist() == [7, 5, 5]
 
 
-def test_rarefaction_depth_respected_and_shallow_samples_dropped(cache_dir):
+def test_rarefaction_depth_respected_and_shallow_samples_dropped(cache_dir, caplog):
     data = build_data(
         data_cfg(cache_dir, max_asvs=200, rarefy_depth=2000), batch_size=4, seed=0, loader=LOADER
     )
     depths = read_table(data.files["table"]).sum(axis="sample")
     assert 0 < data.n_train + data.n_val == (depths >= 2000).sum() < len(depths)
     assert all(item["counts"].sum() == 2000 for item in data.dataset)
+    shallow = int((depths < 2000).sum())  # left out, and said: as predict counts its `too_shallow`
+    assert data.counts["samples_too_shallow"] == shallow
+    assert f"{shallow} of {len(depths)} samples have fewer reads than data.rarefy_depth=2000" in caplog.text
 
 
 def test_data_seed_fixes_the_split_and_seed_the_batch_order(cache_dir):
@@ -216,7 +222,8 @@ def test_biom_source_with_fasta_and_precomputed_unifrac(cache_dir, tmp_path):
     renamed = table.update_ids({s: f"asv{i}" for i, s in enumerate(seqs)}, axis="observation", inplace=False)
     with h5py.File(tmp_path / "t.biom", "w") as f:
         renamed.to_hdf5(f, "test")
-    (tmp_path / "s.fasta").write_text("".join(f">asv{i}\n{s}\n" for i, s in enumerate(seqs)))
+    longer = {3: seqs[3] + "T" * 30}  # 180 bases: the model reads the first 150, as the table's own id
+    (tmp_path / "s.fasta").write_text("".join(f">asv{i}\n{longer.get(i, s)}\n" for i, s in enumerate(seqs)))
     ids = sim.sample_ids[::-1]  # another order than the table's; a subset is enough for the kept samples
     with h5py.File(tmp_path / "d.h5", "w") as f:
         f["matrix"] = sim.collate.unifrac.numpy()[::-1, ::-1].astype(np.float64)
@@ -235,6 +242,8 @@ def test_biom_source_with_fasta_and_precomputed_unifrac(cache_dir, tmp_path):
     assert data.sample_ids == sim.sample_ids
     assert data.collate.unifrac.equal(sim.collate.unifrac)
     assert data.collate.tokens.equal(sim.collate.tokens)
+    assert (data.counts["sequences_cut"], data.counts["longest_sequence_bp"]) == (1, 180)
+    assert sim.counts["sequences_cut"] == 0 and sim.counts["longest_sequence_bp"] == 150
     assert "target" not in next(iter(data.train_loader))
     (tmp_path / "d.h5").unlink()
     with h5py.File(tmp_path / "d.h5", "w") as f:
@@ -283,3 +292,51 @@ def test_samples_without_a_target_are_counted_and_left_out(cache_dir, tmp_path, 
     assert data.samples_without_target == 5
     assert data.n_train + data.n_val == len(metadata) - 5
     assert f"5 of {len(metadata)} samples have no 'target' in data.metadata" in caplog.text
+
+
+def test_what_reading_the_data_leaves_out_or_changes_is_warned_in_train_log_and_counted(
+    cache_dir, tmp_path, launch
+):
+    """A run as a user starts it, on the files of DADA2 / Qiita / Greengenes habits: tips `ASV_1`
+    unquoted, an internal branch without a length, a metadata value 'not collected', two samples below
+    data.rarefy_depth, an ASV longer than the model's 150 bases."""
+    import pandas as pd
+
+    files = build_data(data_cfg(cache_dir), batch_size=8, seed=0, loader=LOADER).files
+    table = read_table(files["table"])
+    seqs = [str(s) for s in table.ids(axis="observation")]
+    counts = table.matrix_data.toarray()
+    counts[:, :2] //= 40  # 2000 reads -> 50: below the run's data.rarefy_depth=500
+    ids = [f"ASV_{i}" for i in range(len(seqs))]
+    with h5py.File(tmp_path / "t.biom", "w") as f:
+        biom.Table(counts, observation_ids=ids, sample_ids=list(table.ids())).to_hdf5(f, "test")
+    longer = {0: seqs[0] + "ACGT" * 15}  # 210 bases
+    fasta = [f">{asv}\n{longer.get(k, seq)}\n" for k, (asv, seq) in enumerate(zip(ids, seqs, strict=True))]
+    (tmp_path / "s.fasta").write_text("".join(fasta))
+    newick = open(files["tree"]).read()
+    for seq, asv in zip(seqs, ids, strict=True):
+        newick = newick.replace(f"{seq}:", f"{asv}:")  # unquoted, as DADA2 / FastTree / ape write them
+    newick, n = re.subn(r"\):[0-9.e-]+", ")", newick, count=1)  # an internal node without a length
+    assert n == 1 and "ASV_3:" in newick
+    (tmp_path / "t.nwk").write_text(newick)
+    metadata = pd.read_csv(files["metadata"], sep="\t", index_col=0, dtype=str)
+    metadata.iloc[5, metadata.columns.get_loc("target")] = "not collected"
+    metadata.to_csv(tmp_path / "m.tsv", sep="\t")
+    names = {"table": "t.biom", "tree": "t.nwk", "sequences": "s.fasta", "metadata": "m.tsv"}
+    given = [f"data.{option}={tmp_path / name}" for option, name in names.items()]
+    for run in ("first", "cached"):  # the store built, then read: the same warnings and counts
+        proc, run_dir = launch("data=biom", *given, "data.target=target", name=run)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        log = (run_dir / "train.log").read_text()
+        n = len(metadata)
+        assert f"1 of {n} samples have no 'target' in data.metadata" in log
+        assert f"2 of {n - 1} samples have fewer reads than data.rarefy_depth=500: left out" in log
+        assert f"1 of {len(ids)} ASV sequences of data.table are longer than the model reads" in log
+        assert "(longest: 210 bases): cut to their first 150 (model.seq_len=151 is START and 150" in log
+        assert f"data.tree: 1 branches of {tmp_path / 't.nwk'} have no length: read as 0" in log
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["samples_cached"] == (run == "cached")
+        assert summary["target"]["samples_without_target"] == 1
+        assert (summary["samples_too_shallow"], summary["sequences_cut"]) == (2, 1)
+        assert (summary["longest_sequence_bp"], summary["tree_lengths_missing"]) == (210, 1)
+        assert summary["n_train"] + summary["n_val"] == n - 3

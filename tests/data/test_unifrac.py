@@ -52,18 +52,18 @@ def test_unifrac_equals_hand_computation_and_scikit_bio():
 
 def test_second_call_is_served_from_the_cache_file(tmp_path):
     (tmp_path / "t.nwk").write_text(NEWICK)
-    matrix, cached = cached_unifrac(TABLE, tmp_path / "t.nwk", tmp_path)
+    matrix, cached, _ = cached_unifrac(TABLE, tmp_path / "t.nwk", tmp_path)
     assert not cached
     (cache_file,) = (tmp_path / "unifrac").glob("*.npz")
     assert len(cache_file.stem) == 64  # sha256
     # plant a different matrix in the cache file: the second call must return it, not recompute
     np.savez(cache_file, matrix=matrix * 0.5, ids=np.array(["S1", "S2", "S3"]))
-    again, cached = cached_unifrac(TABLE, tmp_path / "t.nwk", tmp_path)
+    again, cached, _ = cached_unifrac(TABLE, tmp_path / "t.nwk", tmp_path)
     assert cached
     np.testing.assert_allclose(again, HAND * 0.5)
     # another tree text (one branch longer) is another cache entry
     (tmp_path / "t.nwk").write_text(NEWICK.replace("d:4", "d:5"))
-    other, cached = cached_unifrac(TABLE, tmp_path / "t.nwk", tmp_path)
+    other, cached, _ = cached_unifrac(TABLE, tmp_path / "t.nwk", tmp_path)
     assert not cached
     assert other[1, 2] == pytest.approx(9.5 / 11)
     assert len(list((tmp_path / "unifrac").iterdir())) == 2  # no temp file left behind
@@ -106,6 +106,22 @@ def test_build_twice_serves_the_samples_and_unifrac_from_their_caches(tmp_path):
     third = build(unifrac_mode="precomputed", seed=1)
     assert not third.unifrac_cached and not third.samples_cached
     assert len(list((tmp_path / "unifrac").glob("*.npz"))) == 2
+
+
+def test_a_tree_with_underscored_tips_and_a_branch_without_a_length_is_read_and_counted(tmp_path, caplog):
+    """The tree precomputed UniFrac reads: tips as written (ASV_1, unquoted), a missing length as 0,
+    counted on every run, the cached one too."""
+    table = TABLE.update_ids({o: f"ASV_{o}" for o in "abcd"}, axis="observation", inplace=False)
+    (tmp_path / "t.nwk").write_text("((ASV_a:1,ASV_b:2)ab,(ASV_c:3,ASV_d:4)cd:1.5)root;\n")
+    zero = TreeNode.read(["((ASV_a:1,ASV_b:2)ab:0,(ASV_c:3,ASV_d:4)cd:1.5)root;"], convert_underscores=False)
+    expected = compute_unifrac(table, zero)
+    assert expected[0, 1] == pytest.approx(6.5 / 7.5)  # S1-S2: b + c + cd of a b c cd (ab: 0)
+    for served in (False, True):
+        caplog.clear()
+        matrix, cached, missing = cached_unifrac(table, tmp_path / "t.nwk", tmp_path)
+        assert (cached, missing) == (served, 1)
+        np.testing.assert_allclose(matrix, expected, atol=1e-12)
+        assert "data.tree: 1 branches of " in caplog.text and "have no length: read as 0" in caplog.text
 
 
 def test_tree_must_cover_every_asv():
