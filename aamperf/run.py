@@ -36,14 +36,6 @@ def per_rank(summary: dict[str, Any], keys: tuple[str, ...]) -> list[dict[str, A
     return everyone
 
 
-def target_r2(val: dict[str, float], data, loss_fn) -> dict[str, float]:
-    """R^2 of the target on the validation samples, where the data has one (else nothing)."""
-    if "val_target" not in val or not data.val_target_var or not hasattr(loss_fn, "target_std"):
-        return {}
-    mse = val["val_target"] * loss_fn.target_std**2  # the part is the MSE in standard units: own units
-    return {"val_target_r2": 1.0 - mse / data.val_target_var}
-
-
 def train(
     cfg: DictConfig, run_dir: Path, interrupts: Interrupts | None = None, sweep_job: bool = False
 ) -> dict[str, Any]:
@@ -76,7 +68,6 @@ def train(
         summary["recompiles"] = compiled_graphs() - graphs  # graphs compiled for new shapes while training
         kept = save_model(run_dir, job.plan.model, resolved_config(cfg), summary.get("target"))
         summary["model_file"] = kept and kept.name  # python -m aamperf.predict run=<run dir> uses it
-        result.val.update(target_r2(result.val, job.data, job.loss_fn))
         summary.trained(result, job.plan, monitor)
         if job.world.world_size > 1:  # each rank's own figures, and the job's total memory
             summary["per_rank"] = per_rank(summary, ("peak_rss_bytes", "step_time_s", "peak_device_bytes"))
@@ -128,11 +119,18 @@ def print_result(summary: dict, run_dir: Path) -> None:
         f"train loss {fmt('train_loss')} | val loss {fmt('val_loss')}"
     )
     val = summary.get("val") or {}
-    if "val_target_mae" in val:
+    if "val_target_mae" in val:  # of the samples the last validation ran on: say which
         r2 = val.get("val_target_r2")
+        batches = (summary.get("config") or {}).get("trainer", {}).get("val_batches")
+        over = (
+            f", over {val['val_samples']} of the {summary.get('n_val')} validation samples "
+            f"(trainer.val_batches={batches})"
+            if "val_samples" in val
+            else ""
+        )
         print(
             f"  target {summary.get('target', {}).get('column', '')}: val MAE {val['val_target_mae']:.4g} "
-            f"(its own units)" + ("" if r2 is None else f", R^2 {r2:.3f}")
+            f"(its own units)" + ("" if r2 is None else f", R^2 {r2:.3f}") + over
         )
     load = (summary.get("loop_load") or {}).get("under_load")
     if load:

@@ -289,3 +289,43 @@ def test_peak_tree_pss_agrees_with_the_tree_polled_from_outside(launch):
     summary = read_summary(run_dir)
     assert workers >= 1  # the worker was there and in both figures
     assert 0.85 * outside < summary["peak_tree_pss_bytes"] < 1.15 * outside
+
+
+def test_val_target_mae_and_r2_are_those_of_the_samples_validated(make_cfg, launch):
+    """A validation runs on whole batches (trainer.val_batches=1: the first batch of 4), not on every
+    validation sample (5 here, after rarefaction). Its MAE and R^2 (summary.json and the line the run
+    ends with) are scikit-learn's of those 4 samples, predicted again here from model.pt under the
+    validation's nucleotide mask (step 0)."""
+    from sklearn.metrics import mean_absolute_error, r2_score
+
+    from aamperf.model.loss import nucleotide_mask
+    from aamperf.tokens import MASK
+    from aamperf.weights import load_model
+
+    proc, run_dir = launch("trainer.val_batches=1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = read_summary(run_dir)
+    cfg = make_cfg("trainer.val_batches=1")
+    data = build_data(cfg.data, batch_size=cfg.trainer.batch_size, seed=cfg.seed, loader=cfg.dataloader)
+    batch = next(iter(data.val_loader))
+    n_val = summary["n_val"]
+    assert len(batch["target"]) == 4 < data.n_val == n_val  # a subset: the R^2 of the issue mixed them
+    model, _ = load_model(run_dir)
+    hidden = nucleotide_mask(batch["tokens"], batch["asv_ids"], 0, cfg.loss.seed, cfg.loss.mask_fraction)
+    with torch.no_grad():
+        out = model(batch["tokens"].masked_fill(hidden, MASK), batch["counts"], asv_ids=batch["asv_ids"])
+    scale = summary["target"]
+    predicted = (out["target"].squeeze(1) * scale["std"] + scale["mean"]).double().numpy()
+    observed = batch["target"].squeeze(1).double().numpy()
+    mae, r2 = mean_absolute_error(observed, predicted), r2_score(observed, predicted)
+    val = summary["val"]
+    assert val["val_samples"] == 4
+    assert val["val_target_mae"] == pytest.approx(mae, rel=1e-5)
+    assert val["val_target_r2"] == pytest.approx(r2, abs=1e-5)
+    assert read_metrics(run_dir)[-1]["val_target_r2"] == val["val_target_r2"]  # logged as summarised
+    said = [line for line in proc.stdout.splitlines() if line.startswith("  target ")]
+    assert said == [
+        f"  target target: val MAE {mae:.4g} (its own units), R^2 {r2:.3f}, over 4 of the {n_val} "
+        "validation samples (trainer.val_batches=1)"
+    ]
+

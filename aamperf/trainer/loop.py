@@ -112,25 +112,42 @@ class TrainStep:
 
 
 @torch.no_grad()
-def validate(model: torch.nn.Module, loss_fn: LossFn, loader, n_batches: int, device, non_blocking) -> dict:
-    """Mean loss and parts over at most `n_batches` batches, so its cost does not grow with the data."""
+def validate(
+    model: torch.nn.Module, loss_fn: LossFn, loader, n_batches: int, device, non_blocking
+) -> dict[str, float | None]:
+    """Every figure of one validation, all of the same samples: those of its first `n_batches` batches
+    (at most: its cost does not grow with the data), `val_samples` of them. The mean loss and parts (the
+    batches are of one size: the means of the samples), and, where the loss standardizes a target
+    (`target_std`), its R^2 (`val_target_r2`)."""
     model.eval()
     sums: dict[str, torch.Tensor] = {}
-    n = 0
+    n = samples = 0
+    target = torch.zeros(3, dtype=torch.float64)  # of the samples' target, own units: count, sum, squares
     for batch in loader:
         # step=0: the same nucleotide masks at every validation, so val losses are comparable over time.
         new_cuda_graph_step(device)
         loss, parts = loss_fn(model, to_device(batch, device, non_blocking), 0)
         for name, value in {"loss": loss, **parts}.items():
             sums[name] = sums.get(name, 0) + value.detach().float()
+        if batch.get("target") is not None:  # on the host: this rank's slice, no sync
+            values = batch["target"].double()
+            target += torch.stack([values.new_tensor(values.numel()), values.sum(), values.square().sum()])
+        samples += batch["n_samples"]  # of the global batch
         n += 1
         if n == n_batches:
             break
     model.train()
     world = world_size()  # each rank holds its share of every part: the global value is their mean
-    return {
+    val: dict[str, float | None] = {
         f"val_{name}": (all_sum(total) / (n * world)).item() for name, total in sums.items()
     }  # host sync: once per validation
+    val["val_samples"] = samples
+    std = getattr(loss_fn, "target_std", None)
+    if "val_target" in val and std is not None:  # the part is the MSE in standard units: x std^2, own units
+        count, total, squares = all_sum(target.to(device)).tolist()
+        variance = squares / count - (total / count) ** 2
+        val["val_target_r2"] = 1.0 - val["val_target"] * std**2 / variance if variance > 0 else None
+    return val
 
 
 def interrupted(
