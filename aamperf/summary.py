@@ -30,8 +30,11 @@ class Summary(dict):
         super().__init__(
             status="running",
             optim=cfg.optim,
+            # what the run did, once decided (`write`): precision=auto's dtype, device=auto's device;
+            # until then (a run that failed first) and in `requested`, what was asked
             precision=str(cfg.precision.dtype),  # a plain string, not the schema's enum
             device=None,
+            requested={"precision": str(cfg.precision.dtype), "device": str(cfg.device)},
             world_size=1,
             seed=cfg.seed,
             started_at=datetime.datetime.now().isoformat(timespec="seconds"),
@@ -94,6 +97,7 @@ class Summary(dict):
         self.update(
             duration_s=self.meter.elapsed_s(), ended_at=ended_at, config=resolved_config(cfg), pid=os.getpid()
         )
+        self["precision"] = str(cfg.precision.dtype)  # precision=auto's choice is written into cfg
         try:
             record.write_summary(dict(self))
         except NoSpace as exc:

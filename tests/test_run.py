@@ -329,3 +329,13 @@ def test_val_target_mae_and_r2_are_those_of_the_samples_validated(make_cfg, laun
         "validation samples (trainer.val_batches=1)"
     ]
 
+
+def test_top_level_precision_is_what_the_run_trained_in_and_what_was_asked_is_kept(make_cfg, tmp_path):
+    """precision=auto: summary.json `precision` is the dtype the run decided and trained in (as `device`
+    is the device it ran on), `requested` what the command asked for."""
+    train(make_cfg("precision=auto"), tmp_path)
+    summary = read_summary(tmp_path)
+    decision = summary["phases"]["precision"]["auto"]
+    assert decision["chose"] in ("bf16", "fp32")
+    assert summary["precision"] == decision["chose"] == summary["config"]["precision"]["dtype"]
+    assert summary["requested"] == {"precision": "auto", "device": "cpu"}
