@@ -1,12 +1,15 @@
-"""The training loop's parts: the LR schedules (torch's schedulers) and their replay on resume."""
+"""The training loop's parts: the LR schedules (torch's schedulers), their replay on resume, and the lr
+logged of each step."""
 
 import math
 
 import pytest
 import torch
+from conftest import read_metrics
 from omegaconf import OmegaConf
 
 from aamperf.config import LrSchedule
+from aamperf.run import train
 from aamperf.trainer import build_scheduler
 
 
@@ -43,3 +46,20 @@ def test_each_schedule_warms_up_then_decays_as_named():
 def test_a_resumed_schedule_goes_on_with_the_same_lr_values(schedule):
     whole = lrs(schedule)
     assert lrs(schedule, done=7) == whole[7:]  # replayed to step 7: bit for bit the rest
+
+
+@pytest.mark.parametrize("schedule", ["onecycle", "warmup_cosine"])
+def test_each_logged_lr_is_the_one_its_step_used(make_cfg, tmp_path, schedule):
+    """metrics.jsonl `lr` of step s: the lr the optimizer stepped with at step s (not step s + 1's)."""
+    cfg = make_cfg(
+        f"trainer.lr_schedule={schedule}",
+        "trainer.max_steps=6",
+        "trainer.warmup_steps=2",
+        "trainer.lr=0.01",
+        "trainer.min_lr_ratio=0.1",
+        "trainer.val_every=6",
+    )
+    train(cfg, tmp_path)
+    rows = read_metrics(tmp_path)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+    assert [row["lr"] for row in rows] == pytest.approx(lrs(schedule, steps=6, warmup=2), rel=1e-9)

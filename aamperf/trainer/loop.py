@@ -60,6 +60,7 @@ class Step:
     names: list[str]  # of `losses`: loss, loss_<part>, ...
     grad_norm: torch.Tensor
     bad: torch.Tensor  # not finite: skipped
+    lr: float  # the learning rate the step used (the scheduler then sets the next step's)
 
 
 class TrainStep:
@@ -103,12 +104,13 @@ class TrainStep:
         # FSDP2: a replicated DTensor, made a plain tensor without communication
         grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.params, self.max_norm))
         losses = torch.stack([step_loss.float(), *(v.detach().float() for v in parts.values())])
+        lr = plan.optimizer.param_groups[0]["lr"]
         bad = self.guards.step(step, losses, grad_norm)  # a non-finite step changes nothing
         self.scheduler.step()
         plan.optimizer.zero_grad(set_to_none=True)
         sync(self.device)
         names = ["loss", *(f"loss_{k}" for k in parts)]
-        return Step(time.perf_counter() - start, wait_s, samples, tokens, losses, names, grad_norm, bad)
+        return Step(time.perf_counter() - start, wait_s, samples, tokens, losses, names, grad_norm, bad, lr)
 
 
 @torch.no_grad()
@@ -223,7 +225,7 @@ def fit(
                 row = {
                     "step": step,
                     **losses,
-                    "lr": scheduler.get_last_lr()[0],
+                    "lr": out.lr,
                     "grad_norm": out.grad_norm.item(),
                 }
                 if plan.scaler.is_enabled():  # fp16: the loss scale, halved at each skipped step
