@@ -72,6 +72,22 @@ def test_nonfinite_steps_in_a_row_abort_with_the_last_good_state(launch):
     assert max(rows(run_dir)) == 8
 
 
+def test_a_nonfinite_validation_loss_aborts_the_run_at_that_validation(launch):
+    """NaN in the validation batches alone (the loss's step 0; every training step finite): the run stops
+    at its validation of step 2 (trainer.val_every=2) as a guard stops it, exit 3, one line naming the
+    step and the figures that are not finite, the state of that step kept."""
+    proc, run_dir = launch(*poisoned("batch", steps="[0]"))
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("aborted: validation of step 2 not finite: val_loss=nan, val_unifrac=nan;")
+    assert "step_00000002.pt" in last
+    summary = read_summary(run_dir)
+    assert summary["status"] == "aborted" and summary["steps"] == 2 and summary["nonfinite_steps"] == 0
+    assert summary["error"] == last.removeprefix("aborted: ")
+    assert max(rows(run_dir)) == 2 and rows(run_dir)[2]["val_loss"] is None  # logged as seen: NaN is null
+
+
 def test_grad_scaler_backs_off_on_a_nonfinite_step():
     layer = torch.nn.Linear(4, 1)
     optimizer = torch.optim.AdamW(layer.parameters())

@@ -1,6 +1,6 @@
-"""The guards that watch a training run and stop it before it loses its state: non-finite steps
-(`nonfinite.py`), memory (`memory.py`) and the alerts' thresholds (aamperf/alerts.py), checked together.
-Under torch.distributed the ranks agree: one rank's reason to stop stops them all."""
+"""The guards that watch a training run and stop it before it loses its state: non-finite steps and
+validations (`nonfinite.py`), memory (`memory.py`) and the alerts' thresholds (aamperf/alerts.py), checked
+together. Under torch.distributed the ranks agree: one rank's reason to stop stops them all."""
 
 import math
 from typing import Any
@@ -11,10 +11,10 @@ from omegaconf import DictConfig
 from aamperf.alerts import Alerts
 from aamperf.distributed import all_sum, world_size
 from aamperf.guards.memory import MemoryGuard, memory_limit
-from aamperf.guards.nonfinite import NonfiniteGuard
+from aamperf.guards.nonfinite import NonfiniteGuard, nonfinite_validation
 from aamperf.metrics.interval import Interval
 
-__all__ = ["Guards", "MemoryGuard", "NonfiniteGuard", "memory_limit"]
+__all__ = ["Guards", "MemoryGuard", "NonfiniteGuard", "memory_limit", "nonfinite_validation"]
 
 
 class Guards:
@@ -52,6 +52,11 @@ class Guards:
             memory_stop = f"another rank's memory went over memory.max_fraction={self.max_fraction}"
         row = {name: share / self.world for name, share in zip(names, shares, strict=True)}
         return {**row, "nonfinite_steps": n_bad}, stop or memory_stop
+
+    def check_validation(self, step: int, val: dict[str, float | None]) -> str | None:
+        """Why the run must stop after this validation (its figures are every rank's, all-reduced: the
+        ranks agree without a word)."""
+        return nonfinite_validation(step, val)
 
     def check_alerts(
         self, step: int, row: dict[str, Any], warmed: bool, gpu_util: float | None

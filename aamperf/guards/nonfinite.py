@@ -7,6 +7,7 @@ The flags live on the device and are read once per log line. How a bad step is s
 - any other optimizer: the flag is read before `optimizer.step()`. On a CPU that read waits for
   nothing (CPU kernels run in order, on this thread); on a GPU it is one sync per step, so the run
   record says which (`nonfinite_check`) and optimizer=adamw_fused avoids it.
+A validation whose loss is not finite stops the run too (`nonfinite_validation`): it is no result.
 """
 
 import math
@@ -87,3 +88,16 @@ class NonfiniteGuard:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, value in state.items():
             getattr(self, name).copy_(value)
+
+
+def nonfinite_validation(step: int, val: dict[str, float | None]) -> str | None:
+    """Why the run must stop: the validation of `step` has a loss that is not finite (None: it goes on).
+    The weights it ran are finite (a non-finite step changes nothing): its samples or its precision are
+    to blame."""
+    if math.isfinite(val["val_loss"]):
+        return None
+    bad = [f"{k}={v:g}" for k, v in val.items() if isinstance(v, float) and not math.isfinite(v)]
+    return (
+        f"validation of step {step} not finite: {', '.join(bad)}; the model's weights are finite (non-finite "
+        "training steps are skipped): check the validation samples' data, or train with precision=fp32"
+    )

@@ -239,6 +239,7 @@ def fit(
                             plan.model, loss_fn, data.val_loader, tc.val_batches, device, non_blocking
                         )
                     row.update(result.val)
+                    stop = guards.check_validation(step, result.val)  # a NaN validation is no result
                 record.log(row)
                 warmed = step - interval.steps >= cfg.metrics.skip_steps  # the interval held no warm-up step
                 stop = stop or guards.check_alerts(step, row, warmed, monitor.gpu_util_percent)
