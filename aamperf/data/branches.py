@@ -15,7 +15,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from aamperf.data.tables import check_tips, read_tree, zero_missing_lengths
+from aamperf.data.trees import check_tips, read_tree, zero_missing_lengths
 from aamperf.errors import UserError
 
 

@@ -45,7 +45,8 @@ from aamperf.data.samples import (
     warn_too_shallow,
     warn_without_target,
 )
-from aamperf.data.tables import read_target, table_chunks, table_ids, warn_missing_lengths
+from aamperf.data.tables import read_target, table_chunks, table_ids
+from aamperf.data.trees import warn_missing_lengths
 from aamperf.errors import UserError, disk_full, no_space
 from aamperf.files import one_builder, replace_durably, sha256_of
 from aamperf.tokens import ASV_BP

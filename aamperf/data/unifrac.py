@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import biom
 import numpy as np
 
-from aamperf.data.tables import check_tips, read_tree, warn_missing_lengths, zero_missing_lengths
+from aamperf.data.trees import check_tips, read_tree, warn_missing_lengths, zero_missing_lengths
 from aamperf.errors import NoSpace, UserError, one_line
 from aamperf.files import one_builder, write_atomic
 

@@ -16,10 +16,10 @@ from aamperf.data.tables import (
     observation_sequences,
     read_table,
     read_target,
-    read_tree,
     read_unifrac,
 )
 from aamperf.data.tokenize import count_real_tokens, tokenize_sequences
+from aamperf.data.trees import read_tree
 from aamperf.errors import UserError
 from aamperf.tokens import START
 
