@@ -165,7 +165,6 @@ class Data:
     has_target: bool
     target_mean: float | None  # of the training samples' raw target: the loss standardizes with these
     target_std: float | None
-    val_target_var: float | None  # of the validation samples' raw target: R^2's denominator
     samples_without_target: int  # of data.table, left out: no value of data.target in data.metadata
     unifrac_mode: str  # batch (from branch sets, per batch) or precomputed (the n x n matrix)
     unifrac_cached: bool  # precomputed from data.tree: the matrix came from `<cache_dir>/unifrac/`
@@ -244,7 +243,6 @@ def build_data(
         dataset, collate, train_idx, val_idx, batch_size=batch_size, seed=seed, loader=loader
     )
     train_target = None if target is None else target[train_idx]
-    val_target = None if target is None else target[val_idx]
     return Data(
         train_loader=train_loader,
         val_loader=val_loader,
@@ -255,7 +253,6 @@ def build_data(
         has_target=target is not None,
         target_mean=None if train_target is None else float(train_target.mean()),
         target_std=None if train_target is None else float(train_target.std()),
-        val_target_var=None if val_target is None else float(val_target.double().var(correction=0)),
         samples_without_target=samples.without_target,
         unifrac_mode=mode,
         unifrac_cached=cached,
