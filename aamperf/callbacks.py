@@ -30,7 +30,7 @@ from aamperf.errors import (
     no_such_option,
     one_line,
 )
-from aamperf.files import write_atomic
+from aamperf.files import Claim, write_atomic
 from aamperf.interrupts import RunInterrupted, exit_interrupted
 from aamperf.loggers import wandb_mode, wandb_unreachable
 from aamperf.phases import check_phases
@@ -42,12 +42,11 @@ BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 
 def check_start(config: DictConfig) -> None:
     """What can be checked without reading data and without writing: the values and the user's files
-    (check_config), the chosen options, the phases on this device and the run directory (writable, and
-    not holding an earlier run this one would write over)."""
+    (check_config), the chosen options, the phases on this device and the run directory (writable; that
+    it holds no earlier run is checked once the run has claimed it, CheckBeforeRun)."""
     check_job(config)
     check_phases(config, resolve_device(config.device))
     problem = unwritable(config.hydra.run.dir, "hydra.run.dir", "the run directory")
-    problem = problem or earlier_run(config.hydra.run.dir, config.trainer.resume)
     if problem:
         raise UserError(problem)
 
@@ -138,6 +137,10 @@ class CheckBeforeRun(Callback):
     """A single run is checked before Hydra creates its directory or writes .hydra/ in it, a sweep's
     jobs all before the first runs: a config mistake writes nothing at all.
 
+    Then the run claims its directory (`files.Claim`) before Hydra writes there, and holds it to the
+    end: a second run started in it while the first is on is refused before it rewrites the first's
+    .hydra/ (the config `compare` groups runs by).
+
     Bad input found later (a damaged BIOM table, a checkpoint of another model, ...) refuses the start
     too, and a refused start leaves an earlier run in its directory (one with a summary.json) as it
     was: train() writes its summary to summary.refused.json instead, and this callback puts back the
@@ -146,6 +149,7 @@ class CheckBeforeRun(Callback):
 
     def __init__(self) -> None:
         self.earlier_files: dict[Path, bytes] = {}
+        self.claim: Claim | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Every job of a sweep checked before the first one runs: a mistake in its last job refuses the
@@ -166,6 +170,12 @@ class CheckBeforeRun(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
             check_start(config)
+            # taken before the run's own check (an earlier run's record there): a live run's is "in use"
+            self.claim = Claim(Path(config.hydra.run.dir))
+            problem = earlier_run(config.hydra.run.dir, config.trainer.resume)
+            if problem:
+                self.claim.release()
+                raise UserError(problem)
         except UserError as exc:
             exit_bad_input(exc)  # SystemExit: Hydra turns an Exception of a callback into a warning
         run_dir = Path(config.hydra.run.dir)
@@ -175,7 +185,15 @@ class CheckBeforeRun(Callback):
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         """A refused start: the earlier run's files put back. A refused or aborted run ends here with
-        its one line and exit code, before Hydra adds its own lines about the failed job."""
+        its one line and exit code, before Hydra adds its own lines about the failed job. The run
+        directory is let go however the run ended."""
+        try:
+            self.put_back_and_exit(job_return)
+        finally:
+            if self.claim is not None:
+                self.claim.release()
+
+    def put_back_and_exit(self, job_return: JobReturn) -> None:
         if job_return.status != JobStatus.FAILED:
             return
         with contextlib.redirect_stderr(io.StringIO()):  # Hydra prints a line as it re-raises

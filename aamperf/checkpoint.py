@@ -14,7 +14,9 @@ its non-tensor items with `weights_only=True` too (`SafeReader`, `SafePlanner`).
 """
 
 import io
+import os
 import pickle
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +34,16 @@ from aamperf.files import replace_durably, write_atomic
 from aamperf.rng import all_rng_states, set_rng_state
 
 CHECKPOINT_DIR = "checkpoints"
+# aamperf's names in CHECKPOINT_DIR; any other file there (a backup `step_00000006.pt.bak`, a hand-named
+# `step_final.pt`) is the user's, never read, pruned or renamed
+CHECKPOINT_NAME = re.compile(r"step_(\d+)(\.pt)?")  # a file step_<N>.pt, a sharded directory step_<N>
+PARTIAL_NAME = re.compile(r"\.step_\d+\.pt\.\w+\.tmp|step_\d+\.tmp")  # what killed saves left
+DAMAGED = ".damaged"  # a checkpoint that cannot be read, kept under its name + this: no resume reads it
+
+
+class Damaged(UserError):
+    """A checkpoint that cannot be read at all (cut short, garbage, not a checkpoint's format): a resume
+    goes on from the one before it, where there is one."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -111,12 +123,29 @@ def step_of(path: Path) -> int:
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (temporary files of an interrupted save excluded)."""
+    """Complete checkpoints of a run, oldest first: files step_<N>.pt and sharded directories step_<N>
+    (temporary files of an interrupted save, and files of other names, excluded)."""
     root = Path(run_dir) / CHECKPOINT_DIR
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.name.startswith("step_") and not p.name.endswith(".tmp")]
+    done = []
+    for path in root.iterdir():
+        name = CHECKPOINT_NAME.fullmatch(path.name)
+        if name and (path.is_file() if name[2] else path.is_dir()):
+            done.append(path)
     return sorted(done, key=step_of)
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint out of the way of resumes and saves (`step_<N>.pt.damaged`, then
+    `.damaged.1`, ...), kept to be looked at; where it was renamed to."""
+    aside = path.with_name(path.name + DAMAGED)
+    number = 0
+    while aside.exists():
+        number += 1
+        aside = path.with_name(f"{path.name}{DAMAGED}.{number}")
+    os.rename(path, aside)
+    return aside
 
 
 def save(run_dir: Path, step: int, model: nn.Module, state: dict[str, Any], keep_last: int) -> Path:
@@ -165,7 +194,7 @@ def save(run_dir: Path, step: int, model: nn.Module, state: dict[str, Any], keep
 
 def _partial(root: Path) -> list[Path]:
     """What killed saves left (a kill runs no clean-up): `.step_<N>.pt.<random>.tmp`, `step_<N>.tmp/`."""
-    return [p for p in root.iterdir() if p.name.lstrip(".").startswith("step_") and p.name.endswith(".tmp")]
+    return [p for p in root.iterdir() if PARTIAL_NAME.fullmatch(p.name)]
 
 
 @contextmanager
@@ -227,8 +256,23 @@ def _plain(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()}
 
 
+def read(path: Path) -> dict[str, Any]:
+    """The loop's state saved in `path` (a file's whole payload; a sharded directory's trainer.pt, its
+    metadata read too), nothing applied yet; `Damaged` where it cannot be read at all."""
+    try:
+        if path.is_dir():  # sharded (FSDP2): the model and optimizer are read into their shards by `load`
+            _safe_reader(path).read_metadata()
+            return torch.load(path / "trainer.pt", weights_only=True)
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except (RuntimeError, ValueError, OSError, EOFError, pickle.UnpicklingError, AssertionError) as exc:
+        raise Damaged(f"cannot resume from {path}: {one_line(exc)[:300]}") from exc
+
+
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore model, optimizer and this rank's RNG states from `path`; return the rest of the state."""
+    """Restore model, optimizer and this rank's RNG states from `path`; return the rest of the state.
+    `Damaged` where it cannot be read (nothing restored then), a UserError where it is not a checkpoint
+    of this model and run."""
+    payload = read(path)
     try:
         if path.is_dir():  # sharded (FSDP2)
             import torch.distributed.checkpoint as dcp
@@ -247,11 +291,10 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
             set_state_dict(
                 model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"]
             )
-            payload = torch.load(path / "trainer.pt", weights_only=True)
         else:
-            payload = torch.load(path, weights_only=True, map_location="cpu")
             unwrap(model).load_state_dict(payload.pop("model"))
             optimizer.load_state_dict(payload.pop("optimizer"))
+        rngs = payload.pop("rngs")
     except (
         RuntimeError,
         ValueError,
@@ -265,7 +308,6 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
             f"cannot resume from {path}: {reason}; it is not a checkpoint of this model and run "
             "(start a new run directory, or trainer.resume=disabled)"
         ) from exc
-    rngs = payload.pop("rngs")
     # Another number of ranks than when saved (the model and data position do not depend on it):
     # a new rank takes the generators of rank (rank mod saved ranks); only dropout masks differ.
     set_rng_state(rngs[rank() % len(rngs)])

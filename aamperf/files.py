@@ -11,11 +11,13 @@ import math
 import os
 import secrets
 import shutil
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
-from aamperf.errors import NoSpace, disk_full, no_space
+from aamperf.config import launch_id
+from aamperf.errors import NoSpace, UserError, disk_full, no_space
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,80 @@ def one_builder(directory: Path) -> Iterator[None]:
     finally:
         if held is not None:
             os.close(held)  # the lock goes with its descriptor
+
+
+CLAIM = ".running"  # in a run directory while a run holds it: who does (a killed run's is taken over)
+
+
+class Claim:
+    """`directory` held by this launch for as long as it runs: this process, or every process of its
+    launch (torchrun's ranks on a node, the tasks of a SLURM step), which share one run directory. Another
+    launch is refused with a UserError naming the holder. The claim is a lock on `.running`, held open:
+    released when `release()` is called or its process ends, even killed, so a killed run's file is taken
+    over. Taken before anything else is written in the directory (aamperf/callbacks.py: before Hydra
+    writes .hydra/). A process may claim its own directory again (train() inside the run's callbacks).
+    Where the file system has no locks, nothing is held."""
+
+    def __init__(self, directory: Path, fix: str = "set hydra.run.dir elsewhere"):
+        self.path, self._fd = Path(directory) / CLAIM, None
+        host = socket.gethostname()
+        me = {"launch": f"{host} {launch_id()}", "host": host, "pid": os.getpid()}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            _refuse_when_full(exc, self.path, fix)
+            raise
+        # one claimer at a time: finding who holds the claim and taking it are one step
+        with one_builder(self.path.parent):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # held by a live process: this launch's, or another's
+                holder = json_line(os.pread(fd, 4096, 0).decode(errors="replace")) or {}
+                if holder.get("launch") != me["launch"]:
+                    os.close(fd)
+                    who = f"process {holder['pid']} on {holder['host']}" if "pid" in holder else "a process"
+                    raise UserError(
+                        f"run directory {self.path.parent} is in use by {who} (its {CLAIM}); give this run "
+                        "its own hydra.run.dir"
+                    ) from None
+                fcntl.flock(fd, fcntl.LOCK_SH)  # the launch's other holders hold it shared too
+                self._fd = fd
+                return
+            except OSError:  # a file system without locks: as one_builder, the run goes on unclaimed
+                os.close(fd)
+                return
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+            except OSError as exc:
+                os.close(fd)
+                self.path.unlink(missing_ok=True)
+                _refuse_when_full(exc, self.path, fix)
+                raise
+            fcntl.flock(fd, fcntl.LOCK_SH)  # no other claimer in between: they wait for the directory's lock
+            self._fd = fd
+
+    def release(self) -> None:
+        """Let the directory go; the last holder of its launch removes `.running`."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            with one_builder(self.path.parent):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no other holder left
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    self.path.unlink()
+        except OSError:  # another holder of this launch, or the file already gone: it is theirs to remove
+            pass
+        finally:
+            os.close(fd)
+
+
+def _refuse_when_full(exc: OSError, path: Path, fix: str) -> None:
+    if disk_full(exc, path):
+        what = f"the run's claim on its directory ({path.name})"
+        raise no_space(path.parent, what, f"free space there or {fix}") from exc
 
 
 def sha256_of(path: Path) -> str:

@@ -1,5 +1,6 @@
 """Entry point: `python -m aamperf.train [overrides]` (Hydra composes conf/ into one run)."""
 
+import errno
 import logging
 import sys
 import traceback
@@ -20,9 +21,21 @@ from aamperf.errors import (
     error_line,
     exit_aborted,
     exit_bad_input,
+    one_line,
 )
 
 register_configs()
+log = logging.getLogger("aamperf.train")  # by its name: run as __main__ (python -m aamperf.train)
+
+
+def log_ending(line: str, exc: BaseException | None = None) -> None:
+    """The line a run ends with (`error:`, `aborted:`, `interrupted:`; a bug's traceback), into its log
+    file (train.log) beside its warnings; not to the console, whose stderr ends with it already."""
+    info = (type(exc), exc, exc.__traceback__) if exc is not None else None
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, line, None, info)
+    for handler in logging.getLogger().handlers:  # Hydra's job logging: the console's, and train.log's
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
@@ -43,19 +56,20 @@ def main(cfg: DictConfig) -> float | None:
             finally:
                 interrupts.hand_on()  # the summary is written: submitit's requeue, on its preemption signal
     except RunInterrupted as exc:
-        if not in_sweep:
-            raise
-        # a signal stops the whole sweep, not one job: its report is left to be asked for
-        report = f"python -m aamperf.compare {hydra_cfg.sweep.dir} reports those before it"
-        raise RunInterrupted(
-            f"{exc}; sweep job #{hydra_cfg.job.num}: {report}", exc.result, exc.signum
-        ) from None
+        if in_sweep:  # a signal stops the whole sweep, not one job: its report is left to be asked for
+            report = f"python -m aamperf.compare {hydra_cfg.sweep.dir} reports those before it"
+            exc = RunInterrupted(f"{exc}; sweep job #{hydra_cfg.job.num}: {report}", exc.result, exc.signum)
+        log_ending(f"interrupted: {one_line(exc)}")
+        raise exc from None
     except (UserError, RunAborted) as exc:  # bad input, or a guard stopped the run (state kept)
+        line = aborted_line(exc) if isinstance(exc, RunAborted) else error_line(exc)
+        log_ending(line)
         if not in_sweep:
             raise  # a failed job for Hydra's callbacks (aamperf/callbacks.py): one line, exit 2 or 3
-        print(aborted_line(exc) if isinstance(exc, RunAborted) else error_line(exc), file=sys.stderr)
+        print(line, file=sys.stderr)
         return None  # the sweep goes on; summary.json holds the error and the report lists it
-    except Exception:
+    except Exception as exc:
+        log_ending(f"failed: {one_line(repr(exc))}", exc)  # a bug: its traceback in train.log too
         if in_sweep:  # a bug, not a user mistake: the traceback is shown, the other jobs still run
             traceback.print_exc()
             return None
@@ -81,6 +95,14 @@ def cli() -> None:
             if isinstance(exc, RunInterrupted):
                 exit_interrupted(exc)
             exit_aborted(exc)
+        except OSError as exc:  # a disk full at the start: Hydra's own files (.hydra/, train.log)
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            where = f" ({exc.filename})" if exc.filename else ""
+            exit_bad_input(
+                f"no space left on the file system of the run directory to write its files{where}; free "
+                "space there or set hydra.run.dir elsewhere"
+            )
         except ValueError as exc:  # Hydra's own check of its flags, before any config exists
             if not str(exc).startswith("Only one of --run, --multirun, --cfg"):
                 raise

@@ -1,59 +1,24 @@
 """The run record: metrics.jsonl (one line per logged step, flushed) and summary.json (atomic)."""
 
 import json
+import logging
 import os
-import socket
 import warnings
 from pathlib import Path
 from typing import Any
 
-import psutil
+from aamperf.errors import disk_full, no_space
+from aamperf.files import Claim, json_line, json_safe, write_atomic, write_json_atomic
 
-from aamperf.errors import UserError, disk_full, no_space
-from aamperf.files import json_line, json_safe, write_atomic, write_json_atomic
+log = logging.getLogger(__name__)
 
 SPACE_FIX = "free space there or set hydra.run.dir elsewhere"
 METRICS_FILE, SUMMARY_FILE = "metrics.jsonl", "summary.json"
-LOCK = ".running"  # host and pid of the run that holds the directory; removed when it ends
 
 
 def _row(line: str) -> dict | None:
     row = json_line(line)
     return row if row is not None and "step" in row else None
-
-
-def claim(run_dir: Path) -> Path:
-    """Take the run directory for this process, or refuse: two live runs must not write one directory.
-    A lock whose process has ended (killed, or on another machine: unknown) is taken over."""
-    lock, me = run_dir / LOCK, f"{socket.gethostname()} {os.getpid()}"
-    try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        host, _, pid = lock.read_text().partition(" ")
-        if (
-            host == socket.gethostname()
-            and pid.isdigit()
-            and int(pid) != os.getpid()
-            and _alive(int(pid), lock)
-        ):
-            raise UserError(
-                f"run directory {run_dir} is in use by process {pid}; give this run its own hydra.run.dir "
-                f"(or remove {lock} if that process is not a run)"
-            ) from None
-        lock.write_text(me)
-        return lock
-    with os.fdopen(fd, "w") as f:
-        f.write(me)
-    return lock
-
-
-def _alive(pid: int, lock: Path) -> bool:
-    """Is `pid` the process that wrote `lock` (started before it), still running?"""
-    try:
-        process = psutil.Process(pid)
-        return process.status() != psutil.STATUS_ZOMBIE and process.create_time() <= lock.stat().st_mtime + 1
-    except psutil.Error:
-        return False
 
 
 class RunRecord:
@@ -62,8 +27,7 @@ class RunRecord:
 
     def __init__(self, run_dir: Path, sinks: list | None = None):
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._lock = claim(self.run_dir)
+        self._claim = Claim(self.run_dir)  # held already where the run's callbacks took it (a plain run)
         self.metrics_path = self.run_dir / METRICS_FILE
         self.summary_path = self.run_dir / SUMMARY_FILE
         self.sinks = list(sinks or [])
@@ -95,6 +59,25 @@ class RunRecord:
         if self.summary_path.exists():
             self.summary_path = self.run_dir / "summary.refused.json"
 
+    def sync(self) -> None:
+        """Make the lines logged so far durable: before a checkpoint, so that no step a resume skips can
+        have lost its line in a power cut (its page cache gone, the fsynced checkpoint kept)."""
+        if self._metrics is not None:
+            os.fsync(self._metrics.fileno())
+
+    def whole_until(self) -> int | None:
+        """The step of the last whole line before the first damaged one (0: none before it), or None
+        where no line is damaged: the steps after it are those a resume must log again."""
+        if not self.metrics_path.exists():
+            return None
+        last = 0
+        for line in self.metrics_path.read_text().splitlines():
+            row = _row(line)
+            if row is None:
+                return last
+            last = row["step"]
+        return None
+
     def truncate_after(self, step: int) -> None:
         """Drop the lines of steps after `step` (a resumed run logs them again): no gap, no duplicate."""
         if not self.metrics_path.exists():
@@ -102,7 +85,10 @@ class RunRecord:
         lines = self.metrics_path.read_text().splitlines(keepends=True)
         rows = [_row(line) for line in lines]
         if None in rows:  # a line cut short by a crash or a full disk: its step is logged again
-            warnings.warn(f"{self.metrics_path}: dropped {rows.count(None)} damaged line(s)", stacklevel=2)
+            log.warning(
+                "%s: dropped %d damaged line(s); the steps after step %d are logged again",
+                self.metrics_path, rows.count(None), step,
+            )  # fmt: skip
         kept = [
             line for line, row in zip(lines, rows, strict=True) if row is not None and row["step"] <= step
         ]
@@ -114,9 +100,7 @@ class RunRecord:
             self._metrics = None
         self._to_sinks("close", failed)
         self.sinks = []
-        if self._lock is not None:
-            self._lock.unlink(missing_ok=True)
-            self._lock = None
+        self._claim.release()
 
     def _to_sinks(self, method: str, arg: Any) -> None:
         """A sink that fails is dropped with a warning: the files above are the record, not the sinks."""
@@ -138,6 +122,12 @@ class NullRecord:
 
     def truncate_after(self, step: int) -> None:
         pass
+
+    def sync(self) -> None:
+        pass
+
+    def whole_until(self) -> int | None:
+        return None
 
     def keep_earlier_summary(self) -> None:
         pass

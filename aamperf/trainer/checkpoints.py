@@ -2,6 +2,7 @@
 resume from the newest one (`trainer.resume=auto`). How the files are written and read safely:
 aamperf/checkpoint.py."""
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,11 @@ from omegaconf import DictConfig
 from torch import nn, optim
 
 from aamperf import checkpoint
+from aamperf.distributed import from_main, rank
+from aamperf.errors import UserError, one_line
 from aamperf.summary import resolved_config
+
+log = logging.getLogger(__name__)
 
 
 def steps_left(tc: DictConfig, run_dir: Path | None) -> int:
@@ -41,22 +46,56 @@ class Checkpoints:
         self._last: tuple[int, Path] | None = None
 
     def resume(self) -> int:
-        """Go on from the newest checkpoint as if the run had never stopped: its step (0: a fresh run)."""
+        """Go on from the newest checkpoint as if the run had never stopped: its step (0: a fresh run).
+        One that cannot be read is set aside (kept) with a warning, and the one before it is used; so is
+        one newer than a damaged line of metrics.jsonl, whose step is then logged again."""
         saved = checkpoint.checkpoints(self.run_dir) if self.run_dir and self.tc.resume == "auto" else []
         if not saved:
             if self.tc.resume == "auto":  # an earlier start kept no checkpoint: its rows are logged again
                 self.record.truncate_after(0)
             return 0
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        loaded = checkpoint.load(saved[-1], self.model, self.optimizer)
+        path, loaded = self._newest_readable(saved)
         self.changes = checkpoint.config_changes(loaded.get("config", self.config), self.config)
-        checkpoint.check_resume(saved[-1], self.changes)
+        checkpoint.check_resume(path, self.changes)
         checkpoint.use_run_hyperparameters(self.optimizer, fresh)
         for name, obj in self.state.items():
             obj.load_state_dict(loaded[name])
         self.resumed_from = loaded["step"]
         self.record.truncate_after(self.resumed_from)  # lines logged after the checkpoint are logged again
         return self.resumed_from
+
+    def _newest_readable(self, saved: list[Path]) -> tuple[Path, dict[str, Any]]:
+        """The newest checkpoint that reads, loaded (a UserError where none does), preferring one no newer
+        than the last whole line of metrics.jsonl: the lines lost after it are logged again."""
+        whole = from_main(self.record.whole_until())  # rank 0's record: every rank goes on from one step
+        if whole is not None:
+            before = [p for p in saved if checkpoint.step_of(p) <= whole]
+            if not before:
+                log.warning(
+                    "metrics.jsonl: a line after step %d is damaged and every checkpoint kept (%s) is newer: "
+                    "the record of the steps from step %d to the checkpoint's is lost",
+                    whole, ", ".join(p.name for p in saved), whole + 1,
+                )  # fmt: skip
+            saved = before or saved
+        damaged: list[tuple[Path, checkpoint.Damaged]] = []
+        for path in reversed(saved):
+            try:
+                loaded = checkpoint.load(path, self.model, self.optimizer)
+            except checkpoint.Damaged as exc:
+                damaged.append((path, exc))
+                continue
+            break
+        else:
+            newest, exc = damaged[0]
+            raise UserError(
+                f"{exc}; no checkpoint of {newest.parent} can be read (each is kept as it is): give this run "
+                "its own hydra.run.dir"
+            ) from exc
+        for bad, exc in damaged if rank() == 0 else []:  # every rank found them damaged: the first says so
+            aside, reason = checkpoint.set_aside(bad), one_line(exc.__cause__)[:300]
+            log.warning("%s cannot be read (%s): kept as %s; going on from %s", bad, reason, aside.name, path)
+        return path, loaded
 
     def due(self, step: int) -> bool:
         return bool(self.tc.checkpoint_every) and step % self.tc.checkpoint_every == 0
@@ -67,5 +106,6 @@ class Checkpoints:
             return None
         if self._last is None or self._last[0] != step:
             state = {"optimizer": self.optimizer, **self.state, **self.kept, "config": self.config}
+            self.record.sync()  # the lines of the steps it holds on disk first: no resume logs them again
             self._last = step, checkpoint.save(self.run_dir, step, self.model, state, self.tc.keep_last)
         return self._last[1]
