@@ -53,6 +53,33 @@ def memory_budget(fraction: float, device: torch.device) -> int:
     return int(fraction * usable / int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
+def rank_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes one rank can have at most, what sets them): the GPU's memory, or this process's cgroup
+    limit (else the machine's RAM) shared by the ranks on this machine."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, f"the memory of {device}"
+    limit, set_by = memory_limit()
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    what = "this machine's RAM" if set_by == "machine" else "this process's cgroup limit"
+    return limit // ranks, what + (f" shared by its {ranks} ranks" if ranks > 1 else "")
+
+
+def check_budget(budget_gib: float | None, device: torch.device) -> list[str]:
+    """A fixed budget (trainer.auto_batch.budget_gib) more than a rank can have here, refused: capped, the
+    finder would answer for this machine's memory, not for the budget asked, the same on every machine
+    (a memory study compares the batches found under it)."""
+    if budget_gib is None:
+        return []
+    most, what = rank_memory(device)
+    if budget_gib * 2**30 <= most:
+        return []
+    return [
+        f"trainer.auto_batch.budget_gib={budget_gib} is more than a rank can have here ({most / 2**30:.2f} "
+        f"GiB: {what}); lower it, or trainer.auto_batch.budget_gib=null for trainer.auto_batch."
+        "budget_fraction of that"
+    ]
+
+
 def peak_after(run: Callable[[], None], device: torch.device) -> float:
     """Peak bytes while `run()` runs; inf when the GPU runs out of memory."""
     release_freed_memory()

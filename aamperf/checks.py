@@ -1,6 +1,7 @@
 """Config checks that need more than a type: all problems found at once, each naming its override."""
 
 import dataclasses
+import inspect
 import math
 import os
 import tempfile
@@ -13,19 +14,27 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from aamperf import checkpoint
 from aamperf.alerts import check_alerts
+from aamperf.batch_size import check_budget
 from aamperf.config import Config
 from aamperf.data.tables import check_data
+from aamperf.device import resolve_device
 from aamperf.distributed import check_distributed
 from aamperf.errors import UserError
 from aamperf.files import read_json_cache
 from aamperf.metrics.record import METRICS_FILE, SUMMARY_FILE
+from aamperf.model import AAM, AAMLoss
+from aamperf.model.aam import argument_problems as aam_problems
+from aamperf.model.loss import argument_problems as loss_problems
+from aamperf.phases.system import check_system
+from aamperf.tokens import ASV_BP, TOKENS_PER_ASV, VOCAB_SIZE
+from aamperf.trainer.schedule import check_schedule
 from aamperf.weights import MODEL_FILE
 
 
 def check_config(cfg: DictConfig) -> None:
     """Raise one UserError listing every problem of `cfg`, or return."""
     t, m = cfg.trainer, cfg.metrics
-    problems = check_auto_batch(t) if t.batch_size == "auto" else []
+    problems = check_auto_batch(t, cfg.device) if t.batch_size == "auto" else []
     if t.batch_size != "auto" and (isinstance(t.batch_size, bool) or not isinstance(t.batch_size, int)):
         problems.append(f"trainer.batch_size={t.batch_size} must be an integer >= 2 or auto")
     elif t.batch_size != "auto" and t.batch_size < 2:
@@ -55,6 +64,9 @@ def check_config(cfg: DictConfig) -> None:
         problems.append(f"trainer.min_lr_ratio={t.min_lr_ratio} must be between 0 and 1")
     if t.warmup_steps < 0:
         problems.append(f"trainer.warmup_steps={t.warmup_steps} must be >= 0")
+    problems += check_schedule(t)
+    if t.grad_clip < 0:
+        problems.append(f"trainer.grad_clip={t.grad_clip} must be >= 0 (0: no clipping)")
     if t.val_every < 1 or t.val_batches < 1:
         problems.append("trainer.val_every and trainer.val_batches must be >= 1")
     if t.checkpoint_every < 0 or t.keep_last < 1:
@@ -66,6 +78,14 @@ def check_config(cfg: DictConfig) -> None:
         problems.append(f"metrics.log_every={m.log_every} must be >= 1")
     if m.skip_steps < 0:
         problems.append(f"metrics.skip_steps={m.skip_steps} must be >= 0")
+    if m.flop_batches < 1:
+        problems.append(f"metrics.flop_batches={m.flop_batches} must be >= 1")
+    if not m.monitor_interval_s > 0:
+        problems.append(f"metrics.monitor_interval_s={m.monitor_interval_s} must be > 0 (seconds)")
+    if m.profile_steps < 0:
+        problems.append(f"metrics.profile_steps={m.profile_steps} must be >= 0 (0: no profile)")
+    if cfg.distributed.timeout_s <= 0:
+        problems.append(f"distributed.timeout_s={cfg.distributed.timeout_s} must be > 0 (seconds)")
     if m.peak_flops is not None and not m.peak_flops > 0:
         problems.append(f"metrics.peak_flops={m.peak_flops} must be > 0 (FLOP/s, e.g. 1.25e14), or null")
     if cfg.device not in ("auto", "cpu") and not str(cfg.device).startswith("cuda"):
@@ -83,6 +103,7 @@ def check_config(cfg: DictConfig) -> None:
             f"data.max_asvs={cfg.data.max_asvs} exceeds model.max_asvs={model_asvs}: the model has no "
             "position for the extra ASVs; lower data.max_asvs or raise model.max_asvs"
         )
+    problems += check_arguments(cfg, "model") + check_arguments(cfg, "loss") + check_system(cfg.system)
     problems += unread_keys(cfg, Config) + check_alerts(cfg) + check_data(cfg)
     cache_problem = (
         unwritable(cfg.data.cache_dir, "data.cache_dir", "the cache") if "cache_dir" in cfg.data else None
@@ -91,6 +112,46 @@ def check_config(cfg: DictConfig) -> None:
     problems += cache_file_problem(str(cfg.probe.cache), "probe.cache", "the device probe's answers")
     if problems:
         raise UserError("; ".join(problems))
+
+
+# The modules aamperf builds from a _target_ and whose arguments it checks before a run builds anything;
+# a plug-in checks its own as it is built (a ValueError there names the override to fix too).
+BUILT_IN = {
+    "aamperf.model.AAM": (AAM, aam_problems),
+    "aamperf.model.aam.AAM": (AAM, aam_problems),
+    "aamperf.model.AAMLoss": (AAMLoss, loss_problems),
+    "aamperf.model.loss.AAMLoss": (AAMLoss, loss_problems),
+}
+
+
+def check_arguments(cfg: DictConfig, name: str) -> list[str]:
+    """The problems of cfg.`name`'s arguments (model, loss) where its _target_ is aamperf's own: one it
+    does not take, or a value it refuses; and an AAM too small for aamperf's tokens."""
+    node = cfg[name]
+    target = node.get("_target_") if isinstance(node, DictConfig) else None
+    if target not in BUILT_IN:
+        return []
+    cls, problems_of = BUILT_IN[target]
+    given = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not k.startswith("_")}
+    try:
+        args = inspect.signature(cls).bind(**given)
+    except TypeError as exc:
+        return [f"{name}: {cls.__name__} {exc}; fix the {name}.* overrides or conf/{name}/"]
+    args.apply_defaults()
+    problems = problems_of(args.arguments, prefix=f"{name}.")
+    if cls is AAM and not problems:
+        vocab, length = args.arguments["vocab_size"], args.arguments["seq_len"]
+        if vocab < VOCAB_SIZE:
+            problems.append(
+                f"model.vocab_size={vocab} is below the {VOCAB_SIZE} token ids of aamperf's data (PAD, A, C, "
+                f"G, T, START, MASK); set model.vocab_size={VOCAB_SIZE}"
+            )
+        if length < TOKENS_PER_ASV:
+            problems.append(
+                f"model.seq_len={length} is shorter than an ASV's {TOKENS_PER_ASV} tokens (START + {ASV_BP} "
+                f"bp); set model.seq_len={TOKENS_PER_ASV}"
+            )
+    return problems
 
 
 def cache_file_problem(value: str, key: str, what: str) -> list[str]:
@@ -179,12 +240,17 @@ def unread_keys(node: DictConfig, schema: type, path: str = "") -> list[str]:
     return problems
 
 
-def check_auto_batch(t: DictConfig) -> list[str]:
+def check_auto_batch(t: DictConfig, device_name: str) -> list[str]:
     a, problems = t.auto_batch, []
     if not 0 < a.budget_fraction < 1:
         problems.append(f"trainer.auto_batch.budget_fraction={a.budget_fraction} must be in (0, 1)")
     if a.budget_gib is not None and a.budget_gib <= 0:
         problems.append(f"trainer.auto_batch.budget_gib={a.budget_gib} must be > 0 (GiB per rank)")
+    elif a.budget_gib is not None:
+        try:
+            problems += check_budget(a.budget_gib, resolve_device(device_name))
+        except (UserError, RuntimeError):  # no such device: said by check_config, or as the run starts
+            pass
     if a.max_batch < 2 or a.tolerance <= 0:
         problems.append("trainer.auto_batch.max_batch must be >= 2 and trainer.auto_batch.tolerance > 0")
     if a.effective_batch is not None and a.effective_batch < 2:

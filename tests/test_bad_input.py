@@ -1,6 +1,7 @@
 """Bad input at the entry point: one `error:` line that names the fix, exit code 2, no traceback, and an
 earlier run in the run directory left byte for byte as it was. Most cases call cli() in this process."""
 
+import itertools
 import json
 import logging
 import os
@@ -18,7 +19,22 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from aamperf.data.tables import resolve_files
+from aamperf.guards import memory_limit
 from aamperf.train import cli
+
+
+def taskset_list(cores: list[int]) -> str:
+    """Cores as taskset writes them: runs of consecutive cores as first-last (0-3,6)."""
+    runs = [[c for _, c in g] for _, g in itertools.groupby(enumerate(sorted(cores)), lambda p: p[1] - p[0])]
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+
+
+# This machine's, as refusals name them: the cores this process may run on, the memory a rank can have.
+CORES = taskset_list(list(os.sched_getaffinity(0)))
+_LIMIT, _SET_BY = memory_limit()
+MEMORY = f"{_LIMIT / 2**30:.2f} GiB: this " + (
+    "machine's RAM" if _SET_BY == "machine" else "process's cgroup limit"
+)
 
 # Found before Hydra writes anything: the earlier run's directory is not touched at all.
 CONFIG_CASES = {
@@ -101,6 +117,55 @@ CONFIG_CASES = {
         ["data.cache_dir=/sys/aamperf-cache"],
         "cannot write the cache there (/sys is not a writable directory); choose another data.cache_dir",
     ),
+    # AAM's and AAMLoss's own arguments, checked before anything is built (a plug-in checks its own)
+    "unknown model argument": (
+        ["+model.x=1"],
+        "model: AAM got an unexpected keyword argument 'x'; fix the model.* overrides or conf/model/",
+    ),
+    "width the heads do not divide": (
+        ["model.embedding_dim=47"],
+        "model.embedding_dim=47 is not divisible by model.num_heads=2",
+    ),
+    "no embedding": (["model.embedding_dim=0"], "model.embedding_dim=0 must be an integer >= 1"),
+    "no FFN": (["model.ffn_mult=0"], "model.ffn_mult=0 must be an integer >= 1"),
+    "fewer token ids than the data's": (
+        ["model.vocab_size=3"],
+        "model.vocab_size=3 is below the 7 token ids of aamperf's data (PAD, A, C, G, T, START, MASK); "
+        "set model.vocab_size=7",
+    ),
+    "ASVs longer than the model's positions": (
+        ["model.seq_len=50"],
+        "model.seq_len=50 is shorter than an ASV's 151 tokens (START + 150 bp); set model.seq_len=151",
+    ),
+    "no base hidden": (["loss.mask_fraction=0"], "loss.mask_fraction=0 must be a number between 0 and 1"),
+    "every base hidden": (["loss.mask_fraction=1.5"], "loss.mask_fraction=1.5 must be a number between 0"),
+    "a negative loss weight": (["loss.unifrac_weight=-1"], "loss.unifrac_weight=-1 must be a number >= 0"),
+    "a negative gradient clip": (
+        ["trainer.grad_clip=-1"],
+        "trainer.grad_clip=-1.0 must be >= 0 (0: no clipping)",
+    ),
+    "no FLOP batches": (["metrics.flop_batches=0"], "metrics.flop_batches=0 must be >= 1"),
+    "a core this process may not run on": (
+        ["system.cpu_cores=[99]"],
+        f"system.cpu_cores=[99] holds a core this process may not run on; choose among cores {CORES}, or "
+        "system.cpu_cores=null (the cores it was given)",
+    ),
+    "no core": (["system.cpu_cores=[]"], f"system.cpu_cores=[] names no core; choose among cores {CORES}"),
+    "onecycle with no fall": (
+        ["trainer.lr_schedule=onecycle", "trainer.warmup_steps=3"],
+        "trainer.lr_schedule=onecycle cannot rise over trainer.warmup_steps=3 of trainer.max_steps=3 "
+        "(OneCycleLR needs 2 or more steps up and 1 or more down); set trainer.warmup_steps=0 (torch's "
+        "30%) or 2",
+    ),
+    "onecycle with a one-step rise": (
+        ["trainer.lr_schedule=onecycle", "trainer.warmup_steps=1"],
+        "trainer.lr_schedule=onecycle cannot rise over trainer.warmup_steps=1",
+    ),
+    "batch-size budget above this machine's memory": (
+        ["trainer.batch_size=auto", "trainer.auto_batch.budget_gib=100000"],
+        f"trainer.auto_batch.budget_gib=100000.0 is more than a rank can have here ({MEMORY}); lower it, or "
+        "trainer.auto_batch.budget_gib=null for trainer.auto_batch.budget_fraction of that",
+    ),
 }
 # Found while the run starts (data, model, checkpoint): the start is refused, its summary goes to
 # summary.refused.json, and the earlier run's files stay as they were.
@@ -119,11 +184,6 @@ RUN_CASES = {
     ),
     "empty after rarefaction": (["data.rarefy_depth=1000000"], "lower data.rarefy_depth"),
     "missing metadata column": (["data.target=bmi"], "data.target: no column 'bmi'"),
-    "unknown model argument": (["+model.x=1"], "fix the model.* overrides or conf/model/"),
-    "width the heads do not divide": (
-        ["model.embedding_dim=47"],
-        "is not divisible by num_heads=2; fix the model.* overrides or conf/model/",
-    ),
     "a model that is not an nn.Module": (
         ["~model", "+model._target_=collections.OrderedDict", "data.max_asvs=16"],
         "returned a OrderedDict, not a torch.nn.Module; fix model._target_",
@@ -371,6 +431,22 @@ def test_a_config_mistake_in_any_job_refuses_the_sweep_before_the_first_runs(tmp
     assert err.strip().startswith("error: sweep job #0 (seed=0 trainer.lr=")
     assert "\"Environment variable 'AAMPERF_TEST_UNSET' not found\"" in err
     assert not (tmp_path / "sweep").exists()
+
+
+def test_a_value_its_job_would_refuse_as_it_starts_refuses_the_sweep_before_the_first_runs(
+    tmp_path, monkeypatch, capfd
+):
+    """The model's arguments are checked with every job's other values: model.seq_len=50 failed its job
+    with a traceback, after the jobs before it had run."""
+    sweep = [f"hydra.sweep.dir={tmp_path / 'sweep'}", f"data.cache_dir={tmp_path / 'cache'}"]
+    sweep += ["model.seq_len=151,50", "compare.baseline='model.seq_len=151'"]
+    code, out, err = invoke(monkeypatch, capfd, "-m", *TINY, *sweep)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines() == [
+        "error: sweep job #1 (model.seq_len=50): model.seq_len=50 is shorter than an ASV's 151 tokens "
+        "(START + 150 bp); set model.seq_len=151"
+    ]
+    assert not (tmp_path / "sweep").exists() and "#0" not in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 runs on a CUDA GPU: nothing to refuse there")

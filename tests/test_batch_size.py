@@ -3,8 +3,11 @@ requested effective batch kept by accumulation, and a run that starts as if the 
 
 import psutil
 import pytest
+import torch
 from conftest import read_metrics, read_summary
 
+from aamperf.batch_size import check_budget
+from aamperf.guards import memory_limit
 from aamperf.run import train
 
 
@@ -52,3 +55,18 @@ def test_auto_batch_run_trains_like_the_batch_given(make_cfg, tmp_path):
 
     given = losses(tmp_path / "given")
     assert losses(tmp_path / "auto") == given and len(given) == 4
+
+
+def test_a_fixed_budget_above_what_a_rank_can_have_is_refused(monkeypatch):
+    """Refused, not capped: budget_gib is meant to be the same on every machine, and a capped one would
+    find the batch this machine fits instead. The ranks of a machine share its memory."""
+    limit, set_by = memory_limit()
+    what = "this machine's RAM" if set_by == "machine" else "this process's cgroup limit"
+    cpu, within = torch.device("cpu"), 0.75 * limit / 2**30
+    assert check_budget(within, cpu) == [] and check_budget(None, cpu) == []
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    [problem] = check_budget(within, cpu)
+    assert problem.startswith(
+        f"trainer.auto_batch.budget_gib={within} is more than a rank can have here ({limit // 2 / 2**30:.2f} "
+        f"GiB: {what} shared by its 2 ranks); lower it"
+    )

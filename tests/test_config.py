@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from aamperf.config import Config
 from aamperf.errors import hydra_error_message
+from aamperf.model import AAM, AAMLoss
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
@@ -174,3 +175,22 @@ def test_conf_dir_is_the_one_the_entry_point_uses():
     import aamperf.train
 
     assert (Path(aamperf.train.__file__).parent / "../conf").resolve() == CONF_DIR
+
+
+def test_aam_and_its_loss_refuse_arguments_they_cannot_train_with_as_they_are_built():
+    """Built without check_config (a script, a plug-in subclass): every problem in one ValueError."""
+    sizes = {"num_heads": 2, "asv_layers": 1, "sample_layers": 1, "encoder_layers": -1, "max_asvs": 16}
+    with pytest.raises(ValueError) as refused:
+        AAM(embedding_dim=0, ffn_mult=2.5, dropout=1.0, **sizes)
+    assert str(refused.value) == (
+        "embedding_dim=0 must be an integer >= 1; encoder_layers=-1 must be an integer >= 0; ffn_mult=2.5 "
+        "must be an integer >= 1; dropout=1.0 must be a number in [0, 1)"
+    )
+    with pytest.raises(ValueError, match=r"^embedding_dim=30 is not divisible by num_heads=4$"):
+        AAM(embedding_dim=30, **{**sizes, "num_heads": 4, "encoder_layers": 1})
+    with pytest.raises(ValueError) as refused:
+        AAMLoss(nucleotide_weight=-0.5, mask_fraction=1)
+    assert str(refused.value) == (
+        "nucleotide_weight=-0.5 must be a number >= 0; mask_fraction=1 must be a number between 0 and 1 "
+        "(the share of real bases hidden and predicted)"
+    )

@@ -1,5 +1,7 @@
 """AAM (Attention All Microbes): nucleotides -> ASV vectors -> sample embedding, plus its FLOP count."""
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -8,6 +10,36 @@ from aamperf.model.layers import AttentionPooling, Transformer
 from aamperf.tokens import PAD, TOKENS_PER_ASV, VOCAB_SIZE
 
 ASV_ROWS = ("all", "real", "unique")  # which ASV rows the ASV encoder runs on (`AAM.asv_rows`)
+# AAM's integer arguments and the least each may be (0 layers: a stack that passes its input through)
+LEAST = {
+    "embedding_dim": 1,
+    "num_heads": 1,
+    "asv_layers": 0,
+    "sample_layers": 0,
+    "encoder_layers": 0,
+    "max_asvs": 1,
+    "ffn_mult": 1,
+    "vocab_size": 1,
+    "seq_len": 1,
+    "target_dim": 0,  # 0: no target head
+}
+
+
+def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every problem of AAM's arguments `args` (each one given or its default), as `<prefix><name>=<value>
+    must ...`: checked by AAM as it is built, and by aamperf/checks.py before a run builds anything."""
+    problems = [
+        f"{prefix}{name}={args[name]} must be an integer >= {least}"
+        for name, least in LEAST.items()
+        if isinstance(args[name], bool) or not isinstance(args[name], int) or args[name] < least
+    ]
+    dim, heads = args["embedding_dim"], args["num_heads"]
+    if not problems and dim % heads:
+        problems.append(f"{prefix}embedding_dim={dim} is not divisible by {prefix}num_heads={heads}")
+    dropout = args["dropout"]
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        problems.append(f"{prefix}dropout={dropout} must be a number in [0, 1)")
+    return problems
 
 
 def bucket_size(n: int) -> int:
@@ -55,6 +87,9 @@ class AAM(nn.Module):
         target_dim: int = 1,
         count_embedding: bool = True,
     ):
+        problems = argument_problems({k: v for k, v in locals().items() if k not in ("self", "__class__")})
+        if problems:
+            raise ValueError("; ".join(problems))
         super().__init__()
         dim = embedding_dim
         self.embedding_dim, self.num_heads, self.ffn_mult = dim, num_heads, ffn_mult

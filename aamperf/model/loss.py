@@ -1,5 +1,7 @@
 """AAM training loss: UniFrac distance + masked-nucleotide + optional target, with a deterministic mask."""
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -36,6 +38,32 @@ def nucleotide_mask(tokens: Tensor, asv_ids: Tensor, step: int, seed: int, fract
     return hidden & real_bases(tokens)
 
 
+WEIGHTS = ("unifrac_weight", "nucleotide_weight", "target_weight")
+
+
+def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every problem of AAMLoss's arguments `args` (each one given or its default), as `<prefix><name>=
+    <value> must ...`: checked by AAMLoss as it is built, and by aamperf/checks.py before a run builds
+    anything. A negative weight would reward the error it weighs; a fraction of 0 hides no base (the
+    nucleotide part has nothing to predict), of 1 or more every one."""
+    problems = [
+        f"{prefix}{name}={args[name]} must be a number >= 0"
+        for name in WEIGHTS
+        if not is_number(args[name]) or args[name] < 0
+    ]
+    fraction = args["mask_fraction"]
+    if not is_number(fraction) or not 0 < fraction < 1:
+        problems.append(
+            f"{prefix}mask_fraction={fraction} must be a number between 0 and 1 (the share of real bases "
+            "hidden and predicted)"
+        )
+    return problems
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 class AAMLoss(nn.Module):
     """loss(model, batch, step) -> (total, parts). Parts the model does not output are left out:
     `unifrac` needs `sample_embedding`, `nucleotide` needs `nuc_logits`, `target` needs both a
@@ -52,6 +80,9 @@ class AAMLoss(nn.Module):
         mask_fraction: float = 0.15,
         seed: int = 0,
     ):
+        problems = argument_problems({k: v for k, v in locals().items() if k not in ("self", "__class__")})
+        if problems:
+            raise ValueError("; ".join(problems))
         super().__init__()
         self.weights = {"unifrac": unifrac_weight, "nucleotide": nucleotide_weight, "target": target_weight}
         self.mask_fraction, self.seed = mask_fraction, seed

@@ -26,6 +26,32 @@ def given() -> tuple[list[int], int]:
     return _given
 
 
+def check_system(cfg: DictConfig) -> list[str]:
+    """The problems of `system.*` this process can tell before a job starts: cores it may not run on
+    (sched_setaffinity's EINVAL as the job set them up), and thread counts torch refuses or ignores."""
+    problems, cores, given_cores = [], cfg.cpu_cores, given()[0]
+    fix = f"choose among cores {taskset_list(given_cores)}, or system.cpu_cores=null (the cores it was given)"
+    if cores is not None and not cores:
+        problems.append(f"system.cpu_cores=[] names no core; {fix}")
+    elif cores is not None and not set(cores) <= set(given_cores):
+        problems.append(f"system.cpu_cores={list(cores)} holds a core this process may not run on; {fix}")
+    for key in ("num_threads", "interop_threads"):
+        if cfg[key] is not None and cfg[key] < 1:
+            problems.append(f"system.{key}={cfg[key]} must be >= 1, or null (torch's own)")
+    return problems
+
+
+def taskset_list(cores: list[int]) -> str:
+    """Cores as taskset and cpusets write them: runs of consecutive cores as first-last (0-3,6)."""
+    runs: list[list[int]] = []
+    for core in sorted(cores):
+        if runs and core == runs[-1][-1] + 1:
+            runs[-1].append(core)
+        else:
+            runs.append([core])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+
+
 def apply_system(cfg: DictConfig, device: torch.device) -> dict[str, dict]:
     """Records per switch, since each can apply or not on its own."""
     given_cores, given_threads = given()

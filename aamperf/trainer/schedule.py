@@ -6,6 +6,22 @@ import torch
 from omegaconf import DictConfig
 
 
+def check_schedule(tc: DictConfig) -> list[str]:
+    """The problem of a schedule torch's scheduler cannot run, found before the run starts: OneCycleLR
+    divides by the steps of its rise (warmup_steps - 1, from its first step to its peak) and of its fall
+    (max_steps - warmup_steps), a ZeroDivisionError at the first step where either is 0."""
+    warmup, steps = tc.warmup_steps, tc.max_steps
+    if tc.lr_schedule != "onecycle" or warmup <= 0 or steps <= 0 or 2 <= warmup < steps:
+        return []  # warmup 0: torch's 30% of max_steps; negative values and no steps: check_config's
+    fix = "trainer.warmup_steps=0 (torch's 30%)"
+    if steps >= 3:
+        fix += f" or {2 if steps == 3 else f'2 to {steps - 1}'}"
+    return [
+        f"trainer.lr_schedule=onecycle cannot rise over trainer.warmup_steps={warmup} of "
+        f"trainer.max_steps={steps} (OneCycleLR needs 2 or more steps up and 1 or more down); set {fix}"
+    ]
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, tc: DictConfig, done_steps: int = 0):
     """torch's schedulers for `trainer.lr_schedule`, stepped once per optimizer step over `max_steps`:
     a linear warm-up over `warmup_steps`, then cosine or linear decay to lr x `min_lr_ratio`, or the lr
