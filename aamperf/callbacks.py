@@ -34,7 +34,8 @@ from aamperf.files import Claim, write_atomic
 from aamperf.interrupts import RunInterrupted, exit_interrupted
 from aamperf.loggers import wandb_mode, wandb_unreachable
 from aamperf.phases import check_phases
-from aamperf.report import find_runs, make_report, to_markdown
+from aamperf.report import Group, Run, find_runs, group_runs, make_report, to_markdown
+from aamperf.report.runs import IGNORED_OVERRIDES, pick_baseline
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
@@ -109,10 +110,13 @@ def sweep_jobs(config: DictConfig) -> tuple[list[list[str]], set[str]]:
 
 
 def check_jobs(config: DictConfig) -> None:
-    """check_job of every job sweep_jobs lists; one UserError naming the jobs of each problem."""
+    """check_job of every job sweep_jobs lists, and the baseline the sweep's report compares with; one
+    UserError naming the jobs of each problem."""
     loader = GlobalHydra.instance().config_loader()
     jobs_of: dict[str, list[str]] = {}
     jobs, swept = sweep_jobs(config)
+    runs, default = [], None  # each job as its report will read it; the first with the default values
+    configured = [key for key in swept if not f"{key}=".startswith(IGNORED_OVERRIDES)]  # not the seed
     for number, overrides in enumerate(jobs):
         try:
             job = loader.load_sweep_config(master_config=config, sweep_overrides=overrides)
@@ -120,17 +124,62 @@ def check_jobs(config: DictConfig) -> None:
             if hydra_reports_wanted():
                 return
             raise UserError(hydra_error_message(exc)) from exc
+        runs.append(Run(Path(str(number)), overrides, {"optim": job.get("optim")}))
+        if default is None and all(swept_value(job, key) == swept_value(config, key) for key in configured):
+            default = number
         try:
             check_job(job)
         except UserError as exc:
             values = " ".join(o for o in overrides if o.split("=", 1)[0] in swept)
             jobs_of.setdefault(str(exc), []).append(f"#{number} ({values})")
-    if jobs_of:
-        problems = (
-            problem if len(numbers) == len(jobs) else f"sweep job {', '.join(numbers)}: {problem}"
-            for problem, numbers in jobs_of.items()
-        )
-        raise UserError("; ".join(problems))
+    problems = [
+        problem if len(numbers) == len(jobs) else f"sweep job {', '.join(numbers)}: {problem}"
+        for problem, numbers in jobs_of.items()
+    ]
+    callbacks = config.hydra.callbacks.values()
+    reported = any(c and c.get("_target_") == f"{__name__}.CompareReport" for c in callbacks)
+    problem = baseline_problem(config.compare.baseline, runs, default) if runs and reported else None
+    if problems or problem:
+        raise UserError("; ".join([*problems, *([problem] if problem else [])]))
+
+
+def swept_value(config: DictConfig, key: str) -> Any:
+    """The value of a swept `key` in `config`: a group's option, or a key's value (None where unset)."""
+    if key in config.hydra.runtime.choices:
+        return config.hydra.runtime.choices[key]
+    return OmegaConf.select(config, key.lstrip("+~"), default=None, throw_on_resolution_failure=False)
+
+
+def baseline_problem(baseline: str, runs: list[Run], default: int | None) -> str | None:
+    """The problem with compare.baseline for a sweep of `runs` (each job's overrides and level, as its
+    report reads them), or None: the report compares every other configuration with the one baseline
+    names (aamperf/report/runs.py pick_baseline), so it must name one. The fix suggested: the
+    configuration of job `default` (the values the sweep would have without its swept ones), else the
+    first job's."""
+    groups = group_runs(runs)
+    try:
+        pick_baseline(groups, baseline)
+        return None
+    except UserError:
+        pass
+    named = [group for group in groups if names(group, baseline)]
+    labels = ", ".join(f"'{group.config}'" for group in groups)
+    matches = f"matches {len(named)} configurations" if named else "matches none of the configurations"
+    suggested = next(g.config for g in groups if any(run is runs[default or 0] for run in g.runs))
+    why = "the first job's" if default is None else "the default"
+    return (
+        f"compare.baseline={baseline!r} {matches} of this sweep ({labels}), and its report compares every "
+        f"other with one; name it: 'compare.baseline=\"{suggested}\"' ({why}), or another of them"
+    )
+
+
+def names(group: Group, baseline: str) -> bool:
+    """Whether compare.baseline `baseline` names `group` where it is the only configuration."""
+    try:
+        pick_baseline([group], baseline)
+    except UserError:
+        return False
+    return True
 
 
 class CheckBeforeRun(Callback):
@@ -152,8 +201,9 @@ class CheckBeforeRun(Callback):
         self.claim: Claim | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        """Every job of a sweep checked before the first one runs: a mistake in its last job refuses the
-        sweep at once (exit 2, nothing written), not after the others have run. What only a run can
+        """Every job of a sweep checked before the first one runs: a mistake in its last job, or a
+        compare.baseline its report cannot find, refuses the sweep at once (exit 2, nothing written),
+        not after the others have run. What only a run can
         find (its data, its checkpoint) still fails that job alone, and the sweep goes on."""
         try:
             problem = unwritable(config.hydra.sweep.dir, "hydra.sweep.dir", "the sweep directory")

@@ -419,7 +419,10 @@ def test_a_config_mistake_in_any_job_refuses_the_sweep_before_the_first_runs(tmp
     assert code == 2 and "Traceback" not in err, err
     assert err.strip().splitlines() == [
         "error: sweep job #2 (trainer.batch_size=1 seed=0), #3 (trainer.batch_size=1 seed=1): "
-        "trainer.batch_size=1 must be >= 2 (UniFrac compares pairs of samples)"
+        "trainer.batch_size=1 must be >= 2 (UniFrac compares pairs of samples); compare.baseline="
+        "'optim=baseline' matches 2 configurations of this sweep ('trainer.batch_size=4', "
+        "'trainer.batch_size=1'), and its report compares every other with one; name it: "
+        "'compare.baseline=\"trainer.batch_size=4\"' (the default), or another of them"
     ]
     assert not (tmp_path / "sweep").exists() and "#0" not in out  # refused before Hydra made the sweep
     code, _, err = invoke(monkeypatch, capfd, "-m", *TINY, *sweep[:-1], "trainer.lr=-1")
@@ -447,6 +450,31 @@ def test_a_value_its_job_would_refuse_as_it_starts_refuses_the_sweep_before_the_
         "(START + 150 bp); set model.seq_len=151"
     ]
     assert not (tmp_path / "sweep").exists() and "#0" not in out
+
+
+def test_a_sweep_whose_report_would_have_no_baseline_is_refused_before_the_first_runs(
+    tmp_path, monkeypatch, capfd
+):
+    """A sweep of two values ran every job, then exited 2: compare.baseline (optim=baseline) matched both
+    configurations. Refused at once, naming the configuration with the default values (seed aside), else the
+    first job's (TINY's trainer.batch_size=4 is neither 8 nor 3)."""
+    sweep = [f"hydra.sweep.dir={tmp_path / 'sweep'}", f"data.cache_dir={tmp_path / 'cache'}", "seed=0,1"]
+    cases = {
+        ("trainer.lr=0.001,0.0001",): "compare.baseline='optim=baseline' matches 2 configurations of this "
+        "sweep ('trainer.lr=0.001', 'trainer.lr=0.0001'), and its report compares every other with one; name "
+        "it: 'compare.baseline=\"trainer.lr=0.0001\"' (the default), or another of them",
+        ("trainer.batch_size=8,3",): "compare.baseline='optim=baseline' matches 2 configurations of this "
+        "sweep ('trainer.batch_size=8', 'trainer.batch_size=3'), and its report compares every other with "
+        "one; name it: 'compare.baseline=\"trainer.batch_size=8\"' (the first job's), or another of them",
+        ("trainer.lr=0.001,0.0001", "compare.baseline='precision=bf16'"): "compare.baseline='precision=bf16' "
+        "matches none of the configurations of this sweep ('trainer.lr=0.001', 'trainer.lr=0.0001'), and its "
+        "report compares every other with one; name it: 'compare.baseline=\"trainer.lr=0.0001\"' (the "
+        "default), or another of them",
+    }
+    for overrides, said in cases.items():
+        code, out, err = invoke(monkeypatch, capfd, "-m", *TINY, *sweep, *overrides)
+        assert code == 2 and err.strip().splitlines() == [f"error: {said}"], err
+        assert not (tmp_path / "sweep").exists() and "#0" not in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 runs on a CUDA GPU: nothing to refuse there")

@@ -57,6 +57,16 @@ def test_sweep_ends_with_the_report_of_its_own_runs(sweep):
     assert "at the same time" not in (sweep_dir / "comparison.md").read_text()
 
 
+def test_the_baseline_a_refused_sweep_names_is_the_one_its_report_compares_with(tmp_path, cache_dir):
+    """The fix a sweep of two values is refused with (tests/test_bad_input.py), as the user types it."""
+    args = ["trainer.max_steps=1", "trainer.lr=0.001,0.0001", "compare.baseline='trainer.lr=0.0001'"]
+    proc, sweep_dir = launch_run(*args, cache_dir=cache_dir, run_dir=tmp_path / "sweep", multirun=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((sweep_dir / "comparison.json").read_text())
+    assert result["baseline"] == "trainer.lr=0.0001"
+    assert [r["config"] for r in result["rows"]] == ["trainer.lr=0.0001", "trainer.lr=0.001"]  # its own first
+
+
 @pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
 def test_jobs_that_ran_at_once_are_named_and_their_verdicts_left_undecided(tmp_path, cache_dir):
     # submitit's local launcher starts every job at once, on this machine's two cores
