@@ -461,3 +461,13 @@ def test_a_predictions_directory_is_not_a_row_of_the_report(sweep, capsys):
     after = json.loads((sweep / "comparison.json").read_text())["rows"]
     rows = [[(row["config"], row["seeds"]) for row in report] for report in (before, after)]
     assert rows[0] == rows[1]
+
+
+def test_a_lone_configuration_is_its_own_baseline(tmp_path):
+    """A sweep of seeds of one level (-m optim=ultra seed=0,1) reports its figures: nothing to compare."""
+    for seed in (0, 1):
+        make_run(tmp_path, f"ultra{seed}", ["optim=ultra", f"seed={seed}"], optim="ultra", seed=seed,
+                 samples_per_s=50.0 + seed, val_loss=2.0)  # fmt: skip
+    main([str(tmp_path)])
+    report = json.loads((tmp_path / "comparison.json").read_text())
+    assert [(row["config"], row["seeds"]) for row in report["rows"]] == [("optim=ultra", [0, 1])]

@@ -196,7 +196,10 @@ def group_runs(runs: list[Run]) -> list[Group]:
 
 
 def pick_baseline(groups: list[Group], baseline: str) -> Group:
-    """The group labelled `baseline`, or the only one whose overrides include all of its overrides."""
+    """The group labelled `baseline`, or the only one whose overrides include all of its overrides; a lone
+    configuration (a sweep of seeds of one level) is its own baseline: its figures, nothing to compare."""
+    if len(groups) == 1:
+        return groups[0]
     matches = [g for g in groups if g.config == baseline]  # exact first: "optim=baseline" alone
     if not matches:
         wanted = set(baseline.split())
