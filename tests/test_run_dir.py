@@ -22,6 +22,7 @@ def files_of(directory: Path) -> dict[str, bytes]:
     }
 
 
+@pytest.mark.slow  # three launches, one training until the others are refused
 def test_a_run_directory_in_use_is_refused_before_anything_is_written_there(launch):
     """Two runs in one hydra.run.dir: the second, started while the first trains, is refused with exit 2
     before Hydra rewrites .hydra/ (the live run's config.yaml said seed 5 for a run trained with seed 0),
