@@ -34,8 +34,8 @@ from aamperf.files import Claim, write_atomic
 from aamperf.interrupts import RunInterrupted, exit_interrupted
 from aamperf.loggers import wandb_mode, wandb_unreachable
 from aamperf.phases import check_phases
-from aamperf.report import Group, Run, find_runs, group_runs, make_report, to_markdown
-from aamperf.report.runs import IGNORED_OVERRIDES, pick_baseline
+from aamperf.report import Run, find_runs, group_runs, make_report, to_markdown
+from aamperf.report.runs import IGNORED_OVERRIDES, named_by, pick_baseline
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
@@ -162,7 +162,7 @@ def baseline_problem(baseline: str, runs: list[Run], default: int | None) -> str
         return None
     except UserError:
         pass
-    named = [group for group in groups if names(group, baseline)]
+    named = [group for group in groups if named_by([group], baseline)]
     labels = ", ".join(f"'{group.config}'" for group in groups)
     matches = f"matches {len(named)} configurations" if named else "matches none of the configurations"
     suggested = next(g.config for g in groups if any(run is runs[default or 0] for run in g.runs))
@@ -171,15 +171,6 @@ def baseline_problem(baseline: str, runs: list[Run], default: int | None) -> str
         f"compare.baseline={baseline!r} {matches} of this sweep ({labels}), and its report compares every "
         f"other with one; name it: 'compare.baseline=\"{suggested}\"' ({why}), or another of them"
     )
-
-
-def names(group: Group, baseline: str) -> bool:
-    """Whether compare.baseline `baseline` names `group` where it is the only configuration."""
-    try:
-        pick_baseline([group], baseline)
-    except UserError:
-        return False
-    return True
 
 
 class CheckBeforeRun(Callback):

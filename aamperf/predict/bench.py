@@ -61,7 +61,7 @@ def keeps_quality(summary: dict[str, Any], min_cosine: float, max_target_mae_std
 def report(sweep_dir: Path, cfg: DictConfig) -> dict[str, Any]:
     """The levels of a benchmark sweep side by side: latency and speed-up over inference=baseline per
     batch size, peak memory, quality; the fastest level at the largest batch that keeps quality."""
-    runs = [run.summary for run in find_runs([sweep_dir]) if run.summary.get("bench")]
+    runs = [run.summary for run in find_runs([sweep_dir], predictions=True) if run.summary.get("bench")]
     if not runs:
         raise ValueError(f"no benchmark summary under {sweep_dir} (bench.enabled=true)")
     base = next((r for r in runs if r["inference"] == "baseline"), None)

@@ -131,20 +131,23 @@ def overlapping(runs: list[Run]) -> list[tuple[Run, Run, float]]:
     return found
 
 
-def find_runs(dirs: list[Path]) -> list[Run]:
-    """The training runs under `dirs` (each directory with a summary.json), a prediction's directory
-    (`python -m aamperf.predict`) left out with a note; a record that cannot be read is a one-line error
-    naming its file. Records are read as data: JSON, and YAML without Python tags."""
+def find_runs(dirs: list[Path], predictions: bool = False) -> list[Run]:
+    """The training runs under `dirs` (each directory with a summary.json); a prediction's directory
+    (`python -m aamperf.predict`) is left out with a note, or, with `predictions`, only those are read.
+    A record that cannot be read is a one-line error naming its file. Records are read as data: JSON,
+    and YAML without Python tags."""
     runs = []
     for directory in dirs:
         for summary_path in sorted(Path(directory).rglob("summary.json")):
             summary = read_summary(summary_path)
-            if "inference" in summary and "optim" not in summary:
-                print(
-                    f"note: {summary_path.parent} holds predictions (python -m aamperf.predict), not a "
-                    "training run: left out of the comparison",
-                    file=sys.stderr,
-                )
+            predicted = "inference" in summary and "optim" not in summary
+            if predicted != predictions:
+                if predicted:
+                    print(
+                        f"note: {summary_path.parent} holds predictions (python -m aamperf.predict), not a "
+                        "training run: left out of the comparison",
+                        file=sys.stderr,
+                    )
                 continue
             overrides = read_overrides(summary_path.parent / ".hydra" / "overrides.yaml")
             runs.append(Run(summary_path.parent, overrides, summary))
@@ -195,17 +198,24 @@ def group_runs(runs: list[Run]) -> list[Group]:
     return list(groups.values())
 
 
-def pick_baseline(groups: list[Group], baseline: str) -> Group:
-    """The group labelled `baseline`, or the only one whose overrides include all of its overrides; a lone
-    configuration (a sweep of seeds of one level) is its own baseline: its figures, nothing to compare."""
-    if len(groups) == 1:
-        return groups[0]
+def named_by(groups: list[Group], baseline: str) -> list[Group]:
+    """The groups compare.baseline `baseline` names: labelled so, else those whose overrides include all
+    of its overrides, else those of its level (`optim=...`)."""
     matches = [g for g in groups if g.config == baseline]  # exact first: "optim=baseline" alone
     if not matches:
         wanted = set(baseline.split())
         matches = [g for g in groups if wanted <= set(g.config.split())]
     if not matches:
         matches = [g for g in groups if baseline == f"optim={g.runs[0].summary.get('optim')}"]
+    return matches
+
+
+def pick_baseline(groups: list[Group], baseline: str) -> Group:
+    """The group labelled `baseline`, or the only one whose overrides include all of its overrides; a lone
+    configuration (a sweep of seeds of one level) is its own baseline: its figures, nothing to compare."""
+    if len(groups) == 1:
+        return groups[0]
+    matches = named_by(groups, baseline)
     if len(matches) != 1:
         names = ", ".join(f"'{g.config}'" for g in groups)
         raise UserError(
