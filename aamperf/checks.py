@@ -28,7 +28,7 @@ from aamperf.model.loss import argument_problems as loss_problems
 from aamperf.phases.system import check_system
 from aamperf.tokens import ASV_BP, TOKENS_PER_ASV, VOCAB_SIZE
 from aamperf.trainer.schedule import check_schedule
-from aamperf.weights import MODEL_FILE
+from aamperf.weights import MODEL_FILE, OWN_MODELS
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -117,8 +117,7 @@ def check_config(cfg: DictConfig) -> None:
 # The modules aamperf builds from a _target_ and whose arguments it checks before a run builds anything;
 # a plug-in checks its own as it is built (a ValueError there names the override to fix too).
 BUILT_IN = {
-    "aamperf.model.AAM": (AAM, aam_problems),
-    "aamperf.model.aam.AAM": (AAM, aam_problems),
+    **{target: (AAM, aam_problems) for target in OWN_MODELS},
     "aamperf.model.AAMLoss": (AAMLoss, loss_problems),
     "aamperf.model.loss.AAMLoss": (AAMLoss, loss_problems),
 }
