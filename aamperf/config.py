@@ -34,7 +34,7 @@ CompileMode = choices("CompileMode", "disabled", "default", "reduce-overhead", "
 AttentionImpl = choices("AttentionImpl", "math", "sdpa", "auto")
 SdpaBackend = choices("SdpaBackend", "flash", "efficient", "cudnn", "math")
 DropoutImpl = choices("DropoutImpl", "standard", "fast")
-Checkpointing = choices("Checkpointing", "none", "full", "selective", "auto")
+Checkpointing = choices("Checkpointing", "none", "full", "selective", "ops", "auto")
 OptimizerImpl = choices("OptimizerImpl", "for_loop", "foreach", "fused")
 LrSchedule = choices("LrSchedule", "warmup_cosine", "warmup_linear", "constant", "onecycle")
 Resume = choices("Resume", "disabled", "auto")
@@ -130,6 +130,7 @@ class MemoryConfig:
     """Activation checkpointing (`aamperf/phases/memory.py`), the memory guard (`aamperf/guards/`)."""
 
     checkpointing: Checkpointing = Checkpointing.none  # full: every transformer layer; selective: every k-th
+    # ops: every layer, its matmuls' and attention's outputs kept, the other ops recomputed
     recompute_every: int = 2  # selective (and auto in fp32): recompute layers 0, k, 2k, ...
     warn_fraction: float = 0.90  # of system RAM (CPU) or device memory: gc + cache clearing, warning
     max_fraction: float = 0.97  # ... checkpoint and stop (status aborted) before the system's OOM killer

@@ -223,9 +223,13 @@ class AAM(nn.Module):
 
     def checkpointed_layers(self) -> tuple[int, int, int]:
         """Transformer layers of the ASV, sample and encoder stacks wrapped for activation checkpointing
-        (`aamperf/phases/memory.py`): each runs its forward twice."""
+        (`aamperf/phases/memory.py`): each runs its forward twice (memory=ops's only their cheap ops)."""
         stacks = (self.asv_encoder, self.sample_transformer, self.encoder_transformer)
-        return tuple(sum(isinstance(b, CheckpointWrapper) for b in s.blocks) for s in stacks)
+
+        def again(block: nn.Module) -> bool:  # its matmuls run again in backward (not memory=ops's)
+            return isinstance(block, CheckpointWrapper) and getattr(block, "recomputes_matmuls", True)
+
+        return tuple(sum(again(b) for b in s.blocks) for s in stacks)
 
     def _step_flops(
         self, encoded_rows: int, widths: list[int], count_rows: int, recomputed: tuple[int, int, int]

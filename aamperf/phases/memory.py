@@ -1,17 +1,52 @@
-"""Activation checkpointing per transformer layer and CUDA allocator settings (the memory guard that
-watches a run is in aamperf/guards/memory.py)."""
+"""Activation checkpointing per transformer layer or per op, and CUDA allocator settings (the memory guard
+that watches a run is in aamperf/guards/memory.py)."""
 
 import logging
+from functools import partial
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from aamperf.model.layers import Block
 from aamperf.phases.record import applied, skipped
 
 log = logging.getLogger(__name__)
+
+_aten = torch.ops.aten
+# memory=ops keeps the outputs of these (the matmuls and attention kernels: nearly all of a block's FLOPs)
+# and recomputes every other op of the block in backward (layer norms, GELU, dropout, softmax, adds: cheap,
+# and most of the bytes). aten.linear and matmul decompose into mm / addmm / bmm before the policy sees
+# them; linear is listed for a backend that keeps it whole.
+SAVED_OPS = {
+    _aten.mm,
+    _aten.addmm,
+    _aten.bmm,
+    _aten.baddbmm,
+    _aten.linear,
+    _aten._scaled_dot_product_flash_attention_for_cpu,
+    _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_efficient_attention,
+    _aten._scaled_dot_product_cudnn_attention,
+}
+
+
+def keep_matmuls(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """The selective-checkpoint policy of memory=ops: save what SAVED_OPS return, recompute the rest."""
+    # Not under no_grad, as inside a custom autograd.Function's forward (attention=sdpa's chunked
+    # dropout attention on a CPU): its ops are no part of the graph, and it writes into their outputs in
+    # place, which a saved output may not be ("Tensor cached during selective activation checkpoint has
+    # been mutated"); backward recomputes such a Function whole, as memory=full does
+    if func.overloadpacket in SAVED_OPS and torch.is_grad_enabled():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def ops_contexts():
+    """memory=ops's context_fn for torch.utils.checkpoint (a new pair of contexts per call)."""
+    return create_selective_checkpoint_contexts(keep_matmuls)
 
 
 def check_memory(cfg: DictConfig) -> list[str]:
@@ -28,22 +63,29 @@ def check_memory(cfg: DictConfig) -> list[str]:
 def apply_checkpointing(model: nn.Module, cfg: DictConfig) -> dict:
     """Wrap transformer layers so their activations are recomputed in backward instead of kept.
 
-    full: every layer; selective: layers 0, k, 2k, ... of each stack (k = memory.recompute_every).
+    full: every layer; selective: layers 0, k, 2k, ... of each stack (k = memory.recompute_every); ops:
+    every layer, keeping its matmuls' and attention's outputs and recomputing only the other ops.
     The wrapper keeps state_dict keys unchanged (checkpoints stay loadable either way).
     """
     if cfg.checkpointing == "none":
         return skipped("memory.checkpointing=none")
-    every = 1 if cfg.checkpointing == "full" else cfg.recompute_every
+    every = cfg.recompute_every if cfg.checkpointing == "selective" else 1
+    # non-reentrant torch.utils.checkpoint; memory=ops: with a policy per op (selective checkpointing)
+    ops = cfg.checkpointing == "ops"
+    wrap = partial(checkpoint_wrapper, context_fn=ops_contexts) if ops else checkpoint_wrapper
     wrapped = 0
     for parent in list(model.modules()):
         if isinstance(parent, nn.ModuleList) and any(isinstance(m, Block) for m in parent):
             for i, block in enumerate(parent):
                 if isinstance(block, Block) and i % every == 0:
-                    parent[i] = checkpoint_wrapper(block)  # non-reentrant torch.utils.checkpoint
+                    parent[i] = wrap(block)
+                    # the FLOP count's: a block that recomputes no matmul costs no extra matmul FLOPs
+                    parent[i].recomputes_matmuls = not ops
                     wrapped += 1
     if not wrapped:
         return skipped("the model has no transformer Block to checkpoint")
-    return applied(mode=cfg.checkpointing, every=every, layers=wrapped)
+    details = {"saved_ops": sorted(str(op) for op in SAVED_OPS)} if ops else {}
+    return applied(mode=cfg.checkpointing, every=every, layers=wrapped, **details)
 
 
 _expandable = False  # an earlier job of this process turned expandable segments on
