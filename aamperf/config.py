@@ -214,6 +214,9 @@ class MetricsConfig:
     monitor_interval_s: float = 0.2  # psutil / pynvml sampling period (background thread)
     # torch.profiler over this many steps after warm-up (trace, top ops, comm share; left out of timing)
     profile_steps: int = 0
+    # memory over 2 steps after those (left out of timing): a GPU's allocator history (memory_snapshot.pickle,
+    # for pytorch.org/memory_viz), a CPU's profiler memory timeline (memory_timeline.json)
+    memory_snapshot: bool = False
     peak_flops_cache: str = "${data.cache_dir}/peak_flops.json"
     # the device's dense peak FLOP/s for the run's matmul dtype, from its data sheet: for a GPU not in
     # aamperf/metrics/gpu_peaks.py (e.g. an A10G); null: that table (GPU) or a calibration (CPU)

@@ -1,13 +1,21 @@
 """torch.profiler over a few steady-state steps (`metrics.profile_steps`): a trace to open in
-Perfetto / chrome://tracing, the ops that took the time, and the share of collective communication."""
+Perfetto / chrome://tracing, the ops that took the time, and the share of collective communication;
+then a memory snapshot (`metrics.memory_snapshot`, aamperf/metrics/snapshot.py). The loop sees one
+object, `step_profilers`, whichever are on."""
 
+import logging
 import re
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 from torch.profiler import ProfilerActivity, profile
+
+from aamperf.metrics.snapshot import SNAPSHOT_STEPS, MemorySnapshot
+
+log = logging.getLogger(__name__)
 
 # gloo / NCCL collectives as the profiler names them (gloo:all_reduce, nccl:all_reduce, c10d::allgather_, ...)
 COLLECTIVE = re.compile(
@@ -60,3 +68,52 @@ class StepProfiler:
             self._prof.export_chrome_trace(str(self.out_dir / name))
             self.result["trace"] = name
         self._prof = None
+
+
+class StepProfilers:
+    """The profiled steps, then the memory snapshot's: after each other, as torch runs one profiler at a
+    time. `result`: the profile's record, the snapshot's under `memory_snapshot` (None: neither ran)."""
+
+    def __init__(self, profiler: StepProfiler, snapshot: MemorySnapshot, snapshot_note: dict | None = None):
+        self.profiler, self.snapshot, self.snapshot_note = profiler, snapshot, snapshot_note
+
+    def covers(self, step: int) -> bool:
+        return self.profiler.covers(step) or self.snapshot.covers(step)
+
+    def begin(self, step: int) -> None:
+        self.profiler.begin(step)
+        self.snapshot.begin(step)
+
+    def end(self, step: int) -> None:
+        self.profiler.end(step)
+        self.snapshot.end(step)
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        snapshot = self.snapshot.result or self.snapshot_note
+        if snapshot is None:
+            return self.profiler.result
+        return {**(self.profiler.result or {}), "memory_snapshot": snapshot}
+
+
+def step_profilers(
+    cfg: DictConfig, device: torch.device, out_dir: Path | None, rank: int = 0
+) -> StepProfilers:
+    """metrics.profile_steps's profiler and metrics.memory_snapshot's recording, for the run `cfg`."""
+    m = cfg.metrics
+    first = m.skip_steps + m.profile_steps + 1
+    last = min(first + SNAPSHOT_STEPS - 1, cfg.trainer.max_steps)
+    note = None
+    if m.memory_snapshot and first > last:
+        reason = (
+            f"metrics.memory_snapshot=true: no snapshot: trainer.max_steps={cfg.trainer.max_steps} ends "
+            f"before step {first}, the first after metrics.skip_steps={m.skip_steps} and "
+            f"metrics.profile_steps={m.profile_steps}; lower those or raise trainer.max_steps"
+        )
+        log.warning(reason)
+        note = {"file": None, "reason": reason}
+    return StepProfilers(
+        StepProfiler(m.profile_steps, m.skip_steps, out_dir, rank),
+        MemorySnapshot(m.memory_snapshot, first, last, device, out_dir, rank),
+        note,
+    )

@@ -19,7 +19,7 @@ from aamperf.guards import Guards
 from aamperf.interrupts import Interrupts, RunInterrupted
 from aamperf.metrics import RunRecord, StepMeter, SystemMonitor
 from aamperf.metrics.interval import Interval
-from aamperf.metrics.profile import StepProfiler
+from aamperf.metrics.profile import step_profilers
 from aamperf.phases import Plan
 from aamperf.trainer.checkpoints import Checkpoints
 from aamperf.trainer.schedule import build_scheduler
@@ -202,7 +202,7 @@ def fit(
         disable=not (tc.progress and plan.is_main),
         dynamic_ncols=True,
     )
-    profiler = StepProfiler(cfg.metrics.profile_steps, cfg.metrics.skip_steps, run_dir, plan.rank)
+    profiler = step_profilers(cfg, device, run_dir, plan.rank)  # metrics.profile_steps, memory_snapshot
     plan.model.train()
     interrupts = interrupts or Interrupts()
     interrupts.stop_if_received()  # a signal in the set-up that the code it came in caught

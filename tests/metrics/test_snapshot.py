@@ -1,0 +1,35 @@
+"""metrics.memory_snapshot: the profiler's memory timeline of a CPU run, named in summary.json."""
+
+import json
+
+from hydra.utils import instantiate
+
+from aamperf.run import train
+
+
+def test_a_cpu_run_writes_its_memory_timeline_and_names_it_in_the_summary(make_cfg, tmp_path):
+    cfg = make_cfg("trainer.max_steps=5", "metrics.profile_steps=1", "metrics.memory_snapshot=true")
+    summary = train(cfg, tmp_path)
+    assert summary["status"] == "completed"
+    snapshot = summary["profile"]["memory_snapshot"]
+    # after the warm-up step and the profiled one: steps 3 and 4, left out of the timing with them
+    assert snapshot["file"] == "memory_timeline.json" and snapshot["steps"] == [3, 4]
+    assert summary["profile"]["profiled_steps"] == 1 and summary["timed_steps"] == 5 - 1 - 1 - 2
+    times, sizes = json.loads((tmp_path / snapshot["file"]).read_text())
+    assert len(times) == len(sizes) == snapshot["events"] > 0
+    columns = snapshot["columns"]
+    assert all(len(s) == len(columns) for s in sizes) and "activation" in columns
+    assert snapshot["peak_bytes"] == max(sum(s) for s in sizes)
+    # the model's parameters at least: aam_tiny's fp32 weights, and its activations while training
+    params = sum(p.numel() * 4 for p in instantiate(cfg.model).parameters())
+    peak = sizes[max(range(len(sizes)), key=lambda i: sum(sizes[i]))]
+    assert peak[columns.index("parameter")] >= params
+    assert max(s[columns.index("activation")] for s in sizes) > 0
+
+
+def test_a_run_too_short_for_the_snapshot_says_so(make_cfg, tmp_path, caplog):
+    summary = train(make_cfg("trainer.max_steps=1", "metrics.memory_snapshot=true"), tmp_path)
+    assert summary["profile"]["memory_snapshot"]["file"] is None
+    assert "trainer.max_steps=1 ends before step 2" in summary["profile"]["memory_snapshot"]["reason"]
+    assert not list(tmp_path.glob("memory_timeline*"))
+    assert "no snapshot" in caplog.text
