@@ -188,3 +188,30 @@ def test_another_programs_gpu_memory_warns_but_does_not_stop_the_run(launch):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert read_summary(run_dir)["status"] == "completed"
     assert "the GPU's memory is" in (run_dir / "train.log").read_text()
+
+
+def test_a_cuda_memory_snapshot_holds_the_allocator_history_of_its_steps(make_cfg, tmp_path):
+    import pickle
+
+    cfg = make_cfg(*GPU, "trainer.max_steps=4", "metrics.memory_snapshot=true")
+    summary = train(cfg, tmp_path)
+    snapshot = summary["profile"]["memory_snapshot"]
+    assert snapshot["file"] == "memory_snapshot.pickle" and snapshot["steps"] == [2, 3]
+    assert summary["timed_steps"] == 4 - 1 - 2
+    dumped = pickle.loads((tmp_path / snapshot["file"]).read_bytes())  # what pytorch.org/memory_viz reads
+    traces = [e for device in dumped["device_traces"] for e in device]
+    actions = {e["action"] for e in traces}
+    assert {"alloc", "free_completed"} <= actions and dumped["segments"]  # the steps' events, the pool
+
+
+@pytest.mark.parametrize("compile_mode", ["disabled", "default"])
+def test_memory_ops_trains_on_cuda_with_the_losses_of_no_checkpointing(make_cfg, tmp_path, compile_mode):
+    """bf16 with SDPA's fused kernels: their outputs kept, the rest recomputed, compiled or not."""
+    losses = {}
+    for memory in ("none", "ops"):
+        opts = (*GPU, "precision=bf16", "attention=sdpa", f"compile={compile_mode}", f"memory={memory}")
+        summary = train(make_cfg(*opts, "trainer.max_steps=4"), tmp_path / memory)
+        assert summary["status"] == "completed"
+        losses[memory] = [r["loss"] for r in read_metrics(tmp_path / memory)]
+    assert summary["phases"]["checkpointing"]["mode"] == "ops"
+    assert losses["ops"] == pytest.approx(losses["none"], rel=2e-2)
