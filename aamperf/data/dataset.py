@@ -152,6 +152,48 @@ def make_loaders(
     return train, val
 
 
+def step_loader(loader: DataLoader, micro_batches: int) -> DataLoader:
+    """`loader` drawing the batches of whole optimizer steps: `micro_batches` x its batch, from the same
+    sampler (the same order), so that a step's batch holds every pair of its samples (UniFrac across
+    micro-batches, `split_batch` cuts them)."""
+    kwargs = {}
+    if loader.num_workers > 0:  # DataLoader refuses these without workers
+        kwargs = {"persistent_workers": loader.persistent_workers, "prefetch_factor": loader.prefetch_factor}
+    return DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size * micro_batches,
+        sampler=loader.sampler,
+        collate_fn=loader.collate_fn,
+        drop_last=loader.drop_last,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        generator=loader.generator,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        **kwargs,
+    )
+
+
+def split_batch(batch: dict, parts: int, world: int = 1) -> list[dict]:
+    """A step's batch (this rank's rows of the global batch, as `Collate` makes it) -> `parts` micro-batches
+    of its rows in order, each a batch as `Collate` makes one: its `unifrac` rows against the micro-batch's
+    own samples on every rank, `n_samples` its global count (`n_tokens` is the step's: not split)."""
+    rows = batch["tokens"].size(0)
+    size = rows // parts
+    assert size * parts == rows, f"a batch of {rows} rows does not split into {parts} micro-batches"
+    micro = []
+    for m in range(parts):
+        mine = slice(m * size, (m + 1) * size)
+        part = {k: v[mine] for k, v in batch.items() if torch.is_tensor(v) and k != "unifrac"}
+        if "unifrac" in batch:  # the global batch's columns are the ranks' rows in rank order
+            starts = torch.arange(world, device=batch["unifrac"].device) * rows
+            columns = (starts[:, None] + torch.arange(size, device=starts.device)).flatten()
+            part["unifrac"] = batch["unifrac"][mine][:, columns + m * size]
+        part["n_samples"] = batch["n_samples"] // parts
+        micro.append(part)
+    return micro
+
+
 @dataclass
 class Data:
     """What `build_data` hands the trainer."""

@@ -1,6 +1,6 @@
 """AAM training loss: UniFrac distance + masked-nucleotide + optional target, with a deterministic mask."""
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,11 @@ def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
     return problems
 
 
+class StepCounts(NamedTuple):
+    hidden: Tensor  # bases hidden in the step's batch, on every rank
+    samples: int  # the step's samples on this rank
+
+
 def is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -96,11 +101,15 @@ class AAMLoss(nn.Module):
         (std 0) is only centred."""
         self.target_mean, self.target_std = float(mean), float(std) if std > 0 else 1.0
 
+    def outputs(self, model: nn.Module, batch: dict, step: int) -> tuple[dict[str, Tensor], Tensor]:
+        """(the model's outputs on the batch with this step's bases hidden, which bases are hidden)."""
+        tokens, asv_ids = batch["tokens"], batch["asv_ids"]
+        hidden = nucleotide_mask(tokens, asv_ids, step, self.seed, self.mask_fraction)
+        return model(tokens.masked_fill(hidden, MASK), batch["counts"], asv_ids=asv_ids), hidden
+
     def forward(self, model: nn.Module, batch: dict, step: int) -> tuple[Tensor, dict[str, Tensor]]:
         tokens = batch["tokens"]
-        asv_ids = batch["asv_ids"]
-        hidden = nucleotide_mask(tokens, asv_ids, step, self.seed, self.mask_fraction)
-        out = model(tokens.masked_fill(hidden, MASK), batch["counts"], asv_ids=asv_ids)
+        out, hidden = self.outputs(model, batch, step)
 
         # Under torch.distributed each rank holds a slice of the global batch. Every part is the
         # global batch's, scaled so that DDP's mean of the ranks' gradients is its gradient: UniFrac
@@ -127,6 +136,57 @@ class AAMLoss(nn.Module):
         total = sum(self.weights[name] * value for name, value in parts.items())
         # parts are for logging: detached, so they never keep the graph alive
         return total, {name: value.detach() for name, value in {**parts, **metrics}.items()}
+
+    # Gradient caching (aamperf/trainer/gradcache.py): a step's batch in micro-batches, its loss the whole
+    # batch's. The UniFrac part needs every pair of the step's samples: it is taken once, on the embeddings
+    # of every micro-batch (`embed`, `pairwise`); the other parts are sums over samples, each micro-batch's
+    # share of them taken beside the cached gradient of its embeddings (`micro_loss`), over the step's counts.
+
+    def embed(self, model: nn.Module, batch: dict, step: int) -> Tensor | None:
+        """The batch's sample embeddings [b, D], or None where the model outputs none."""
+        return self.outputs(model, batch, step)[0].get("sample_embedding")
+
+    def pairwise(self, embedding: Tensor, unifrac: Tensor) -> Tensor:
+        """The UniFrac part of the batch whose embeddings on this rank are `embedding` [b, D] and UniFrac
+        rows `unifrac` [b, B]: every pair of the global batch (the same value on every rank)."""
+        return unifrac_loss(gather(embedding), gather_constant(unifrac))
+
+    def step_counts(self, batches: list[dict], step: int) -> StepCounts:
+        """What the step's separable parts divide by: its hidden bases on every rank, its samples here."""
+        seed, fraction = self.seed, self.mask_fraction
+        hidden = sum(nucleotide_mask(b["tokens"], b["asv_ids"], step, seed, fraction).sum() for b in batches)
+        return StepCounts(all_sum(hidden.float()), sum(b["tokens"].size(0) for b in batches))
+
+    def micro_loss(
+        self, model: nn.Module, batch: dict, step: int, embedding_grad: Tensor | None, counts: StepCounts
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """(what to backpropagate for this micro-batch, its shares of the step's separable parts and metrics).
+        The first is its embeddings x their cached gradient `embedding_grad` (the UniFrac part's, taken on
+        the whole batch) plus its shares of the other parts: summed over the step's micro-batches, the
+        gradient of the whole batch's loss."""
+        out, hidden = self.outputs(model, batch, step)
+        world, share = world_size(), batch["tokens"].size(0) / counts.samples
+        parts: dict[str, Tensor] = {}
+        if "nuc_logits" in out:
+            total_ce, _ = masked_nucleotide_sums(out["nuc_logits"], batch["tokens"], hidden)
+            parts["nucleotide"] = world * total_ce / counts.hidden.clamp(min=1.0)
+        metrics: dict[str, Tensor] = {}
+        if "target" in out and batch.get("target") is not None:  # means over the step's samples on this rank
+            predicted, target = out["target"].float(), batch["target"].float()
+            standard = (target - self.target_mean) / self.target_std
+            parts["target"] = F.mse_loss(predicted, standard) * share
+            metrics["target_mae"] = (predicted.detach() - standard).abs().mean() * self.target_std * share
+        backward = sum(self.weights[name] * value for name, value in parts.items())
+        if embedding_grad is not None:  # d(weighted UniFrac part)/d(embedding) = weight x the cached gradient
+            embedding = out["sample_embedding"].float()
+            backward = backward + self.weights["unifrac"] * (embedding * embedding_grad.float()).sum()
+        if not torch.is_tensor(backward):
+            raise ValueError("model output has no sample_embedding, nuc_logits or target: nothing to train")
+        return backward, {name: value.detach() for name, value in {**parts, **metrics}.items()}
+
+    def combine(self, parts: dict[str, Tensor]) -> Tensor:
+        """The loss of these parts (metrics among them left out): their weighted sum."""
+        return sum(self.weights[name] * value for name, value in parts.items() if name in self.weights)
 
 
 def unifrac_of(distance: Tensor) -> Tensor:

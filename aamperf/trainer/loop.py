@@ -22,6 +22,7 @@ from aamperf.metrics.interval import Interval
 from aamperf.metrics.profile import step_profilers
 from aamperf.phases import Plan
 from aamperf.trainer.checkpoints import Checkpoints
+from aamperf.trainer.gradcache import accumulation
 from aamperf.trainer.schedule import build_scheduler
 from aamperf.trainer.stream import BatchStream
 
@@ -64,42 +65,33 @@ class Step:
 
 
 class TrainStep:
-    """One optimizer step: `grad_accum_steps` micro-batches forward and backward, the true gradients
-    clipped, the step taken unless it is not finite (`guards`), the schedule advanced."""
+    """One optimizer step: its whole batch forward and backward (`grad_accum_steps` micro-batches of it,
+    aamperf/trainer/gradcache.py), the true gradients clipped, the step taken unless it is not finite
+    (`guards`), the schedule advanced."""
 
     def __init__(
         self,
         plan: Plan,
         loss_fn: LossFn,
-        batches,
+        batches: BatchStream,
         tc: DictConfig,
         guards: Guards,
         scheduler,
         device,
         non_blocking: bool,
     ):
-        self.plan, self.loss_fn, self.batches, self.accum = plan, loss_fn, batches, tc.grad_accum_steps
+        self.plan, self.batches = plan, batches
+        batches.regroup(tc.grad_accum_steps)  # a step's whole batch at once: pairs across its micro-batches
+        self.forward_backward = accumulation(loss_fn, tc.grad_accum_steps, device)
         self.guards, self.scheduler, self.device, self.non_blocking = guards, scheduler, device, non_blocking
         self.params = [p for group in plan.optimizer.param_groups for p in group["params"]]
         self.max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf  # inf: measured, nothing clipped
 
     def __call__(self, step: int) -> Step:
         plan, start = self.plan, time.perf_counter()
-        wait_s, samples, tokens = 0.0, 0, 0
-        step_loss = torch.zeros((), device=self.device)
-        for micro in range(1, self.accum + 1):
-            fetch = time.perf_counter()
-            batch = to_device(next(self.batches), self.device, self.non_blocking)
-            wait_s += time.perf_counter() - fetch
-            # distributed: gradients are reduced across ranks only after the last micro-batch
-            with plan.grad_sync(micro == self.accum):
-                new_cuda_graph_step(self.device)
-                with plan.autocast():
-                    loss, parts = self.loss_fn(plan.model, batch, step)
-                plan.scaler.scale(loss / self.accum).backward()
-            step_loss += loss.detach() / self.accum
-            samples += batch["n_samples"]  # of the global batch: all ranks' work
-            tokens += batch["n_tokens"]
+        batch = to_device(next(self.batches), self.device, self.non_blocking)
+        wait_s = time.perf_counter() - start
+        step_loss, parts = self.forward_backward(plan, batch, step)
         plan.scaler.unscale_(plan.optimizer)  # clip the true gradients (identity without fp16)
         # FSDP2: a replicated DTensor, made a plain tensor without communication
         grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.params, self.max_norm))
@@ -110,6 +102,8 @@ class TrainStep:
         plan.optimizer.zero_grad(set_to_none=True)
         sync(self.device)
         names = ["loss", *(f"loss_{k}" for k in parts)]
+        # n_samples, n_tokens: of the global batch, all ranks' work
+        samples, tokens = batch["n_samples"], batch["n_tokens"]
         return Step(time.perf_counter() - start, wait_s, samples, tokens, losses, names, grad_norm, bad, lr)
 
 

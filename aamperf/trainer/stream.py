@@ -5,6 +5,8 @@ from typing import Any
 
 import torch
 
+from aamperf.data.dataset import step_loader
+
 
 class BatchStream:
     """Endless batches; each pass re-shuffles through the sampler's own seeded generator. Its position
@@ -28,6 +30,16 @@ class BatchStream:
                 continue
             self._taken += 1
             return batch
+
+    def regroup(self, micro_batches: int) -> None:
+        """Draw the batches of whole optimizer steps of `micro_batches` of the loader's batches each
+        (`step_loader`), from where the stream stands: its position (a checkpoint's, loaded before) is
+        counted in these batches, as the run that saved it counted them."""
+        if micro_batches == 1:
+            return
+        state = self.state_dict()
+        self.loader = step_loader(self.loader, micro_batches)
+        self.load_state_dict(state)
 
     def state_dict(self) -> dict[str, Any]:
         return {"pass_state": self._pass_state, "taken": self._taken}
