@@ -152,6 +152,8 @@ class AAMOpsConfig:
     dedup: bool = False  # encode each distinct ASV of a batch once, scatter the vectors back
     skip_padding: bool = False  # pad a batch to its longest sample, not data.max_asvs
     bucket: bool = False  # round encoded rows and batch widths up to a few sizes (reused graphs and memory)
+    pack_samples: bool = False  # the sample level on each sample's real ASVs packed: varlen attention
+    unmask_full_length: bool = False  # data of full-length ASVs only: the ASV encoder runs with no mask
 
 
 @dataclass

@@ -25,6 +25,7 @@ from aamperf.metrics import count_flops, machine, matmul_dtype, peak_flops
 from aamperf.metrics.flops import LoadWatch
 from aamperf.phases import TRIAL_BATCHES, Plan, apply_phases, check_phases, setup_phases
 from aamperf.phases import dataloader as loader_phase
+from aamperf.phases.aam_ops import set_full_length
 from aamperf.phases.auto import resolve_auto
 from aamperf.phases.compile import trial_context
 from aamperf.probe import Probe, measured, measuring, timed
@@ -172,6 +173,7 @@ def build_model(cfg: DictConfig, device: torch.device, world: World, data, summa
             "torch.nn.Module; fix model._target_"
         )
     model = model.to(device)
+    set_full_length(model, data.collate.tokens)  # the aam_ops phase may drop the ASV encoder's masks
     if world.world_size > 1:  # the same initial weights everywhere; from here each rank its own draws
         seed_everything(cfg.seed + world.rank)
     loss_fn = build(cfg, "loss")

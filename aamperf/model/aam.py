@@ -7,6 +7,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from aamperf.model.layers import AttentionPooling, Transformer
+from aamperf.model.packed import Packing
 from aamperf.tokens import PAD, TOKENS_PER_ASV, VOCAB_SIZE
 
 ASV_ROWS = ("all", "real", "unique")  # which ASV rows the ASV encoder runs on (`AAM.asv_rows`)
@@ -62,6 +63,12 @@ class AAM(nn.Module):
       target_dim > 0. `asv_ids` (the batch's global ASV index per slot, -1 on padding) is only read
       when `asv_rows == "unique"`.
 
+    Set by `aamperf/phases/aam_ops.py`, none changing the outputs (up to fp32 rounding):
+    `pack_samples`: the sample level runs on each sample's real ASVs packed along one axis
+    (`aamperf/model/packed.py`: variable-length attention) instead of the batch padded to its width;
+    `unmasked_asvs`: the ASV encoder attends and pools with no mask (SDPA's fused kernels apply), for
+    data whose every ASV is full length, no PAD inside (`full_length_asvs`, set from the data).
+
     `asv_rows` (set by `aamperf/phases/aam_ops.py`) picks the rows the ASV encoder runs on; the
     outputs are the same in every mode (up to fp32 rounding):
       "real"   only the real rows, gathered, encoded, scattered back into zero-filled tensors: what the
@@ -115,6 +122,11 @@ class AAM(nn.Module):
         self.apply(self._init_weights)
         self.asv_rows = "real"  # one of ASV_ROWS; set by the aam_ops phase, before any wrapper
         self.bucket_rows = False  # pad the encoded rows to `bucket_size` (aam_ops.bucket)
+        self.pack_samples = False  # the sample level on the real ASVs, packed (aam_ops.pack_samples)
+        # every ASV row of the data is full length (no PAD inside): set by the job from its data's token
+        # table, once; no batch is checked (that would be a host sync per step)
+        self.full_length_asvs = False
+        self.unmasked_asvs = False  # the ASV encoder without masks (aam_ops.unmask_full_length)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -132,15 +144,25 @@ class AAM(nn.Module):
                 f"{self.max_asvs} x {self.seq_len}: raise model.max_asvs / model.seq_len"
             )
         real_asv = (tokens != PAD).any(dim=-1)  # [B, S]; an all-padding row is a padding ASV
-        asv, nuc_logits = self.encode_asvs(tokens, real_asv, asv_ids)
+        rows = None  # the real slots, in [0, B*S): where the ASV encoder or the packing needs them
+        if self.asv_rows != "all" or self.pack_samples:
+            # host sync: nonzero sizes its output. Worth it: every padding row skipped saves a transformer
+            # pass over L positions, far more than the device idles while the queue drains
+            rows = real_asv.reshape(-1).nonzero().squeeze(1)
+        asv, nuc_logits = self.encode_asvs(tokens, real_asv, asv_ids, rows)
 
-        # sample encoder; padding ASVs are masked as keys, so they cannot reach the real ones
-        h = asv + self.asv_position.weight[:n_asvs]
+        if self.pack_samples:  # the real slots only, each sample's after the other's: [T, D]
+            packing = Packing.from_slots(rows, batch, n_asvs)
+            h = asv.reshape(batch * n_asvs, -1)[rows] + self.asv_position.weight[rows % n_asvs]
+            counts = counts.reshape(batch * n_asvs, 1)[rows]
+        else:  # padding ASVs are masked as keys, so they cannot reach the real ones
+            packing = real_asv
+            h = asv + self.asv_position.weight[:n_asvs]
         if self.count_embedding is not None:
             h = h + self.count_embedding(torch.log1p(counts.to(h.dtype)))
-        h = self.sample_transformer(h, real_asv)
-        h = self.encoder_transformer(h, real_asv)
-        sample = self.sample_pool(h, real_asv)
+        h = self.sample_transformer(h, packing)
+        h = self.encoder_transformer(h, packing)
+        sample = self.sample_pool(h, packing)
 
         out = {"sample_embedding": sample, "asv_embedding": asv, "nuc_logits": nuc_logits}
         if self.target_head is not None:
@@ -148,10 +170,11 @@ class AAM(nn.Module):
         return out
 
     def encode_asvs(
-        self, tokens: Tensor, real_asv: Tensor, asv_ids: Tensor | None = None
+        self, tokens: Tensor, real_asv: Tensor, asv_ids: Tensor | None = None, rows: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """tokens [B, S, L], real_asv [B, S] bool -> ASV vectors [B, S, D] and nucleotide logits
-        [B, S, L, vocab_size], both 0 on padding rows; `self.asv_rows` picks the rows encoded."""
+        [B, S, L, vocab_size], both 0 on padding rows; `self.asv_rows` picks the rows encoded. `rows`:
+        the real slots (`real_asv.reshape(-1).nonzero()`), where the caller has them."""
         batch, n_asvs, length = tokens.shape
         flat, real = tokens.reshape(-1, length), real_asv.reshape(-1)
         if self.asv_rows == "all":
@@ -168,9 +191,8 @@ class AAM(nn.Module):
                 "(the data pipeline's batches have them) or set aam_ops.dedup=false"
             )
 
-        # host sync: nonzero sizes its output. Worth it: every padding row skipped saves a transformer
-        # pass over L positions, far more than the device idles while the queue drains
-        rows = real.nonzero().squeeze(1)  # slots of the real ASVs, in [0, B*S)
+        if rows is None:  # host sync: as in forward, for the same reason
+            rows = real.nonzero().squeeze(1)  # slots of the real ASVs, in [0, B*S)
         if self.asv_rows == "real":
             asv, logits = self._encode_rows(flat[rows])
         else:
@@ -201,7 +223,8 @@ class AAM(nn.Module):
         return self._encode_rows_as_given(tokens)
 
     def _encode_rows_as_given(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        real_base = tokens != PAD
+        # unmasked: no PAD inside a real row, and a padding row's results are dropped or zeroed
+        real_base = None if self.unmasked_asvs else tokens != PAD
         x = self.token_embedding(tokens) + self.base_position.weight[: tokens.size(1)]
         x = self.asv_encoder(x, real_base)
         return self.asv_pool(x, real_base), self.nuc_head(x)
@@ -284,6 +307,9 @@ class AAM(nn.Module):
     def batch_flops(self, tokens: Tensor, asv_ids: Tensor | None = None) -> tuple[float, float]:
         """(model, hardware) FLOPs of one training step on this host batch, as the model is now set up."""
         batch, n_asvs = tokens.shape[:2]
-        model = self.model_flops_per_step(self.real_asvs_per_sample(tokens))
+        real = self.real_asvs_per_sample(tokens)
+        model = self.model_flops_per_step(real)
         encoded = self.count_encoded_rows(tokens, asv_ids)
+        if self.pack_samples:  # the sample level over each sample's real ASVs, as the model FLOPs count it
+            return model, self._step_flops(encoded, real, sum(real), self.checkpointed_layers())
         return model, self.flops_per_step(batch, n_asvs, encoded, self.checkpointed_layers())

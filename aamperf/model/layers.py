@@ -1,10 +1,16 @@
-"""Transformer building blocks: swappable attention, pre-LN blocks and stacks, attention pooling."""
+"""Transformer building blocks: swappable attention, pre-LN blocks and stacks, attention pooling.
+
+Where a stack takes `real` (its positions' mask) it also takes None (every position real: no mask, so
+SDPA may use its fused kernels) or a `Packing` (samples packed along one axis, x [T, D]: each attends
+and pools over its own positions)."""
 
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from aamperf.model.packed import Packing
 
 
 def key_padding_mask(real: Tensor) -> Tensor:
@@ -51,7 +57,10 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(dim, dim)
         self.attend = MathAttention(dropout)
 
-    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | Packing | None) -> Tensor:
+        if isinstance(mask, Packing):  # x [T, D]: varlen attention, with the swapped module's dropout
+            dropout_p = self.attend.dropout_p if self.training else 0.0
+            return self.out(mask.attend(self.qkv(x), self.num_heads, dropout_p))
         n, length, dim = x.shape
         # [N, L, 3D] -> three [N, heads, L, head_dim]
         q, k, v = self.qkv(x).view(n, length, 3, self.num_heads, dim // self.num_heads).permute(2, 0, 3, 1, 4)
@@ -78,7 +87,7 @@ class Block(nn.Module):
         )
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | Packing | None) -> Tensor:
         x = x + self.dropout(self.attn(self.ln_attn(x), mask))
         return x + self.ffn(self.ln_ffn(x))
 
@@ -91,9 +100,10 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, num_heads, ffn_mult, dropout) for _ in range(num_layers))
         self.ln_f = nn.LayerNorm(dim)
 
-    def forward(self, x: Tensor, real: Tensor) -> Tensor:
-        """x: [N, L, D]; real: [N, L] bool, False on padding positions (masked as keys)."""
-        mask = key_padding_mask(real)
+    def forward(self, x: Tensor, real: Tensor | Packing | None) -> Tensor:
+        """x: [N, L, D]; real: [N, L] bool, False on padding positions (masked as keys), or None (no
+        padding: no mask); or x [T, D] packed as `real` says."""
+        mask = key_padding_mask(real) if isinstance(real, Tensor) else real
         for block in self.blocks:
             x = block(x, mask)
         return self.ln_f(x)
@@ -107,10 +117,14 @@ class AttentionPooling(nn.Module):
         self.score = nn.Linear(dim, 1)
         self.norm = nn.LayerNorm(dim)
 
-    def forward(self, x: Tensor, real: Tensor) -> Tensor:
-        """x: [N, L, D]; real: [N, L] bool -> [N, D]. A row with no real position gives a finite
-        (meaningless) vector; the caller zeroes it."""
+    def forward(self, x: Tensor, real: Tensor | Packing | None) -> Tensor:
+        """x: [N, L, D]; real: [N, L] bool or None (every position real) -> [N, D]; or x [T, D] packed
+        as `real` says -> [B, D]. A row with no real position gives a finite (meaningless) vector; the
+        caller zeroes it."""
         scores = self.score(x).squeeze(-1) / math.sqrt(x.size(-1))
-        scores = scores.masked_fill(~real, torch.finfo(scores.dtype).min)
+        if isinstance(real, Packing):
+            return self.norm(real.pool(scores, x))
+        if real is not None:
+            scores = scores.masked_fill(~real, torch.finfo(scores.dtype).min)
         weights = F.softmax(scores, dim=-1)
         return self.norm((weights.unsqueeze(1) @ x).squeeze(1))
