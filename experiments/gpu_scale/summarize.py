@@ -1,0 +1,176 @@
+"""The table of experiments/gpu_scale/run.sh, from the runs' own records.
+
+aamperf's runs: summary.json (median step, batch, FLOPs per step, peak device memory, last train and
+val loss) and the step count of metrics.jsonl; the original's: time_original.py's steps.json (each
+step's time, losses, each epoch's val loss, the CUDA allocator's peak). End to end: launch to exit,
+stamped by run.sh (clock_s). Every run is read alike: steady step = median step after the first SKIP
+(warm-up, compile), samples/s = batch / steady step. MFU = model FLOPs per sample (aamperf's count at
+batch 8, the same model at the same shapes for every configuration) x samples/s / the device's dense
+bf16 peak (aamperf/metrics/gpu_peaks.py; on a CPU, the peak aamperf's run calibrated). Ratios are to
+original-fastest, within each seed (paired), then the median over seeds [min, max].
+Usage: python summarize.py OUT_DIR   (writes OUT_DIR/table.json, prints the markdown table)
+"""
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from aamperf.metrics.gpu_peaks import gpu_peak
+
+SKIP = 3
+REFERENCE = "original-fastest"
+ORDER = ["original-default", "original-fastest", "baseline", "basic", "advanced", "ultra", "ultra-auto"]
+GIB = 2**30
+
+
+def read_run(run: Path) -> dict[str, Any]:
+    """One run's figures; `exit_code` alone where it did not finish."""
+    clock = (run / "clock_s").read_text().split() if (run / "clock_s").is_file() else []
+    row: dict[str, Any] = {"exit_code": int((run / "exit_code").read_text())}
+    if row["exit_code"] != 0:
+        return row
+    row["wall_s"] = float(clock[1]) - float(clock[0])
+    if (run / "steps.json").is_file():  # the original
+        r = json.loads((run / "steps.json").read_text())
+        steps = r["step_times_s"]
+        row.update(
+            batch=r["batch_size"][0],
+            steps=len(steps),
+            step_s=statistics.median(steps[SKIP:] or steps),
+            peak_device_bytes=r["peak_device_bytes"],
+            train_loss=r["losses"][-1]["total"],
+            val_loss=r["val_losses"][-1] if r["val_losses"] else None,
+        )
+    else:
+        s = json.loads((run / "summary.json").read_text())
+        batch = s.get("batch_finder", {}).get("batch_size") or s["config"]["trainer"]["batch_size"]
+        row.update(
+            batch=batch,
+            steps=s["steps"],
+            step_s=s["step_time_median_s"],
+            peak_device_bytes=s["peak_device_bytes"],
+            train_loss=s["train_loss"],
+            val_loss=s["val_loss"],
+            flops_per_sample=s["model_flops_per_step"] / batch,
+            peak_flops=s["peak_flops"],
+        )
+    row["samples_per_s"] = row["batch"] / row["step_s"]
+    return row
+
+
+def read_runs(out: Path) -> dict[str, dict[str, dict]]:
+    """{configuration: {seed: run}} from OUT_DIR/runs/<configuration>_seed<seed>/."""
+    runs: dict[str, dict[str, dict]] = {}
+    for run in sorted((out / "runs").iterdir()):
+        if (run / "exit_code").is_file():
+            cfg, seed = run.name.rsplit("_seed", 1)
+            runs.setdefault(cfg, {})[seed] = read_run(run)
+    return runs
+
+
+def peak_bf16(device: str, runs: dict[str, dict[str, dict]]) -> tuple[float | None, str]:
+    """The denominator of MFU: the GPU's dense bf16 peak, or on a CPU the peak aamperf calibrated."""
+    if device != "cpu":
+        peak, record = gpu_peak(device, "bf16")
+        return peak, record.get("model") or record["reason"]
+    peaks = [r["peak_flops"] for rs in runs.values() for r in rs.values() if r.get("peak_flops")]
+    return (max(peaks), "this CPU's calibrated peak (aamperf)") if peaks else (None, "none recorded")
+
+
+def spread(values: list[float], spec: str, scale: float = 1) -> str:
+    if not values:
+        return "n/a"
+    v = [x * scale for x in values]
+    if len(v) == 1:
+        return format(v[0], spec)
+    return f"{statistics.median(v):{spec}} [{min(v):{spec}}, {max(v):{spec}}]"
+
+
+def summarize(out: Path) -> dict[str, Any]:
+    machine = (out / "machine.txt").read_text().splitlines()
+    device = "cpu" if "CUDA None" in machine[-1] else machine[0].split(",")[0].strip()
+    runs = read_runs(out)
+    peak, peak_source = peak_bf16(device, runs)
+    flops = {  # model FLOPs per sample per seed, from aamperf's batch-8 runs (baseline's first)
+        seed: r["flops_per_sample"]
+        for cfg in ["ultra", "advanced", "basic", "baseline"]
+        for seed, r in runs.get(cfg, {}).items()
+        if "flops_per_sample" in r
+    }
+    ref = runs.get(REFERENCE, {})
+    rows = []
+    for cfg in [c for c in ORDER if c in runs]:
+        done = {seed: r for seed, r in runs[cfg].items() if r["exit_code"] == 0}
+        paired = [(r, ref[s]) for s, r in done.items() if ref.get(s, {}).get("exit_code") == 0]
+        same_steps = [(r, o) for r, o in paired if r["steps"] * r["batch"] == o["steps"] * o["batch"]]
+        mfu = [r["samples_per_s"] * flops[s] / peak for s, r in done.items() if s in flops and peak]
+        memory = [r["peak_device_bytes"] for r in done.values() if r["peak_device_bytes"] is not None]
+        rows.append(
+            {
+                "config": cfg,
+                "seeds_done": sorted(done),
+                "failed": {s: r["exit_code"] for s, r in runs[cfg].items() if r["exit_code"] != 0},
+                "batch": sorted({r["batch"] for r in done.values()}),
+                "steps": sorted({r["steps"] for r in done.values()}),
+                "step_s": [r["step_s"] for r in done.values()],
+                "samples_per_s": [r["samples_per_s"] for r in done.values()],
+                "speedup": [r["samples_per_s"] / o["samples_per_s"] for r, o in paired],
+                "wall_s": [r["wall_s"] for r in done.values()],
+                "wall_speedup": [o["wall_s"] / r["wall_s"] for r, o in same_steps],
+                "peak_device_bytes": memory,
+                "mfu": mfu,
+                "train_loss": [r["train_loss"] for r in done.values()],
+                "val_loss": [r["val_loss"] for r in done.values() if r["val_loss"] is not None],
+            }
+        )
+    result = {"machine": machine, "device": device, "peak_flops": peak, "peak_source": peak_source}
+    result["rows"] = rows
+    (out / "table.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    lines = [
+        f"Machine: {'; '.join(result['machine'])}. MFU against {result['peak_source']}"
+        + (f" ({result['peak_flops'] / 1e12:.1f} TFLOP/s)." if result["peak_flops"] else "."),
+        "",
+        f"| configuration | batch | steps | steady step ms | samples/s | x {REFERENCE} samples/s (paired) "
+        f"| end to end s | x {REFERENCE} end to end | peak GPU memory GiB | MFU % | train loss at end "
+        "| val loss at end | seeds done |",
+        "|---" * 13 + "|",
+    ]
+    for r in result["rows"]:
+        failed = ", ".join(f"seed {s}: exit {c}" for s, c in r["failed"].items())
+        cells = [
+            r["config"],
+            "/".join(map(str, r["batch"])) or "n/a",
+            "/".join(map(str, r["steps"])) or "n/a",
+            spread(r["step_s"], ".1f", 1e3),
+            spread(r["samples_per_s"], ".1f"),
+            spread(r["speedup"], ".2f") + ("x" if r["speedup"] else ""),
+            spread(r["wall_s"], ".0f"),
+            spread(r["wall_speedup"], ".2f") + ("x" if r["wall_speedup"] else ""),
+            spread(r["peak_device_bytes"], ".2f", 1 / GIB),
+            spread(r["mfu"], ".2f", 100),
+            spread(r["train_loss"], ".3f"),
+            spread(r["val_loss"], ".3f"),
+            " ".join(r["seeds_done"]) + (f" (failed: {failed})" if failed else ""),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Median over seeds [min, max]; steady step = median step after the first {SKIP}; x = paired ratio"
+        f" to {REFERENCE} of the same seed (higher is faster); end to end only where both ran the same"
+        " samples (same batch and steps).",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or not (Path(sys.argv[1]) / "runs").is_dir():
+        usage = "python experiments/gpu_scale/summarize.py OUT_DIR (run.sh's output directory)"
+        print(f"error: usage: {usage}", file=sys.stderr)
+        sys.exit(2)
+    print(to_markdown(summarize(Path(sys.argv[1]))))
