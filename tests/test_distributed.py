@@ -486,3 +486,45 @@ def test_a_rank_waits_for_another_that_works_alone_longer_than_the_timeout_and_n
     assert second[:4] == ["decided by 0", "compiled on 1", *said]
     line, _, seconds = second[4].partition(" after ")
     assert line == "timed out: rank 0 gave no sign of work for 1 s" and 1.0 <= float(seconds.split()[0]) < 2.0
+
+
+def _cached_step_on_two_ranks(rank: int, config: dict, port: int, out: str) -> None:
+    """The first step of global batch 8 in 2 micro-batches of 4 (2 a rank), as the training loop takes it
+    (the step's batch drawn whole, gradient caching); the gradients after DDP's all-reduce."""
+    from aamperf.trainer.gradcache import accumulation
+    from aamperf.trainer.stream import BatchStream
+
+    cfg, device, world, setup = _join_as_rank(rank, config, port)
+    torch.manual_seed(cfg.seed)
+    shard = {"rank": rank, "world_size": 2, "loader": setup.loader, "pad_to": setup.pad_to}
+    data = build_data(cfg.data, batch_size=4, seed=cfg.seed, **shard)  # one micro-batch, both ranks
+    model, loss_fn = instantiate(cfg.model), instantiate(cfg.loss)
+    plan = apply_phases(model, cfg, device, lambda *a: None, setup.records, world, 4)
+    stream = BatchStream(data.train_loader)
+    stream.regroup(2)
+    loss, parts = accumulation(loss_fn, 2, device)(plan, to_device(next(stream), device), 1)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    close_world()
+    torch.save({"grads": grads, "loss": loss, "parts": parts}, f"{out}.{rank}")
+
+
+@pytest.mark.slow  # two ranks spawned: over 15 s on a 2-core AVX2-only EPYC
+def test_cached_micro_batches_on_two_ranks_give_the_whole_batch_s_gradients(make_cfg, tmp_path):
+    """Every UniFrac pair of the step's 8 samples, across micro-batches and ranks: the gradients and loss
+    of one process with the whole batch (dropout off: its masks are drawn per rank)."""
+    ddp = OmegaConf.to_container(make_cfg(*SAME_TRAINING, "distributed=ddp"), resolve=True)
+    single = OmegaConf.to_container(make_cfg(*SAME_TRAINING), resolve=True)
+    reference = first_step_gradients(single, 0, 1, 0, None)
+    cfg = OmegaConf.create(single)
+    torch.manual_seed(cfg.seed)  # the weights of first_step_gradients' model
+    data = build_data(cfg.data, batch_size=8, seed=cfg.seed, loader=cfg.dataloader)
+    batch = to_device(next(iter(data.train_loader)), torch.device("cpu"))
+    _, whole_parts = instantiate(cfg.loss)(instantiate(cfg.model), batch, 1)
+    mp.spawn(_cached_step_on_two_ranks, args=(ddp, free_port(), str(tmp_path / "out")), nprocs=2, join=True)
+    for rank in (0, 1):
+        saved = torch.load(tmp_path / f"out.{rank}", weights_only=True)
+        assert saved["grads"].keys() == reference.keys() and len(reference) > 20
+        for name, grad in reference.items():
+            torch.testing.assert_close(saved["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        # the UniFrac part is the global batch's on every rank (the others are each rank's share)
+        torch.testing.assert_close(saved["parts"]["unifrac"], whole_parts["unifrac"], rtol=1e-5, atol=1e-7)
