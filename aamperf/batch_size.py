@@ -195,7 +195,9 @@ def find_batch_size(
         release_freed_memory()
     micro, accum = lo, cfg.trainer.grad_accum_steps
     batch_size = micro * accum
-    if ac.effective_batch is not None:  # keep the requested samples per step: accumulate micro-batches
+    # effective_batch: keep the requested samples per step in micro-batches; exact, not a mean of the
+    # micro-batches' losses: the UniFrac part pairs every sample of the step (aamperf/trainer/gradcache.py)
+    if ac.effective_batch is not None:
         batch_size = ac.effective_batch
         splits = [a for a in range(1, batch_size // grid + 1) if batch_size % (a * grid) == 0]
         fitting = [a for a in splits if batch_size // a <= lo]

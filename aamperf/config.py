@@ -190,7 +190,9 @@ class TrainerConfig:
     # largest that fits trainer.auto_batch's memory budget, measured before training (summary: batch_finder)
     batch_size: Any = 8
     auto_batch: AutoBatchConfig = field(default_factory=AutoBatchConfig)
-    grad_accum_steps: int = 1  # micro-batches per optimizer step; each has batch_size / grad_accum_steps
+    # micro-batches per optimizer step, each of batch_size / grad_accum_steps: the step is the whole batch's
+    # (UniFrac over every pair, by gradient caching: one more forward per micro-batch; trainer/gradcache.py)
+    grad_accum_steps: int = 1
     lr: float = 1e-4
     weight_decay: float = 0.01
     lr_schedule: LrSchedule = LrSchedule.warmup_cosine  # torch's schedulers (aamperf/trainer/schedule.py)
