@@ -1,0 +1,72 @@
+"""experiments/gpu_scale/summarize.py: paired ratios, end to end only over the same samples, MFU, from
+run directories written as run.sh and the two programs write them (records of known figures)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "experiments/gpu_scale/summarize.py"
+spec = importlib.util.spec_from_file_location("gpu_scale_summarize", SCRIPT)
+summarize = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(summarize)
+
+
+def write_run(out: Path, name: str, wall_s: float, exit_code: int = 0, **record) -> None:
+    run = out / "runs" / name
+    run.mkdir(parents=True)
+    (run / "exit_code").write_text(f"{exit_code}\n")
+    (run / "clock_s").write_text(f"1000.0 {1000.0 + wall_s}\n")
+    if "step_times_s" in record:  # the original, as time_original.py writes it
+        steps = {"batch_size": [8], "peak_device_bytes": 4 * 2**30, **record}
+        (run / "steps.json").write_text(json.dumps(steps))
+    elif record:  # aamperf's summary.json, the fields summarize reads
+        (run / "summary.json").write_text(json.dumps(record))
+
+
+def aamperf_summary(step_s: float, batch: int = 8, auto: bool = False, steps: int = 10) -> dict:
+    summary = {
+        "steps": steps,
+        "step_time_median_s": step_s,
+        "peak_device_bytes": 2**30,
+        "train_loss": 2.0,
+        "val_loss": 2.1,
+        "model_flops_per_step": 8e12 * batch / 8,  # 1e12 per sample
+        "peak_flops": 989.5e12,
+        "config": {"trainer": {"batch_size": "auto" if auto else batch}},
+    }
+    return {**summary, "batch_finder": {"batch_size": batch}} if auto else summary
+
+
+def original(step_s: float) -> dict:
+    losses = [{"total": 2.5, "unifrac": 0.5, "nuc": 2.0}, {"total": 2.3, "unifrac": 0.4, "nuc": 1.9}]
+    return {"step_times_s": [9.0, 9.0, 9.0] + [step_s] * 7, "losses": losses, "val_losses": [2.4, 2.2]}
+
+
+def test_ratios_are_paired_by_seed_and_end_to_end_needs_the_same_samples(tmp_path):
+    machine = "NVIDIA H100 80GB HBM3, 81559 MiB, 580.159.04\ntorch 2.11.0 CUDA 13.0\n"
+    (tmp_path / "machine.txt").write_text(machine)
+    write_run(tmp_path, "original-fastest_seed0", 100, **original(0.100))
+    write_run(tmp_path, "original-fastest_seed1", 200, **original(0.200))
+    write_run(tmp_path, "ultra_seed0", 50, **aamperf_summary(0.025))  # 4x its seed's original
+    write_run(tmp_path, "ultra_seed1", 40, **aamperf_summary(0.100))  # 2x its seed's original
+    write_run(tmp_path, "ultra-auto_seed0", 60, **aamperf_summary(0.2, batch=64, auto=True))
+    write_run(tmp_path, "advanced_seed0", 0, exit_code=124)  # cut off by TIME_LIMIT_S
+    rows = {r["config"]: r for r in summarize.summarize(tmp_path)["rows"]}
+
+    assert rows["original-fastest"]["step_s"] == [0.1, 0.2]  # the first 3 steps (compile) left out
+    assert rows["ultra"]["speedup"] == pytest.approx([4.0, 2.0])  # not 0.1 / 0.1 across seeds
+    assert rows["ultra"]["wall_speedup"] == pytest.approx([2.0, 5.0])
+    auto = rows["ultra-auto"]
+    assert auto["batch"] == [64] and auto["samples_per_s"] == pytest.approx([320.0])
+    assert auto["speedup"] == pytest.approx([4.0]) and auto["wall_speedup"] == []  # other samples
+    # 1e12 FLOPs per sample x 320 samples/s over the H100 SXM's dense bf16 989.5 TFLOP/s
+    assert auto["mfu"] == pytest.approx([320e12 / 989.5e12])
+    fastest = rows["original-fastest"]
+    assert fastest["mfu"] == pytest.approx([80e12 / 989.5e12, 40e12 / 989.5e12])  # aamperf's FLOPs count
+    assert fastest["val_loss"] == [2.2, 2.2] and fastest["train_loss"] == [2.3, 2.3]  # the last epoch, step
+    assert rows["advanced"]["seeds_done"] == [] and rows["advanced"]["failed"] == {"0": 124}
+    table = summarize.to_markdown(summarize.summarize(tmp_path))
+    assert "| ultra | 8 | 10 | 62.5 [25.0, 100.0] |" in table and "seed 0: exit 124" in table
