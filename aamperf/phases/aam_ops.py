@@ -14,8 +14,9 @@ embeddings, loss and gradients as plain, up to fp32 rounding):
 - pack_samples: the sample level runs on each sample's real ASVs packed along one axis, with
   variable-length attention (`aamperf/model/packed.py`: nested jagged tensors + SDPA, CUDA's
   varlen_attn in fp16/bf16 without dropout) and pooling over each sample's own ASVs, instead of on the
-  batch padded to its width. Exact. Opt-in: not yet measured on a GPU, where it should pay (no
-  padding positions); on a CPU torch runs the nested tensors' attention sample by sample.
+  batch padded to its width. Exact. Its attention is SDPA's whatever `attention` says (the written-out
+  math has no variable-length form; `attention.backends` does not restrict it). Opt-in: not yet measured
+  on a GPU, where it should pay (no padding positions); on a CPU it runs SDPA sample by sample.
 - unmask_full_length: where every ASV of the data is full length (no PAD inside: `AAM.full_length_asvs`,
   set from the data's token table), the ASV encoder attends and pools with no mask, so SDPA may use its
   flash / memory-efficient kernels; masks kept (recorded why) where the data has shorter ASVs. Exact.
