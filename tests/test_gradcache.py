@@ -125,3 +125,23 @@ def test_accumulated_steps_train_as_the_whole_batch(make_cfg, tmp_path):
             got, want = [r[key] for r in rows], [r[key] for r in whole]
             assert got == pytest.approx(want, rel=1e-4), (k, key)
         assert [r["samples_per_s"] * r["step_time_s"] for r in rows] == pytest.approx([8] * 4)
+
+
+def test_a_resumed_stream_of_whole_steps_goes_on_at_the_step_it_stopped_at(make_cfg):
+    """fit loads a checkpoint's stream position, then TrainStep regroups the stream into whole steps: the
+    position, counted in steps by the run that saved it, is replayed in steps."""
+    cfg = make_cfg()
+    setup = setup_phases(cfg, torch.device("cpu"))
+
+    def stream() -> BatchStream:
+        data = build_data(cfg.data, batch_size=2, seed=cfg.seed, loader=setup.loader, pad_to=setup.pad_to)
+        return BatchStream(data.train_loader)
+
+    first = stream()
+    first.regroup(4)
+    taken = [next(first)["sample_idx"].tolist() for _ in range(5)]  # 2 passes of 20 samples: 2 steps each
+    again = stream()
+    again.load_state_dict(first.state_dict())
+    again.regroup(4)
+    assert len(taken[4]) == 8 and next(again)["sample_idx"].tolist() == next(first)["sample_idx"].tolist()
+    assert taken[0] != taken[2]  # a new pass, a new order: the replay is of the pass it stopped in
