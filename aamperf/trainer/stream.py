@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from aamperf.data.dataset import step_loader
+from aamperf.errors import UserError
 
 
 class BatchStream:
@@ -37,6 +38,13 @@ class BatchStream:
         counted in these batches, as the run that saved it counted them."""
         if micro_batches == 1:
             return
+        step_batch, samples = self.loader.batch_size * micro_batches, len(self.loader.dataset)
+        if step_batch > samples:  # a loader that drops its last partial batch would yield none, ever
+            raise UserError(
+                f"a step of {step_batch} samples (trainer.batch_size, or trainer.auto_batch.effective_batch) "
+                f"is more than the {samples} training samples, and a step's batch is drawn whole (UniFrac "
+                "pairs every sample of it): lower it, or give more samples"
+            )
         state = self.state_dict()
         self.loader = step_loader(self.loader, micro_batches)
         self.load_state_dict(state)
