@@ -20,6 +20,7 @@ def test_auto_batch_fits_the_budget_and_keeps_the_effective_batch(launch):
         "trainer.batch_size=auto",
         f"trainer.auto_batch.budget_fraction={fraction:.5f}",
         "trainer.auto_batch.effective_batch=32",
+        "data.n_samples=120",  # a step's 32 samples are drawn whole: more than TINY's ~20 training samples
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     summary = read_summary(run_dir)
