@@ -1,6 +1,8 @@
 """Samples packed along one axis instead of padded: variable-length attention and pooling over each
 sample's own positions (the sample level of AAM, `AAM.pack_samples`)."""
 
+from functools import cached_property
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -18,6 +20,11 @@ class Packing:
         self.segment, self.batch, self.max_len = segment, batch, max_len
         self.offsets = torch.searchsorted(segment, torch.arange(batch + 1, device=segment.device))
 
+    @cached_property
+    def cu_seqlens(self) -> Tensor:
+        """`offsets` as int32, varlen_attn's: made once per forward, not once per layer."""
+        return self.offsets.to(torch.int32)
+
     @classmethod
     def from_slots(cls, slots: Tensor, batch: int, width: int) -> "Packing":
         """The packing of the ascending slots `slots` of a [batch, width] padded layout (its real ones)."""
@@ -32,8 +39,7 @@ class Packing:
             # bookkeeping per call. max_len bounds the longest sample: the kernel's grid, no sync
             from torch.nn.attention.varlen import varlen_attn
 
-            cu_seq = self.offsets.to(torch.int32)
-            out = varlen_attn(q, k, v, cu_seq, cu_seq, self.max_len, self.max_len)
+            out = varlen_attn(q, k, v, self.cu_seqlens, self.cu_seqlens, self.max_len, self.max_len)
         elif q.is_cuda:
             out = self.jagged_attention(q, k, v, dropout_p)
         else:
