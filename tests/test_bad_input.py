@@ -1,7 +1,6 @@
 """Bad input at the entry point: one `error:` line that names the fix, exit code 2, no traceback, and an
 earlier run in the run directory left byte for byte as it was. Most cases call cli() in this process."""
 
-import itertools
 import json
 import logging
 import os
@@ -20,14 +19,8 @@ from hydra.errors import ConfigCompositionException
 
 from aamperf.data.tables import resolve_files
 from aamperf.guards import memory_limit
+from aamperf.phases.system import taskset_list
 from aamperf.train import cli
-
-
-def taskset_list(cores: list[int]) -> str:
-    """Cores as taskset writes them: runs of consecutive cores as first-last (0-3,6)."""
-    runs = [[c for _, c in g] for _, g in itertools.groupby(enumerate(sorted(cores)), lambda p: p[1] - p[0])]
-    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
-
 
 # This machine's, as refusals name them: the cores this process may run on, the memory a rank can have.
 CORES = taskset_list(list(os.sched_getaffinity(0)))
@@ -558,3 +551,8 @@ def test_a_hydra_plugin_not_installed_names_the_extra_that_installs_it(missing, 
 
     exc = MissingConfigException(f"Could not find '{missing}'", missing_cfg_file=missing, options=["basic"])
     assert hydra_error_message(exc).startswith(said)
+
+
+def test_cores_are_named_as_taskset_writes_them():
+    assert taskset_list([6, 0, 2, 1, 3]) == "0-3,6"
+    assert taskset_list([5]) == "5"

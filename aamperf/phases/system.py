@@ -2,6 +2,7 @@
 glibc malloc's reuse of freed memory, cudnn.benchmark, determinism, channels_last."""
 
 import ctypes
+import itertools
 import os
 
 import torch
@@ -43,12 +44,8 @@ def check_system(cfg: DictConfig) -> list[str]:
 
 def taskset_list(cores: list[int]) -> str:
     """Cores as taskset and cpusets write them: runs of consecutive cores as first-last (0-3,6)."""
-    runs: list[list[int]] = []
-    for core in sorted(cores):
-        if runs and core == runs[-1][-1] + 1:
-            runs[-1].append(core)
-        else:
-            runs.append([core])
+    # consecutive cores share core - position: one group per run
+    runs = [[c for _, c in g] for _, g in itertools.groupby(enumerate(sorted(cores)), lambda p: p[1] - p[0])]
     return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
