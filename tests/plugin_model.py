@@ -111,3 +111,16 @@ class SlowLoss(AAMLoss):
         if step >= self.from_step:
             time.sleep(self.seconds)
         return super().forward(model, batch, step)
+
+
+class BrokenLoss(AAMLoss):
+    """AAM's loss that raises at step `at`: a run that fails in the middle, as a bug would."""
+
+    def __init__(self, at: int = 3, **kwargs):
+        super().__init__(**kwargs)
+        self.at = at
+
+    def forward(self, model: nn.Module, batch: dict, step: int):
+        if step == self.at:
+            raise RuntimeError(f"BrokenLoss: step {step}")
+        return super().forward(model, batch, step)

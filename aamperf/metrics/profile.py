@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from aamperf.metrics.snapshot import SNAPSHOT_STEPS, MemorySnapshot
@@ -63,11 +64,26 @@ class StepProfiler:
             "comm_time_frac": comm_s / wall_s if wall_s else None,
             "top_ops": [{"op": e.key, "self_cpu_s": e.self_cpu_time_total / 1e6} for e in top],
         }
+        if torch.cuda.is_available():  # the kernels that took the GPU's time, and how busy it was
+            kernels = [e for e in events if e.device_type == DeviceType.CUDA]  # not the ops that launched them
+            gpu = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)
+            busy_s = sum(e.self_device_time_total for e in kernels) / 1e6
+            self.result["device_busy_frac"] = busy_s / wall_s if wall_s else None
+            self.result["top_device_ops"] = [
+                {"op": e.key, "self_device_s": e.self_device_time_total / 1e6, "calls": e.count} for e in gpu[:25]
+            ]
         if self.out_dir is not None:
             name = "profile_trace.json" if self.rank == 0 else f"profile_trace_rank{self.rank}.json"
             self._prof.export_chrome_trace(str(self.out_dir / name))
             self.result["trace"] = name
         self._prof = None
+
+
+    def close(self) -> None:
+        """Stops a profile the run left open (it failed or stopped inside the profiled steps); writes nothing."""
+        if self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            self._prof = None
 
 
 class StepProfilers:
@@ -87,6 +103,11 @@ class StepProfilers:
     def end(self, step: int) -> None:
         self.profiler.end(step)
         self.snapshot.end(step)
+
+    def close(self) -> None:
+        """However the loop ended: neither is left running into the next job of this process."""
+        self.profiler.close()
+        self.snapshot.close()
 
     @property
     def result(self) -> dict[str, Any] | None:

@@ -54,13 +54,27 @@ class MemorySnapshot:
             return
         self._start = time.perf_counter()
         if self.device.type == "cuda":
-            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
+            # Python frames only: C++ stacks cost each allocation an unwind, and memory_viz names the
+            # Python lines. With the default stacks="all", torch 2.11+cu130 on an H200 failed inside
+            # checkpointing's recompute in backward (SystemError from dropout, 2026-11-27); whether "python"
+            # avoids that is unchecked on a GPU so far (tests/gpu/test_cuda_runs.py's snapshot test)
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=HISTORY_ENTRIES)
             self._recording = True
         else:
             self._prof = profile(
                 activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
             )
             self._prof.__enter__()
+
+    def close(self) -> None:
+        """Stops a recording the run left open (it failed or stopped inside the recorded steps): left on,
+        it would go on recording, and slowing, the next job of this process. Writes nothing."""
+        if self._recording:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._recording = False
+        if self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            self._prof = None
 
     def end(self, step: int) -> None:
         if not (self._recording or self._prof is not None) or step != self.last:

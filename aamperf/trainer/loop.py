@@ -252,6 +252,7 @@ def fit(
     finally:  # however the loop ended
         interrupts.in_loop, interrupts.loop_ended = False, True
         bar.close()
+        profiler.close()
         result.nonfinite_steps = int(guards.nonfinite.total.item())
     result.profile = profiler.result
     return result

@@ -215,3 +215,13 @@ def test_memory_ops_trains_on_cuda_with_the_losses_of_no_checkpointing(make_cfg,
         losses[memory] = [r["loss"] for r in read_metrics(tmp_path / memory)]
     assert summary["phases"]["checkpointing"]["mode"] == "ops"
     assert losses["ops"] == pytest.approx(losses["none"], rel=2e-2)
+
+
+def test_a_profiled_run_on_cuda_names_the_kernels_that_took_the_gpus_time(make_cfg, tmp_path):
+    summary = train(make_cfg(*GPU, "trainer.max_steps=5", "metrics.profile_steps=2"), tmp_path)
+    profile = summary["profile"]
+    kernels = profile["top_device_ops"]
+    assert kernels and all(k["self_device_s"] > 0 and k["calls"] > 0 for k in kernels)
+    assert [k["self_device_s"] for k in kernels] == sorted((k["self_device_s"] for k in kernels), reverse=True)
+    assert 0 < profile["device_busy_frac"] <= 1.05  # kernels' time over the profiled wall time
+    assert (tmp_path / profile["trace"]).is_file()

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+import torch
 from hydra.utils import instantiate
 
 from aamperf.run import train
@@ -33,3 +35,12 @@ def test_a_run_too_short_for_the_snapshot_says_so(make_cfg, tmp_path, caplog):
     assert "trainer.max_steps=1 ends before step 2" in summary["profile"]["memory_snapshot"]["reason"]
     assert not list(tmp_path.glob("memory_timeline*"))
     assert "no snapshot" in caplog.text
+
+
+@pytest.mark.parametrize("option", ["metrics.memory_snapshot=true", "metrics.profile_steps=2"])
+def test_a_run_that_fails_inside_the_recorded_steps_leaves_no_profiler_running(make_cfg, tmp_path, option):
+    # left on, the profiler would go on recording (and slowing) the next job of this process
+    cfg = make_cfg("trainer.max_steps=5", option, "loss._target_=plugin_model.BrokenLoss", "+loss.at=3")
+    with pytest.raises(RuntimeError, match="BrokenLoss: step 3"):
+        train(cfg, tmp_path)
+    assert not torch.autograd.profiler._is_profiler_enabled
