@@ -34,6 +34,7 @@ def aamperf_summary(step_s: float, batch: int = 8, auto: bool = False, steps: in
         "train_loss": 2.0,
         "val_loss": 2.1,
         "model_flops_per_step": 8e12 * batch / 8,  # 1e12 per sample
+        "hardware_flops_per_step": 4e12 * batch / 8,  # each distinct ASV once: half
         "peak_flops": 989.5e12,
         "config": {"trainer": {"batch_size": "auto" if auto else batch}},
     }
@@ -66,6 +67,8 @@ def test_ratios_are_paired_by_seed_and_end_to_end_needs_the_same_samples(tmp_pat
     assert auto["mfu"] == pytest.approx([320e12 / 989.5e12])
     fastest = rows["original-fastest"]
     assert fastest["mfu"] == pytest.approx([80e12 / 989.5e12, 40e12 / 989.5e12])  # aamperf's FLOPs count
+    # HFU: what the run executed per sample (half the model's math here), the original's unknown
+    assert auto["hfu"] == pytest.approx([160e12 / 989.5e12]) and fastest["hfu"] == []
     assert fastest["val_loss"] == [2.2, 2.2] and fastest["train_loss"] == [2.3, 2.3]  # the last epoch, step
     assert rows["advanced"]["seeds_done"] == [] and rows["advanced"]["failed"] == {"0": 124}
     table = summarize.to_markdown(summarize.summarize(tmp_path))

@@ -6,7 +6,9 @@ step's time, losses, each epoch's val loss, the CUDA allocator's peak). End to e
 stamped by run.sh (clock_s). Every run is read alike: steady step = median step after the first SKIP
 (warm-up, compile), samples/s = batch / steady step. MFU = model FLOPs per sample (aamperf's count at
 batch 8, the same model at the same shapes for every configuration) x samples/s / the device's dense
-bf16 peak (aamperf/metrics/gpu_peaks.py; on a CPU, the peak aamperf's run calibrated). Ratios are to
+bf16 peak (aamperf/metrics/gpu_peaks.py; on a CPU, the peak aamperf's run calibrated); HFU = the FLOPs
+aamperf's run executed per sample (its hardware_flops_per_step: each distinct ASV of a batch encoded once,
+recomputation counted) x samples/s / the same peak. Ratios are to
 original-fastest, within each seed (paired), then the median over seeds [min, max].
 Usage: python summarize.py OUT_DIR   (writes OUT_DIR/table.json, prints the markdown table)
 """
@@ -54,6 +56,7 @@ def read_run(run: Path) -> dict[str, Any]:
             train_loss=s["train_loss"],
             val_loss=s["val_loss"],
             flops_per_sample=s["model_flops_per_step"] / batch,
+            executed_flops_per_sample=s["hardware_flops_per_step"] / batch,
             peak_flops=s["peak_flops"],
         )
     row["samples_per_s"] = row["batch"] / row["step_s"]
@@ -106,6 +109,11 @@ def summarize(out: Path) -> dict[str, Any]:
         paired = [(r, ref[s]) for s, r in done.items() if ref.get(s, {}).get("exit_code") == 0]
         same_steps = [(r, o) for r, o in paired if r["steps"] * r["batch"] == o["steps"] * o["batch"]]
         mfu = [r["samples_per_s"] * flops[s] / peak for s, r in done.items() if s in flops and peak]
+        hfu = [  # what the run executed: aamperf's own count (the original's is not known)
+            r["samples_per_s"] * r["executed_flops_per_sample"] / peak
+            for r in done.values()
+            if "executed_flops_per_sample" in r and peak
+        ]
         memory = [r["peak_device_bytes"] for r in done.values() if r["peak_device_bytes"] is not None]
         rows.append(
             {
@@ -121,6 +129,7 @@ def summarize(out: Path) -> dict[str, Any]:
                 "wall_speedup": [o["wall_s"] / r["wall_s"] for r, o in same_steps],
                 "peak_device_bytes": memory,
                 "mfu": mfu,
+                "hfu": hfu,
                 "train_loss": [r["train_loss"] for r in done.values()],
                 "val_loss": [r["val_loss"] for r in done.values() if r["val_loss"] is not None],
             }
@@ -137,9 +146,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         + (f" ({result['peak_flops'] / 1e12:.1f} TFLOP/s)." if result["peak_flops"] else "."),
         "",
         f"| configuration | batch | steps | steady step ms | samples/s | x {REFERENCE} samples/s (paired) "
-        f"| end to end s | x {REFERENCE} end to end | peak GPU memory GiB | MFU % | train loss at end "
-        "| val loss at end | seeds done |",
-        "|---" * 13 + "|",
+        f"| end to end s | x {REFERENCE} end to end | peak GPU memory GiB | MFU % | HFU % "
+        "| train loss at end | val loss at end | seeds done |",
+        "|---" * 14 + "|",
     ]
     for r in result["rows"]:
         failed = ", ".join(f"seed {s}: exit {c}" for s, c in r["failed"].items())
@@ -154,6 +163,7 @@ def to_markdown(result: dict[str, Any]) -> str:
             spread(r["wall_speedup"], ".2f") + ("x" if r["wall_speedup"] else ""),
             spread(r["peak_device_bytes"], ".2f", 1 / GIB),
             spread(r["mfu"], ".2f", 100),
+            spread(r["hfu"], ".2f", 100),
             spread(r["train_loss"], ".3f"),
             spread(r["val_loss"], ".3f"),
             " ".join(r["seeds_done"]) + (f" (failed: {failed})" if failed else ""),
@@ -163,7 +173,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         "",
         f"Median over seeds [min, max]; steady step = median step after the first {SKIP}; x = paired ratio"
         f" to {REFERENCE} of the same seed (higher is faster); end to end only where both ran the same"
-        " samples (same batch and steps).",
+        " samples (same batch and steps). MFU: the model's math per sample (each sample's ASVs encoded),"
+        " HFU: the FLOPs aamperf's run executed (aam_ops encodes each distinct ASV of a batch once, and"
+        " counts recomputation), both over the same peak; the original's HFU is not known.",
     ]
     return "\n".join(lines)
 
