@@ -65,12 +65,14 @@ class StepProfiler:
             "top_ops": [{"op": e.key, "self_cpu_s": e.self_cpu_time_total / 1e6} for e in top],
         }
         if torch.cuda.is_available():  # the kernels that took the GPU's time, and how busy it was
-            kernels = [e for e in events if e.device_type == DeviceType.CUDA]  # not the ops that launched them
+            # the kernels, not the ops that launched them (those carry their kernels' time too)
+            kernels = [e for e in events if e.device_type == DeviceType.CUDA]
             gpu = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)
             busy_s = sum(e.self_device_time_total for e in kernels) / 1e6
             self.result["device_busy_frac"] = busy_s / wall_s if wall_s else None
             self.result["top_device_ops"] = [
-                {"op": e.key, "self_device_s": e.self_device_time_total / 1e6, "calls": e.count} for e in gpu[:25]
+                {"op": e.key, "self_device_s": e.self_device_time_total / 1e6, "calls": e.count}
+                for e in gpu[:25]
             ]
         if self.out_dir is not None:
             name = "profile_trace.json" if self.rank == 0 else f"profile_trace_rank{self.rank}.json"
@@ -80,7 +82,8 @@ class StepProfiler:
 
 
     def close(self) -> None:
-        """Stops a profile the run left open (it failed or stopped inside the profiled steps); writes nothing."""
+        """Stops a profile the run left open (it failed or stopped inside the profiled steps); writes
+        nothing."""
         if self._prof is not None:
             self._prof.__exit__(None, None, None)
             self._prof = None

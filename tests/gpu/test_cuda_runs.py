@@ -222,6 +222,7 @@ def test_a_profiled_run_on_cuda_names_the_kernels_that_took_the_gpus_time(make_c
     profile = summary["profile"]
     kernels = profile["top_device_ops"]
     assert kernels and all(k["self_device_s"] > 0 and k["calls"] > 0 for k in kernels)
-    assert [k["self_device_s"] for k in kernels] == sorted((k["self_device_s"] for k in kernels), reverse=True)
+    times = [k["self_device_s"] for k in kernels]
+    assert times == sorted(times, reverse=True)
     assert 0 < profile["device_busy_frac"] <= 1.05  # kernels' time over the profiled wall time
     assert (tmp_path / profile["trace"]).is_file()
