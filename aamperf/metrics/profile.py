@@ -80,7 +80,6 @@ class StepProfiler:
             self.result["trace"] = name
         self._prof = None
 
-
     def close(self) -> None:
         """Stops a profile the run left open (it failed or stopped inside the profiled steps); writes
         nothing."""
