@@ -23,7 +23,8 @@ from aamperf.metrics.gpu_peaks import gpu_peak
 
 SKIP = 3
 REFERENCE = "original-fastest"
-ORDER = ["original-default", "original-fastest", "baseline", "basic", "advanced", "ultra", "ultra-auto"]
+ORDER = ["original-default", "original-fastest", "baseline", "basic", "advanced", "ultra"]
+ORDER += ["ultra-packed", "ultra-ops", "ultra-full", "ultra-auto"]  # ultra with one change each
 GIB = 2**30
 
 
