@@ -43,6 +43,7 @@ DistBackend = choices("DistBackend", "auto", "gloo", "nccl")
 CommHook = choices("CommHook", "none", "fp16", "bf16")
 LoggerBackend = choices("LoggerBackend", "none", "wandb", "tensorboard")
 WandbMode = choices("WandbMode", "auto", "online", "offline", "disabled")
+Freeze = choices("Freeze", "none", "encoder", "asv_encoder")
 
 
 @dataclass
@@ -274,6 +275,25 @@ class ProbeConfig:
 
 
 @dataclass
+class InitConfig:
+    """Where a run's weights start (`aamperf/finetune.py`): AAM's stage 2 starts from stage 1's."""
+
+    # a run directory holding model.pt (every completed run writes one): its weights, by name and shape,
+    # into this run's model (built from this run's `model`; the file's config builds nothing), all but
+    # the heads stage 2 trains fresh (target_head); null: a fresh model
+    from_run: str | None = None
+
+
+@dataclass
+class FinetuneConfig:
+    """What of a pretrained model trains on (`aamperf/finetune.py`)."""
+
+    # the parts that keep their pretrained weights (requires_grad off, left out of the optimizer, dropout
+    # off): encoder: all that makes the sample embedding; asv_encoder: the nucleotide level only
+    freeze: Freeze = Freeze.none
+
+
+@dataclass
 class SearchConfig:
     """Auto-tuning (`aamperf/search.py`, conf/hparams_search/): set by hparams_search=fastest."""
 
@@ -324,6 +344,8 @@ class Config:
     search: SearchConfig = field(default_factory=SearchConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
+    init: InitConfig = field(default_factory=InitConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     optim: str = MISSING  # the level's name: each conf/optim/*.yaml sets its own (config.yaml: baseline)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0

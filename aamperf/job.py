@@ -21,6 +21,7 @@ from aamperf.data.dataset import make_loaders
 from aamperf.device import resolve_device, sync, to_device
 from aamperf.distributed import World, from_main, init_world, main_decides, world_size
 from aamperf.errors import UserError
+from aamperf.finetune import freeze, load_pretrained
 from aamperf.metrics import count_flops, machine, matmul_dtype, peak_flops
 from aamperf.metrics.flops import LoadWatch
 from aamperf.phases import TRIAL_BATCHES, Plan, apply_phases, check_phases, setup_phases
@@ -173,6 +174,10 @@ def build_model(cfg: DictConfig, device: torch.device, world: World, data, summa
             "torch.nn.Module; fix model._target_"
         )
     model = model.to(device)
+    # stage 2: a pretrained run's weights (init.from_run), parts kept as they are (finetune.freeze); before
+    # any phase wraps the model; a resumed run's checkpoint is loaded over them later (fit)
+    load_pretrained(model, cfg, summary)
+    freeze(model, cfg, summary)
     set_full_length(model, data.collate.tokens)  # the aam_ops phase may drop the ASV encoder's masks
     if world.world_size > 1:  # the same initial weights everywhere; from here each rank its own draws
         seed_everything(cfg.seed + world.rank)

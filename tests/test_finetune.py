@@ -1,0 +1,195 @@
+"""Stage 2 (aamperf/finetune.py): a run started from a pretrained run's model.pt, its encoder frozen or not,
+trained on a metadata target; the pretraining here is a real 3-step run of the tiny config, without one."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import CONF_DIR, TINY, read_summary
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from test_file_payloads import payloads
+
+from aamperf.config import register_configs
+from aamperf.finetune import ASV_LEVEL, FROZEN, SAMPLE_LEVEL, freeze, load_pretrained
+from aamperf.rng import seed_everything
+from aamperf.run import train
+from aamperf.weights import MODEL_FILE
+
+# the metadata of the simulated data (aamperf/data/simulate.py): `target` is numeric
+FINETUNE = ["data.target=target"]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, cache_dir):
+    """A completed pretraining run (UniFrac + masked nucleotides, no target): its directory."""
+    register_configs()
+    run_dir = tmp_path_factory.mktemp("pretrain")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=[*TINY, f"data.cache_dir={cache_dir}", "data.target=null"])
+    assert train(cfg, run_dir)["status"] == "completed"
+    return run_dir
+
+
+def weights_of(run_dir) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / MODEL_FILE, weights_only=True)["weights"]
+
+
+def fresh_model(cfg) -> torch.nn.Module:
+    """This run's model as build_model makes it before loading: seeded by `seed`."""
+    seed_everything(cfg.seed)
+    return instantiate(cfg.model)
+
+
+def test_loaded_weights_are_the_pretrained_runs_and_the_target_head_fresh(make_cfg, pretrained):
+    cfg = make_cfg(f"init.from_run={pretrained}", *FINETUNE, "seed=1")  # a target head unlike the file's
+    model, summary, saved = fresh_model(cfg), {}, weights_of(pretrained)
+    load_pretrained(model, cfg, summary)
+    ours = model.state_dict()
+    heads = ["target_head.weight", "target_head.bias"]
+    assert set(ours) == set(saved) and all(torch.equal(ours[n], saved[n]) for n in saved if n not in heads)
+    initial = fresh_model(cfg).state_dict()  # the target head as this run initializes it, not the file's
+    assert all(
+        torch.equal(ours[n], initial[n]) and not torch.equal(ours[n], saved[n]) for n in heads[:1]
+    )  # a bias starts at 0
+    record = summary["finetune"]
+    assert record["from_run"] == str(pretrained) and record["fresh"] == heads
+    assert record["tensors_loaded"] == len(saved) - 2 and "never learned one" in record["fresh_reason"]
+
+
+@pytest.mark.parametrize("frozen", ["encoder", "asv_encoder"])
+def test_frozen_parameters_keep_the_pretrained_values_and_the_others_train(
+    make_cfg, pretrained, tmp_path, frozen
+):
+    cfg = make_cfg(f"init.from_run={pretrained}", f"finetune.freeze={frozen}", *FINETUNE)
+    summary = train(cfg, tmp_path)
+    assert summary["status"] == "completed"
+    before, after = weights_of(pretrained), weights_of(tmp_path)
+    is_frozen = {name: name.split(".")[0] in FROZEN[frozen] for name in after}
+    kept = [name for name, f in is_frozen.items() if f]
+    trained = [name for name, f in is_frozen.items() if not f]
+    assert kept and all(torch.equal(after[name], before[name]) for name in kept)  # bit for bit
+    # every trainable tensor moved (AdamW moves each by about lr a step); the target head from its own start
+    changed = [name for name in trained if not torch.equal(after[name], before[name])]
+    assert changed == trained
+    assert {"nuc_head.weight", "target_head.weight"} <= set(trained)
+    record = summary["finetune"]
+    assert record["frozen_modules"] == list(FROZEN[frozen]) and record["frozen_in_eval"] is True
+    assert record["frozen_params"] == sum(after[name].numel() for name in kept)
+    assert record["trainable_params"] == sum(after[name].numel() for name in trained)
+    assert json.loads((tmp_path / "summary.json").read_text())["finetune"] == record
+
+
+def test_frozen_modules_stay_in_eval_mode_through_model_train(make_cfg, pretrained):
+    """The loop calls model.train() after every validation: frozen modules keep their dropout off, so a
+    frozen encoder gives a sample one embedding in training; the rest trains with dropout."""
+    cfg = make_cfg(f"init.from_run={pretrained}", "finetune.freeze=asv_encoder", "model.dropout=0.5")
+    model = fresh_model(cfg)
+    load_pretrained(model, cfg, {})
+    assert freeze(model, cfg) == list(ASV_LEVEL)
+    model.eval()
+    model.train()
+    for name, module in model.named_modules():
+        top = name.split(".")[0]
+        if top:
+            assert module.training == (top not in ASV_LEVEL), name
+    tokens = torch.randint(1, 5, (2, 3, 151))
+    counts = torch.ones(2, 3, 1)
+    first, again = model(tokens, counts), model(tokens, counts)
+    assert torch.equal(first["asv_embedding"], again["asv_embedding"])  # the frozen level: no dropout
+    assert not torch.equal(first["sample_embedding"], again["sample_embedding"])  # the trained level: dropout
+
+    cfg = make_cfg(f"init.from_run={pretrained}", "finetune.freeze=encoder", "model.dropout=0.5")
+    model = fresh_model(cfg)
+    freeze(model, cfg)
+    model.train()
+    assert torch.equal(model(tokens, counts)["sample_embedding"], model(tokens, counts)["sample_embedding"])
+    assert all(not getattr(model, name).training for name in ASV_LEVEL + SAMPLE_LEVEL)
+
+
+def test_freezing_without_a_pretrained_run_is_one_line(make_cfg, tmp_path):
+    summary = None
+    with pytest.raises(Exception) as refused:
+        summary = train(make_cfg("finetune.freeze=encoder"), tmp_path)
+    assert (
+        summary is None
+        and "set init.from_run=<a pretrain run's directory>, or finetune.freeze=none" in str(refused.value)
+    )
+
+
+def test_another_model_size_is_refused_in_one_line_and_writes_no_more_than_a_refused_run(launch, pretrained):
+    proc, run_dir = launch(f"init.from_run={pretrained}", "model.embedding_dim=48", name="finetune")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[-1] == (
+        f"error: init.from_run={pretrained}: its model has embedding_dim=32, this run's embedding_dim=48 "
+        "(token_embedding.weight [7, 32] there, [7, 48] here; base_position.weight [151, 32] there, "
+        "[151, 48] here; asv_encoder.blocks.0.ln_attn.weight [32] there, [48] here; ... (54 tensors)): "
+        "set model=aam_tiny or model.embedding_dim=32"
+    )
+    assert not any("error" in line.lower() for line in lines[:-1])
+    refused, reference = launch("data.target=bmi", name="reference")  # a start refused by its data
+    assert refused.returncode == 2
+
+    def files(directory):
+        return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+    assert files(run_dir) == files(reference)  # no model.pt, no metrics, no checkpoint
+    summary = read_summary(run_dir)
+    assert summary["status"] == "failed" and summary["error"] == lines[-1].removeprefix("error: ")
+
+
+def test_a_missing_pretrained_run_is_one_line(make_cfg, tmp_path):
+    with pytest.raises(Exception, match=r"init.from_run=\S+nope: no such directory; give the directory of a"):
+        train(make_cfg(f"init.from_run={tmp_path / 'nope'}"), tmp_path / "run")
+
+
+def test_a_model_files_harmful_target_is_never_built(make_cfg, pretrained, tmp_path):
+    """The file's config names code that creates a file if built: its weights load, nothing of it runs."""
+    marker, shared = tmp_path / "marker", tmp_path / "shared"
+    shared.mkdir()
+    payload = torch.load(pretrained / MODEL_FILE, weights_only=True)
+    harmful = payloads(marker)
+    model = payload["config"]["model"]
+    payload["config"]["model"] = {**model, **harmful["builtins.open"], "layers": harmful["torch.load"]}
+    torch.save(payload, shared / MODEL_FILE)
+    cfg = make_cfg(f"init.from_run={shared}", "finetune.freeze=encoder", *FINETUNE)
+    summary = train(cfg, tmp_path / "run")
+    assert not marker.exists()
+    assert (
+        summary["status"] == "completed"
+        and summary["finetune"]["tensors_loaded"] == len(payload["weights"]) - 2
+    )
+    after = weights_of(tmp_path / "run")
+    assert torch.equal(
+        after["asv_encoder.blocks.0.attn.qkv.weight"],
+        payload["weights"]["asv_encoder.blocks.0.attn.qkv.weight"],
+    )
+
+
+@pytest.mark.parametrize(
+    "weights", [["loss.unifrac_weight=0", "loss.nucleotide_weight=0"], []], ids=["target only", "all three"]
+)
+def test_a_fine_tune_learns_a_target_the_pretraining_had_not(make_cfg, pretrained, tmp_path, weights):
+    summary = train(make_cfg(f"init.from_run={pretrained}", *FINETUNE, *weights), tmp_path)
+    assert summary["status"] == "completed" and summary["finetune"]["from_run"] == str(pretrained)
+    val = summary["val"]
+    assert summary["target"]["column"] == "target" and val["val_target"] > 0
+    trained_on = val["val_target"] + (val["val_unifrac"] + val["val_nucleotide"] if weights == [] else 0.0)
+    assert val["val_loss"] == pytest.approx(trained_on, rel=1e-5)
+
+
+def test_a_resumed_fine_tune_goes_on_from_its_checkpoint(make_cfg, pretrained, tmp_path):
+    """The checkpoint's weights win over the pretrained ones: going on from step 2 ends where the whole
+    run ended, bit for bit."""
+    resumable = ["trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.resume=auto"]
+    cfg = make_cfg(f"init.from_run={pretrained}", *FINETUNE, *resumable)
+    assert train(cfg, tmp_path)["status"] == "completed"
+    whole = weights_of(tmp_path)
+    (tmp_path / "checkpoints" / "step_00000004.pt").unlink()
+    shutil.copy(tmp_path / MODEL_FILE, tmp_path / "whole.pt")
+    summary = train(make_cfg(f"init.from_run={pretrained}", *FINETUNE, *resumable), tmp_path)
+    assert summary["status"] == "completed" and summary["resumed_from_step"] == 2
+    resumed = weights_of(tmp_path)
+    assert all(torch.equal(resumed[name], whole[name]) for name in whole)
