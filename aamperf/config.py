@@ -43,6 +43,8 @@ DistBackend = choices("DistBackend", "auto", "gloo", "nccl")
 CommHook = choices("CommHook", "none", "fp16", "bf16")
 LoggerBackend = choices("LoggerBackend", "none", "wandb", "tensorboard")
 WandbMode = choices("WandbMode", "auto", "online", "offline", "disabled")
+TargetType = choices("TargetType", "auto", "regression", "classification")
+TargetTransform = choices("TargetTransform", "none", "zscore", "minmax", "log_zscore")
 Freeze = choices("Freeze", "none", "encoder", "asv_encoder")
 
 
@@ -67,7 +69,12 @@ class DataConfig:
     tree: str | None = None  # Newick; UniFrac is computed from it
     unifrac: str | None = None  # precomputed matrix (.npy with .ids.txt beside it, .h5, .csv)
     metadata: str | None = None  # TSV, first column sample id
-    target: str | None = None  # numeric metadata column to predict
+    target: str | None = None  # metadata column to predict (a number, or a class)
+    # auto: a numeric column is a regression, any other a classification (its distinct values the classes)
+    target_type: TargetType = TargetType.auto
+    # a regression's target as the model learns it, fitted on the training samples (aamperf/targets.py);
+    # every reported figure is in the target's own units
+    target_transform: TargetTransform = TargetTransform.zscore
     sequences: str | None = None  # FASTA id -> sequence, when observation ids are not sequences
     # batch: each batch's UniFrac from its samples' branch sets (the tree's), on the run's device;
     # precomputed: the whole n x n matrix up front (data.unifrac's, or scikit-bio's from data.tree, cached);

@@ -31,6 +31,7 @@ from aamperf.phases.auto import resolve_auto
 from aamperf.phases.compile import trial_context
 from aamperf.probe import Probe, measured, measuring, timed
 from aamperf.rng import forked_rng, seed_everything
+from aamperf.targets import learn_target
 from aamperf.trainer.checkpoints import steps_left
 from aamperf.trainer.stream import BatchStream
 
@@ -167,6 +168,8 @@ def build(cfg: DictConfig, name: str, **kwargs: Any) -> Any:
 def build_model(cfg: DictConfig, device: torch.device, world: World, data, summary: dict[str, Any]):
     """The model on its device (the same initial weights on every rank) and the loss, told the target's
     scale where the data has one."""
+    loss_fn = build(cfg, "loss")
+    learn_target(cfg, loss_fn, data.target, summary)  # before the model: its target head follows the target
     model = build(cfg, "model")
     if not isinstance(model, torch.nn.Module):
         raise UserError(
@@ -181,15 +184,8 @@ def build_model(cfg: DictConfig, device: torch.device, world: World, data, summa
     set_full_length(model, data.collate.tokens)  # the aam_ops phase may drop the ASV encoder's masks
     if world.world_size > 1:  # the same initial weights everywhere; from here each rank its own draws
         seed_everything(cfg.seed + world.rank)
-    loss_fn = build(cfg, "loss")
-    if data.has_target and hasattr(loss_fn, "scale_target"):  # a target in its own units: standardized
-        loss_fn.scale_target(data.target_mean, data.target_std)
-        summary["target"] = {
-            "column": cfg.data.target,
-            "mean": data.target_mean,
-            "std": data.target_std,
-            "samples_without_target": data.samples_without_target,  # left out of the run
-        }
+    if "target" in summary:
+        summary["target"]["samples_without_target"] = data.samples_without_target  # left out of the run
     return model, loss_fn
 
 

@@ -22,6 +22,7 @@ from aamperf.metrics import (
     release_freed_memory,
     start_job_peak_rss,
 )
+from aamperf.metrics.target import write_val_predictions
 from aamperf.phases.compile import compiled_graphs
 from aamperf.summary import Summary, resolved_config
 from aamperf.trainer import fit
@@ -34,6 +35,18 @@ def per_rank(summary: dict[str, Any], keys: tuple[str, ...]) -> list[dict[str, A
     everyone: list[dict[str, Any]] = [{} for _ in range(summary["world_size"])]
     torch.distributed.all_gather_object(everyone, mine)
     return everyone
+
+
+def target_record(run_dir: Path, detail: dict, sample_ids: list[str], main: bool) -> dict[str, Any]:
+    """What the last validation's target figures are of, for summary.json: its predictions file (the first
+    rank writes it) and a classification's confusion matrix, with its class names."""
+    if not detail:
+        return {}
+    written = write_val_predictions(run_dir, detail, sample_ids) if main else None
+    record: dict[str, Any] = {"val_predictions_file": written}
+    if "classes" in detail:  # rows: the observed class, columns: the predicted one
+        record["val_confusion_matrix"] = {"classes": detail["classes"], "matrix": detail["confusion_matrix"]}
+    return record
 
 
 def train(
@@ -68,6 +81,7 @@ def train(
         summary["recompiles"] = compiled_graphs() - graphs  # graphs compiled for new shapes while training
         kept = save_model(run_dir, job.plan.model, resolved_config(cfg), summary.get("target"))
         summary["model_file"] = kept and kept.name  # python -m aamperf.predict run=<run dir> uses it
+        summary.update(target_record(run_dir, result.val_detail, job.data.sample_ids, main))
         summary.trained(result, job.plan, monitor)
         if job.world.world_size > 1:  # each rank's own figures, and the job's total memory
             summary["per_rank"] = per_rank(summary, ("peak_rss_bytes", "step_time_s", "peak_device_bytes"))
@@ -118,20 +132,6 @@ def print_result(summary: dict, run_dir: Path) -> None:
         f"  {speed} | peak RSS {fmt('peak_rss_bytes', ' GiB', 2**30)} | "
         f"train loss {fmt('train_loss')} | val loss {fmt('val_loss')}"
     )
-    val = summary.get("val") or {}
-    if "val_target_mae" in val:  # of the samples the last validation ran on: say which
-        r2 = val.get("val_target_r2")
-        batches = (summary.get("config") or {}).get("trainer", {}).get("val_batches")
-        over = (
-            f", over {val['val_samples']} of the {summary.get('n_val')} validation samples "
-            f"(trainer.val_batches={batches})"
-            if "val_samples" in val
-            else ""
-        )
-        print(
-            f"  target {summary.get('target', {}).get('column', '')}: val MAE {val['val_target_mae']:.4g} "
-            f"(its own units)" + ("" if r2 is None else f", R^2 {r2:.3f}") + over
-        )
     load = (summary.get("loop_load") or {}).get("under_load")
     if load:
         print(f"  timed under load: {load}; its speed figures include that contention")
@@ -142,3 +142,34 @@ def print_result(summary: dict, run_dir: Path) -> None:
             f"{found['micro_batch']} x {found['grad_accum_steps']} (largest that fits: "
             f"{found['largest_fitting']}, limited by {found['limited_by']})"
         )
+    target = target_line(summary)
+    if target:  # last: the figures a fine-tuning run is for
+        print(target)
+
+
+def target_line(summary: dict) -> str | None:
+    """The last validation's target figures, and which samples they are of; None without a target."""
+    val = summary.get("val") or {}
+
+    def fmt(key: str, name: str, digits: str = ".4g") -> str:
+        return "" if val.get(key) is None else f", {name} {val[key]:{digits}}"
+
+    if "val_accuracy" in val:
+        figures = f"val accuracy {val['val_accuracy']:.3f}" + fmt("val_macro_f1", "macro-F1", ".3f")
+        figures += fmt("val_roc_auc", "ROC AUC", ".3f")
+    elif "val_target_mae" in val:
+        figures = f"val MAE {val['val_target_mae']:.4g}" + fmt("val_target_rmse", "RMSE") + " (its own units)"
+        figures += fmt("val_target_r2", "R^2", ".3f")
+        if "val_target_interval_coverage" in val:
+            nominal = val["val_target_interval_nominal"]
+            figures += f", {nominal:.0%} interval covers {val['val_target_interval_coverage']:.0%}"
+    else:
+        return None
+    batches = (summary.get("config") or {}).get("trainer", {}).get("val_batches")
+    over = (
+        f", over {val['val_samples']} of the {summary.get('n_val')} validation samples "
+        f"(trainer.val_batches={batches})"
+        if "val_samples" in val
+        else ""
+    )
+    return f"  target {(summary.get('target') or {}).get('column', '')}: {figures}{over}"

@@ -296,6 +296,7 @@ def test_val_target_mae_and_r2_are_those_of_the_samples_validated(make_cfg, laun
     validation sample (5 here, after rarefaction). Its MAE and R^2 (summary.json and the line the run
     ends with) are scikit-learn's of those 4 samples, predicted again here from model.pt under the
     validation's nucleotide mask (step 0)."""
+    import numpy as np
     from sklearn.metrics import mean_absolute_error, r2_score
 
     from aamperf.model.loss import nucleotide_mask
@@ -318,6 +319,7 @@ def test_val_target_mae_and_r2_are_those_of_the_samples_validated(make_cfg, laun
     predicted = (out["target"].squeeze(1) * scale["std"] + scale["mean"]).double().numpy()
     observed = batch["target"].squeeze(1).double().numpy()
     mae, r2 = mean_absolute_error(observed, predicted), r2_score(observed, predicted)
+    rmse = float(np.sqrt(np.mean((observed - predicted) ** 2)))
     val = summary["val"]
     assert val["val_samples"] == 4
     assert val["val_target_mae"] == pytest.approx(mae, rel=1e-5)
@@ -325,7 +327,8 @@ def test_val_target_mae_and_r2_are_those_of_the_samples_validated(make_cfg, laun
     assert read_metrics(run_dir)[-1]["val_target_r2"] == val["val_target_r2"]  # logged as summarised
     said = [line for line in proc.stdout.splitlines() if line.startswith("  target ")]
     assert said == [
-        f"  target target: val MAE {mae:.4g} (its own units), R^2 {r2:.3f}, over 4 of the {n_val} "
+        f"  target target: val MAE {mae:.4g}, RMSE {rmse:.4g} (its own units), R^2 {r2:.3f}, over 4 of "
+        f"the {n_val} "
         "validation samples (trainer.val_batches=1)"
     ]
 

@@ -15,10 +15,11 @@ from torch.utils.data import DataLoader, RandomSampler, Subset
 from aamperf.data.branches import batch_matrix
 from aamperf.data.samples import SampleDataset, Samples
 from aamperf.data.store import sample_store
-from aamperf.data.tables import read_unifrac, resolve_files, table_ids
+from aamperf.data.tables import read_target_column, read_unifrac, resolve_files, table_ids
 from aamperf.data.unifrac import cached_unifrac, select_unifrac
 from aamperf.errors import UserError
 from aamperf.model.aam import bucket_size
+from aamperf.targets import TargetSpec, fit_classes, fit_regression
 from aamperf.tokens import TOKENS_PER_ASV
 
 log = logging.getLogger(__name__)
@@ -207,6 +208,7 @@ class Data:
     has_target: bool
     target_mean: float | None  # of the training samples' raw target: the loss standardizes with these
     target_std: float | None
+    target: TargetSpec | None  # its kind, transform or classes, fitted on the training samples
     samples_without_target: int  # of data.table, left out: no value of data.target in data.metadata
     unifrac_mode: str  # batch (from branch sets, per batch) or precomputed (the n x n matrix)
     unifrac_cached: bool  # precomputed from data.tree: the matrix came from `<cache_dir>/unifrac/`
@@ -284,7 +286,9 @@ def build_data(
     train_loader, val_loader = make_loaders(
         dataset, collate, train_idx, val_idx, batch_size=batch_size, seed=seed, loader=loader
     )
-    train_target = None if target is None else target[train_idx]
+    spec = None if target is None else fit_target(cfg, files["metadata"], dataset, train_idx, val_idx)
+    target = dataset.target  # a classification's: class indices among the training samples' classes
+    train_target = None if spec is None or spec.is_classification else target[train_idx]
     return Data(
         train_loader=train_loader,
         val_loader=val_loader,
@@ -295,6 +299,7 @@ def build_data(
         has_target=target is not None,
         target_mean=None if train_target is None else float(train_target.mean()),
         target_std=None if train_target is None else float(train_target.std()),
+        target=spec,
         samples_without_target=samples.without_target,
         unifrac_mode=mode,
         unifrac_cached=cached,
@@ -310,6 +315,17 @@ def build_data(
         dataset=dataset,
         collate=collate,
     )
+
+
+def fit_target(cfg: DictConfig, metadata: Path, dataset: SampleDataset, train_idx, val_idx) -> TargetSpec:
+    """data.target as the model learns it, fitted on the training samples: a regression's transform, or a
+    classification's classes (the dataset's class indices made indices among them)."""
+    _, kind, names = read_target_column(metadata, cfg.target, cfg.target_type)
+    train, val = torch.as_tensor(train_idx), torch.as_tensor(val_idx)
+    if kind == "regression":
+        return fit_regression(cfg.target, dataset.target, train, str(cfg.target_transform))
+    spec, dataset.target = fit_classes(cfg.target, dataset.target, names, train, val)
+    return spec
 
 
 def unifrac_mode(cfg: DictConfig, files: dict) -> str:

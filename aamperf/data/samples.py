@@ -207,7 +207,7 @@ def read_samples(
     table = read_table(files["table"], sample_ids)
     targets, without_target = None, 0
     if cfg.target is not None:
-        targets = read_target(files["metadata"], cfg.target)
+        targets = read_target(files["metadata"], cfg.target, cfg.get("target_type", "auto"))
         keep = [sid for sid in table.ids() if sid in targets]
         if not keep and not keep_unlabelled:
             raise UserError(f"data.metadata: no sample of data.table has a value of {cfg.target!r}")

@@ -84,6 +84,8 @@ def sample_store(cfg: DictConfig, files: dict, with_branches: bool) -> tuple[Sam
 def store_key(cfg: DictConfig, files: dict, with_branches: bool) -> str:
     h = hashlib.sha256(f"samples v{STORE_VERSION}|".encode())
     options = (cfg.rarefy_depth, cfg.seed, cfg.max_asvs, cfg.target, with_branches)
+    if cfg.target is not None and cfg.get("target_type") == "classification":  # a number's class index
+        options += ("classification",)
     h.update(repr(options).encode())
     for name in ("table", "sequences", "metadata", "tree"):
         used = (
@@ -130,7 +132,8 @@ def build_store(cfg: DictConfig, files: dict, with_branches: bool, path: Path) -
     obs_ids = table_ids(files["table"], "observation")
     tokens, real_tokens, lengths = table_tokens(obs_ids, files["sequences"])
     branches: Branches | None = read_branches(files["tree"], obs_ids) if with_branches else None
-    targets = read_target(files["metadata"], cfg.target) if cfg.target is not None else None
+    kind = cfg.get("target_type", "auto")
+    targets = read_target(files["metadata"], cfg.target, kind) if cfg.target is not None else None
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     seen = without_target = deepest = 0
     used = np.zeros(len(obs_ids), dtype=bool)

@@ -1,5 +1,6 @@
 """AAM training loss: UniFrac distance + masked-nucleotide + optional target, with a deterministic mask."""
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -7,6 +8,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aamperf.distributed import all_sum, gather, gather_constant, world_size
+from aamperf.errors import UserError
+from aamperf.targets import TargetSpec
 from aamperf.tokens import MASK, real_bases
 
 _M32 = 0xFFFFFFFF
@@ -39,6 +42,7 @@ def nucleotide_mask(tokens: Tensor, asv_ids: Tensor, step: int, seed: int, fract
 
 
 WEIGHTS = ("unifrac_weight", "nucleotide_weight", "target_weight")
+TARGET_LOSSES = ("mse", "huber", "mae", "quantile")  # of a regression; a classification's is cross-entropy
 
 
 def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
@@ -51,6 +55,7 @@ def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
         for name in WEIGHTS
         if not is_number(args[name]) or args[name] < 0
     ]
+    problems += target_argument_problems(args, prefix)
     fraction = args["mask_fraction"]
     if not is_number(fraction) or not 0 < fraction < 1:
         problems.append(
@@ -60,9 +65,32 @@ def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
     return problems
 
 
+def target_argument_problems(args: dict[str, Any], prefix: str) -> list[str]:
+    """The target part's: a known regression loss, quantiles strictly between 0 and 1, class weights
+    `balanced` or a list of numbers >= 0 (their count is checked against the classes once they are read)."""
+    problems = []
+    if args["target_loss"] not in TARGET_LOSSES:
+        problems.append(
+            f"{prefix}target_loss={args['target_loss']} must be one of {', '.join(TARGET_LOSSES)}"
+        )
+    quantiles = list(args["quantiles"] or [])
+    if not quantiles or not all(is_number(q) and 0 < q < 1 for q in quantiles):
+        problems.append(f"{prefix}quantiles={quantiles} must be a list of numbers between 0 and 1")
+    weights = args["class_weights"]
+    if weights is not None and weights != "balanced":
+        if isinstance(weights, str) or not all(is_number(w) and w >= 0 for w in weights):
+            problems.append(
+                f"{prefix}class_weights={weights} must be null, balanced or a list of numbers >= 0"
+            )
+    if not is_number(args["huber_delta"]) or args["huber_delta"] <= 0:
+        problems.append(f"{prefix}huber_delta={args['huber_delta']} must be a number > 0")
+    return problems
+
+
 class StepCounts(NamedTuple):
     hidden: Tensor  # bases hidden in the step's batch, on every rank
     samples: int  # the step's samples on this rank
+    target_weight: Tensor | None = None  # the step's samples' class weights on this rank (weighted CE)
 
 
 def is_number(value: Any) -> bool:
@@ -84,6 +112,10 @@ class AAMLoss(nn.Module):
         target_weight: float = 1.0,
         mask_fraction: float = 0.15,
         seed: int = 0,
+        target_loss: str = "mse",
+        quantiles: Sequence[float] = (0.1, 0.5, 0.9),
+        class_weights: str | Sequence[float] | None = None,
+        huber_delta: float = 1.0,
     ):
         problems = argument_problems({k: v for k, v in locals().items() if k not in ("self", "__class__")})
         if problems:
@@ -91,15 +123,74 @@ class AAMLoss(nn.Module):
         super().__init__()
         self.weights = {"unifrac": unifrac_weight, "nucleotide": nucleotide_weight, "target": target_weight}
         self.mask_fraction, self.seed = mask_fraction, seed
-        self.target_mean, self.target_std = 0.0, 1.0
+        self.target_loss, self.huber_delta = target_loss, huber_delta
+        self.quantiles = [float(q) for q in quantiles]
+        self.class_weights_option = class_weights
+        self.class_weights: Tensor | None = None  # per class, once the classes are known (set_target)
+        self.target = TargetSpec("target")  # zscore with mean 0, std 1 until the data's is set
+
+    @property
+    def target_mean(self) -> float:
+        return self.target.shift
+
+    @property
+    def target_std(self) -> float:
+        return self.target.scale
 
     def scale_target(self, mean: float, std: float) -> None:
-        """Standardize the target with the training samples' mean and standard deviation: the target
-        part is the MSE in standard units, so a target in years or in thousands weighs as UniFrac's and
-        the nucleotides' parts do; the model predicts standard units (prediction x std + mean is the
-        target); `target_mae` is the mean absolute error in the target's own units. A constant target
-        (std 0) is only centred."""
-        self.target_mean, self.target_std = float(mean), float(std) if std > 0 else 1.0
+        """A z-scored regression target of the training samples' mean and standard deviation (`set_target`).
+        A constant target (std 0) is only centred."""
+        self.set_target(TargetSpec("target", shift=float(mean), scale=float(std) if std > 0 else 1.0))
+
+    def set_target(self, target: TargetSpec) -> None:
+        """Learn `target` (aamperf/targets.py): a regression in the units its transform gives (so a target
+        in years or in thousands weighs as UniFrac's and the nucleotides' parts do), with `target_loss`;
+        a classification with cross-entropy, weighted per class by `class_weights`. `target_mae` is the
+        mean absolute error in the target's own units."""
+        self.target, self.class_weights = target, None
+        if target.is_classification and self.class_weights_option is not None:
+            self.class_weights = class_weights(self.class_weights_option, target.class_counts)
+
+    @property
+    def target_outputs(self) -> int:
+        """What the model's target head must output: a logit per class, a value per quantile, or one."""
+        if self.target.is_classification:
+            return len(self.target.classes)
+        return len(self.quantiles) if self.target_loss == "quantile" else 1
+
+    def point(self, predicted: Tensor) -> Tensor:
+        """[B] a regression's point prediction in the model's units: the middle quantile (0.5 where it is
+        among them) of a quantile loss, else the one output."""
+        if self.target_loss != "quantile":
+            return predicted[:, 0]
+        middle = self.quantiles.index(0.5) if 0.5 in self.quantiles else len(self.quantiles) // 2
+        return predicted[:, middle]
+
+    def target_sums(self, predicted: Tensor, target: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """(the target loss summed over the batch's samples, weighted, the sum of their weights, metrics
+        summed over the samples): the part is the first over the second, the same formula for a batch
+        and for a micro-batch's share of its step (`micro_loss`). Weights are 1 but for a weighted
+        cross-entropy, where they are the samples' class weights (torch's weighted mean)."""
+        predicted, target = predicted.float(), target.float()
+        if self.target.is_classification:
+            labels = target.squeeze(1).long()
+            weights = None if self.class_weights is None else self.class_weights.to(predicted)
+            # reduction="none": each sample's cross-entropy x its class's weight
+            weighted = F.cross_entropy(predicted, labels, weight=weights, reduction="none")
+            weight = torch.ones_like(weighted) if weights is None else weights[labels]
+            return weighted.sum(), weight.sum(), {}
+        standard = self.target.forward(target)  # [B, 1], the model's units
+        if self.target_loss == "quantile":
+            per_sample = pinball(predicted, standard, self.quantiles).sum()
+        elif self.target_loss == "huber":
+            per_sample = F.huber_loss(predicted, standard, delta=self.huber_delta, reduction="sum")
+        elif self.target_loss == "mae":
+            per_sample = F.l1_loss(predicted, standard, reduction="sum")
+        else:
+            per_sample = F.mse_loss(predicted, standard, reduction="sum")
+        own = self.target.inverse(self.point(predicted.detach()))
+        mae = (own - target.squeeze(1)).abs().sum()
+        return per_sample, predicted.new_tensor(float(target.size(0))), {"target_mae": mae}
 
     def outputs(self, model: nn.Module, batch: dict, step: int) -> tuple[dict[str, Tensor], Tensor]:
         """(the model's outputs on the batch with this step's bases hidden, which bases are hidden)."""
@@ -108,6 +199,14 @@ class AAMLoss(nn.Module):
         return model(tokens.masked_fill(hidden, MASK), batch["counts"], asv_ids=asv_ids), hidden
 
     def forward(self, model: nn.Module, batch: dict, step: int) -> tuple[Tensor, dict[str, Tensor]]:
+        total, parts, _ = self.evaluate(model, batch, step)
+        return total, parts
+
+    def evaluate(
+        self, model: nn.Module, batch: dict, step: int
+    ) -> tuple[Tensor, dict[str, Tensor], Tensor | None]:
+        """(the loss, its parts, the model's target output [B, target_outputs] detached, or None):
+        `forward`'s, with the predictions validation reports its target metrics of."""
         tokens = batch["tokens"]
         out, hidden = self.outputs(model, batch, step)
 
@@ -125,17 +224,20 @@ class AAMLoss(nn.Module):
             total_ce, n_hidden = masked_nucleotide_sums(out["nuc_logits"], tokens, hidden)
             parts["nucleotide"] = world * total_ce / all_sum(n_hidden).clamp(min=1.0)
         metrics: dict[str, Tensor] = {}  # reported beside the parts, not trained on
+        predicted = None
         if "target" in out and batch.get("target") is not None:
-            # equal slices: world x (local sum / global count) is the local mean
-            predicted, target = out["target"].float(), batch["target"].float()
-            standard = (target - self.target_mean) / self.target_std
-            parts["target"] = F.mse_loss(predicted, standard)
-            metrics["target_mae"] = (predicted.detach() - standard).abs().mean() * self.target_std
+            # equal slices: world x (local sum / global count) is the local mean (a weighted
+            # cross-entropy: the ranks' weighted means, averaged)
+            predicted = out["target"]
+            total_loss, weight, sums = self.target_sums(predicted, batch["target"])
+            parts["target"] = total_loss / weight
+            metrics.update({name: value / predicted.size(0) for name, value in sums.items()})
+            predicted = predicted.detach()
         if not parts:
             raise ValueError("model output has no sample_embedding, nuc_logits or target: nothing to train")
         total = sum(self.weights[name] * value for name, value in parts.items())
         # parts are for logging: detached, so they never keep the graph alive
-        return total, {name: value.detach() for name, value in {**parts, **metrics}.items()}
+        return total, {name: value.detach() for name, value in {**parts, **metrics}.items()}, predicted
 
     # Gradient caching (aamperf/trainer/gradcache.py): a step's batch in micro-batches, its loss the whole
     # batch's. The UniFrac part needs every pair of the step's samples: it is taken once, on the embeddings
@@ -155,7 +257,12 @@ class AAMLoss(nn.Module):
         """What the step's separable parts divide by: its hidden bases on every rank, its samples here."""
         seed, fraction = self.seed, self.mask_fraction
         hidden = sum(nucleotide_mask(b["tokens"], b["asv_ids"], step, seed, fraction).sum() for b in batches)
-        return StepCounts(all_sum(hidden.float()), sum(b["tokens"].size(0) for b in batches))
+        samples = sum(b["tokens"].size(0) for b in batches)
+        target_weight = None
+        if self.class_weights is not None and batches[0].get("target") is not None:
+            weights = self.class_weights.to(batches[0]["target"])
+            target_weight = sum(weights[b["target"].squeeze(1).long()].sum() for b in batches)
+        return StepCounts(all_sum(hidden.float()), samples, target_weight)
 
     def micro_loss(
         self, model: nn.Module, batch: dict, step: int, embedding_grad: Tensor | None, counts: StepCounts
@@ -165,17 +272,17 @@ class AAMLoss(nn.Module):
         the whole batch) plus its shares of the other parts: summed over the step's micro-batches, the
         gradient of the whole batch's loss."""
         out, hidden = self.outputs(model, batch, step)
-        world, share = world_size(), batch["tokens"].size(0) / counts.samples
+        world = world_size()
         parts: dict[str, Tensor] = {}
         if "nuc_logits" in out:
             total_ce, _ = masked_nucleotide_sums(out["nuc_logits"], batch["tokens"], hidden)
             parts["nucleotide"] = world * total_ce / counts.hidden.clamp(min=1.0)
         metrics: dict[str, Tensor] = {}
         if "target" in out and batch.get("target") is not None:  # means over the step's samples on this rank
-            predicted, target = out["target"].float(), batch["target"].float()
-            standard = (target - self.target_mean) / self.target_std
-            parts["target"] = F.mse_loss(predicted, standard) * share
-            metrics["target_mae"] = (predicted.detach() - standard).abs().mean() * self.target_std * share
+            total_loss, _, sums = self.target_sums(out["target"], batch["target"])
+            weight = counts.samples if counts.target_weight is None else counts.target_weight
+            parts["target"] = total_loss / weight
+            metrics.update({name: value / counts.samples for name, value in sums.items()})
         backward = sum(self.weights[name] * value for name, value in parts.items())
         if embedding_grad is not None:  # d(weighted UniFrac part)/d(embedding) = weight x the cached gradient
             embedding = out["sample_embedding"].float()
@@ -208,6 +315,29 @@ def unifrac_loss(embedding: Tensor, unifrac: Tensor) -> Tensor:
     # only i < j pairs: the norm's gradient at a zero distance (the diagonal) would be undefined
     distance = (embedding[i].float() - embedding[j].float()).norm(dim=-1)
     return F.mse_loss(unifrac_of(distance), unifrac[i, j].float())
+
+
+def pinball(predicted: Tensor, target: Tensor, quantiles: list[float]) -> Tensor:
+    """[B] each sample's pinball loss averaged over the quantiles: predicted [B, Q] (a column per
+    quantile), target [B, 1]. Under-predicting quantile q costs q per unit, over-predicting 1 - q."""
+    q = predicted.new_tensor(quantiles)
+    error = target - predicted
+    return torch.maximum(q * error, (q - 1) * error).mean(dim=1)
+
+
+def class_weights(option: str | Sequence[float], counts: list[int]) -> Tensor:
+    """Per-class weights of the cross-entropy: `balanced` n / (classes x count), scikit-learn's (a rare
+    class weighs as a common one), or the list given, one per class (the sorted classes' order)."""
+    if option == "balanced":
+        counts_t = torch.tensor(counts, dtype=torch.float64)
+        return counts_t.sum() / (len(counts) * counts_t)
+    weights = [float(w) for w in option]
+    if len(weights) != len(counts):
+        raise UserError(
+            f"loss.class_weights has {len(weights)} weights for {len(counts)} classes; give one per class "
+            "(in the sorted order of the classes), or loss.class_weights=balanced"
+        )
+    return torch.tensor(weights, dtype=torch.float64)
 
 
 def masked_nucleotide_sums(logits: Tensor, tokens: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:

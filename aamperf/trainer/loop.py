@@ -13,13 +13,14 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from aamperf.device import new_cuda_graph_step, sync, to_device
-from aamperf.distributed import all_sum, full_value, world_size
+from aamperf.distributed import all_sum, full_value, gather_constant, world_size
 from aamperf.errors import RunAborted
 from aamperf.guards import Guards
 from aamperf.interrupts import Interrupts, RunInterrupted
 from aamperf.metrics import RunRecord, StepMeter, SystemMonitor
 from aamperf.metrics.interval import Interval
 from aamperf.metrics.profile import step_profilers
+from aamperf.metrics.target import validation_figures
 from aamperf.phases import Plan
 from aamperf.trainer.checkpoints import Checkpoints
 from aamperf.trainer.gradcache import accumulation
@@ -34,6 +35,8 @@ class FitResult:
     meter: StepMeter
     train_loss: float | None = None
     val: dict[str, float] = field(default_factory=dict)
+    # what the last validation's target figures were computed from (`validate`'s `detail`)
+    val_detail: dict[str, Any] = field(default_factory=dict)
     nonfinite_steps: int = 0
     nonfinite_check: str = ""  # how bad steps are skipped (aamperf/guards/nonfinite.py)
     steps: int = 0
@@ -109,25 +112,37 @@ class TrainStep:
 
 @torch.no_grad()
 def validate(
-    model: torch.nn.Module, loss_fn: LossFn, loader, n_batches: int, device, non_blocking
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    loader,
+    n_batches: int,
+    device,
+    non_blocking,
+    detail: dict[str, Any] | None = None,
 ) -> dict[str, float | None]:
     """Every figure of one validation, all of the same samples: those of its first `n_batches` batches
     (at most: its cost does not grow with the data), `val_samples` of them. The mean loss and parts (the
-    batches are of one size: the means of the samples), and, where the loss standardizes a target
-    (`target_std`), its R^2 (`val_target_r2`)."""
+    batches are of one size: the means of the samples), and, where the loss predicts a target
+    (`evaluate`), its figures in the target's own units (aamperf/metrics/target.py) of every rank's
+    samples. `detail`, where given, gets what those were computed from: the samples, observed and
+    predicted values, a classification's confusion matrix."""
     model.eval()
     sums: dict[str, torch.Tensor] = {}
     n = samples = 0
-    target = torch.zeros(3, dtype=torch.float64)  # of the samples' target, own units: count, sum, squares
+    evaluate = getattr(loss_fn, "evaluate", None)
+    predictions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (sample_idx, target, output)
     for batch in loader:
         # step=0: the same nucleotide masks at every validation, so val losses are comparable over time.
         new_cuda_graph_step(device)
-        loss, parts = loss_fn(model, to_device(batch, device, non_blocking), 0)
+        batch = to_device(batch, device, non_blocking)
+        if evaluate is None:
+            (loss, parts), predicted = loss_fn(model, batch, 0), None
+        else:
+            loss, parts, predicted = evaluate(model, batch, 0)
         for name, value in {"loss": loss, **parts}.items():
             sums[name] = sums.get(name, 0) + value.detach().float()
-        if batch.get("target") is not None:  # on the host: this rank's slice, no sync
-            values = batch["target"].double()
-            target += torch.stack([values.new_tensor(values.numel()), values.sum(), values.square().sum()])
+        if predicted is not None:  # a copy: a CUDA graph's output is overwritten by its next replay
+            predictions.append((batch["sample_idx"], batch["target"].squeeze(1), predicted.float().clone()))
         samples += batch["n_samples"]  # of the global batch
         n += 1
         if n == n_batches:
@@ -138,11 +153,15 @@ def validate(
         f"val_{name}": (all_sum(total) / (n * world)).item() for name, total in sums.items()
     }  # host sync: once per validation
     val["val_samples"] = samples
-    std = getattr(loss_fn, "target_std", None)
-    if "val_target" in val and std is not None:  # the part is the MSE in standard units: x std^2, own units
-        count, total, squares = all_sum(target.to(device)).tolist()
-        variance = squares / count - (total / count) ** 2
-        val["val_target_r2"] = 1.0 - val["val_target"] * std**2 / variance if variance > 0 else None
+    if predictions:  # every rank's samples, in rank order: the same figures on every rank
+        idx, observed, predicted = (
+            gather_constant(torch.cat(column)).cpu() for column in zip(*predictions, strict=True)
+        )
+        figures, found = validation_figures(loss_fn, observed.double().numpy(), predicted.double().numpy())
+        val.update(figures)
+        if detail is not None:
+            detail.clear()
+            detail.update(found, sample_idx=idx.tolist())
     return val
 
 
@@ -230,8 +249,9 @@ def fit(
                 if val_due and not stop:
                     with plan.autocast():
                         result.val = validate(
-                            plan.model, loss_fn, data.val_loader, tc.val_batches, device, non_blocking
-                        )
+                            plan.model, loss_fn, data.val_loader, tc.val_batches, device, non_blocking,
+                            result.val_detail,
+                        )  # fmt: skip
                     row.update(result.val)
                     stop = guards.check_validation(step, result.val)  # a NaN validation is no result
                 record.log(row)

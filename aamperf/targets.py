@@ -1,0 +1,133 @@
+"""A metadata target as the model learns it: its kind (regression or classification), the transform of a
+regression (`data.target_transform`, fitted on the training samples only) and the classes of a
+classification (from the training samples, sorted). Saved with the model (`weights.save_model`'s
+`target`, summary.json's `target`), so predictions can be put back in the target's own units."""
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import Tensor
+
+from aamperf.errors import UserError
+
+TRANSFORMS = ("none", "zscore", "minmax", "log_zscore")
+KINDS = ("auto", "regression", "classification")
+
+
+@dataclass
+class TargetSpec:
+    """model units = (g(y) - shift) / scale, with g = log for log_* transforms, else the identity: every
+    transform is affine in y or in log y, so one inverse serves all. Classification: the target is the
+    class index into `classes`."""
+
+    column: str
+    kind: str = "regression"  # regression | classification
+    transform: str = "zscore"  # of a regression: none | zscore | minmax | log_zscore
+    shift: float = 0.0
+    scale: float = 1.0
+    classes: list[str] = field(default_factory=list)  # of a classification, sorted
+    class_counts: list[int] = field(default_factory=list)  # training samples of each class
+
+    @property
+    def is_classification(self) -> bool:
+        return self.kind == "classification"
+
+    def forward(self, y: Tensor) -> Tensor:
+        """Own units -> the units the model predicts (a regression's; class indices are left as they are)."""
+        if self.is_classification:
+            return y
+        y = y.log() if self.transform.startswith("log_") else y
+        return (y - self.shift) / self.scale
+
+    def inverse(self, t: Tensor) -> Tensor:
+        """The model's units -> the target's own units."""
+        y = t * self.scale + self.shift
+        return y.exp() if self.transform.startswith("log_") else y
+
+    def payload(self) -> dict[str, Any]:
+        """What is saved with the model and in summary.json's `target`. `mean` / `std`: the affine part
+        (shift, scale) under the names readers of the zscore-only payload know; with log_zscore, of log y."""
+        out: dict[str, Any] = {"column": self.column, "type": self.kind}
+        if self.is_classification:
+            return {**out, "classes": self.classes, "train_class_counts": self.class_counts}
+        return {**out, "transform": self.transform, "shift": self.shift, "scale": self.scale,
+                "mean": self.shift, "std": self.scale}  # fmt: skip
+
+
+def fit_regression(column: str, values: Tensor, train: Tensor, transform: str) -> TargetSpec:
+    """The transform `transform` fitted on the training samples' values `values[train]`; a log transform
+    refuses any value <= 0 (of every sample: each is transformed). A constant target is only centred."""
+    if transform not in TRANSFORMS:
+        raise UserError(f"data.target_transform={transform} is not one of {', '.join(TRANSFORMS)}")
+    values = values.double()
+    if transform.startswith("log_"):
+        low = float(values.min())
+        if low <= 0:
+            raise UserError(
+                f"data.target_transform={transform}: column {column!r} holds values <= 0 (lowest {low:g}), "
+                "whose log is undefined; set data.target_transform=zscore (or minmax, none)"
+            )
+        values = values.log()
+    fitted = values[train]
+    shift, scale = 0.0, 1.0
+    if transform.endswith("zscore"):
+        shift, scale = float(fitted.mean()), float(fitted.std())  # unbiased: as the original zscore
+    elif transform == "minmax":
+        shift, scale = float(fitted.min()), float(fitted.max() - fitted.min())
+    if not scale > 0 or not math.isfinite(scale):
+        scale = 1.0
+    return TargetSpec(column, "regression", transform, shift, scale)
+
+
+def fit_classes(column: str, codes: Tensor, names: list[str], train: Tensor, val: Tensor) -> tuple[
+    TargetSpec, Tensor
+]:  # fmt: skip
+    """(the classes of the training samples, sorted; every sample's index among them). `codes`: each
+    sample's index into `names` (the column's distinct values, sorted). Refused: a class with a single
+    sample (it cannot be both trained and validated), a validation sample of a class no training sample
+    has."""
+    codes = codes.long()
+    counts = torch.bincount(codes, minlength=len(names))
+    single = [names[c] for c in (counts == 1).nonzero().flatten().tolist()]
+    if single:
+        raise UserError(
+            f"data.target={column}: class {single[0]!r} has a single sample"
+            + (f" (and {len(single) - 1} more classes)" if len(single) > 1 else "")
+            + ", which cannot be both trained and validated; drop it from data.metadata or merge it "
+            "into another"
+        )
+    seen = torch.unique(codes[train])
+    unseen = sorted(set(torch.unique(codes[val]).tolist()) - set(seen.tolist()))
+    if unseen:
+        raise UserError(
+            f"data.target={column}: validation samples of class {names[unseen[0]]!r}, which no training "
+            "sample has; add samples of it, or change data.seed / data.val_fraction (the split)"
+        )
+    index = torch.full((len(names),), -1, dtype=torch.long)
+    index[seen] = torch.arange(len(seen))
+    spec = TargetSpec(column, "classification", transform="none", classes=[names[c] for c in seen.tolist()])
+    spec.class_counts = torch.bincount(index[codes[train]], minlength=len(seen)).tolist()
+    return spec, index[codes]
+
+
+def learn_target(cfg: DictConfig, loss_fn: Any, target: TargetSpec | None, summary: dict[str, Any]) -> None:
+    """Tell the loss the data's target (`target`: None without one) and make the model's target head
+    fit it (`model.target_dim`: a logit per class, a value per quantile, or one); say it in summary.json's
+    `target`. Without a target the model config is left as it is (pretraining)."""
+    if target is None or not hasattr(loss_fn, "set_target"):
+        return
+    loss_fn.set_target(target)
+    if "target_dim" in cfg.model:  # before the model is built from it (and saved with the run)
+        cfg.model.target_dim = loss_fn.target_outputs
+    summary["target"] = target.payload()
+    if target.is_classification:
+        summary["target"]["class_weights"] = (
+            None if loss_fn.class_weights is None else loss_fn.class_weights.tolist()
+        )
+    else:
+        summary["target"]["loss"] = loss_fn.target_loss
+        if loss_fn.target_loss == "quantile":
+            summary["target"]["quantiles"] = loss_fn.quantiles
