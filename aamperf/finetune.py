@@ -22,8 +22,6 @@ from aamperf.weights import MODEL_FILE, read_model_file
 # so its target head never learned one (AdamW leaves a parameter without gradients as initialized), and a
 # pretraining that had one (aamperf's data.target) learned its own column, not this run's.
 FRESH = ("target_head",)
-
-
 # Model arguments a fine-tune may change; any other that differs from the file's changes what the loaded
 # weights compute (num_heads splits the same tensors into other heads) and is refused.
 CHANGEABLE = ("dropout", "target_dim")
@@ -135,23 +133,28 @@ def misfit_message(
     weights fit (the conf/model/ option of the file's model, where one has all its sizes)."""
     where = f"init.from_run={run}"
     tensors = "; ".join(misfits[:3]) + (f"; ... ({len(misfits)} tensors)" if len(misfits) > 3 else "")
-    if not differences:  # no config to compare (or only tensors differ): name them, and where the sizes are
-        return (
-            f"{where}: its weights do not fit this run's model ({tensors}); set model.* as that run had them "
-            f"(its .hydra/config.yaml)"
-        )
-    there = ", ".join(f"{key}={old}" for key, (old, _) in differences.items())
-    here = ", ".join(f"{key}={new}" for key, (_, new) in differences.items())
-    option, overrides = model_option(their_model), " ".join(map(override, differences.items()))
-    fix = f"model={option} or {overrides}" if option else overrides
     seen = f" ({tensors})" if tensors else ""
+    # sizes only: never a file's `_target_` or string (an interpolation) that would run as this run builds
+    overrides = " ".join(
+        f"model.{key}={shown(old)}"
+        for key, (old, _) in differences.items()
+        if old is None or isinstance(old, int | float)  # bool is an int
+    )
+    option = model_option(their_model)
+    fixes = [f"model={option}"] * bool(option) + [overrides] * bool(overrides)
+    # no size to give: no config to compare, or only its _target_ (or a string) differs
+    fix = " or ".join(fixes) or "model.* as that run had them (its .hydra/config.yaml)"
+    if not differences:
+        return f"{where}: its weights do not fit this run's model{seen}: set {fix}"
+    there = ", ".join(f"{key}={shown(old)}" for key, (old, _) in differences.items())
+    here = ", ".join(f"{key}={shown(new)}" for key, (_, new) in differences.items())
     return f"{where}: its model has {there}, this run's {here}{seen}: set {fix}"
 
 
-def override(difference: tuple[str, tuple[Any, Any]]) -> str:
-    """The command-line override that gives this run's model the file's value of one argument."""
-    key, (theirs, _) = difference
-    return f"model.{key}={'null' if theirs is None else theirs}"
+def shown(value: Any) -> str:
+    """A config value as an override writes it, cut short (a file's value is anything it holds)."""
+    text = "null" if value is None else str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def model_option(their_model: dict[str, Any]) -> str | None:

@@ -12,6 +12,7 @@ from hydra.utils import instantiate
 from test_file_payloads import payloads
 
 from aamperf.config import register_configs
+from aamperf.errors import UserError
 from aamperf.finetune import ASV_LEVEL, FROZEN, SAMPLE_LEVEL, freeze, load_pretrained
 from aamperf.rng import seed_everything
 from aamperf.run import train
@@ -109,12 +110,11 @@ def test_frozen_modules_stay_in_eval_mode_through_model_train(make_cfg, pretrain
 
 
 def test_freezing_without_a_pretrained_run_is_one_line(make_cfg, tmp_path):
-    summary = None
-    with pytest.raises(Exception) as refused:
-        summary = train(make_cfg("finetune.freeze=encoder"), tmp_path)
-    assert (
-        summary is None
-        and "set init.from_run=<a pretrain run's directory>, or finetune.freeze=none" in str(refused.value)
+    with pytest.raises(UserError) as refused:
+        train(make_cfg("finetune.freeze=encoder"), tmp_path)
+    assert str(refused.value) == (
+        "finetune.freeze=encoder keeps weights as they are, and without init.from_run they are a fresh "
+        "model's: set init.from_run=<a pretrain run's directory>, or finetune.freeze=none"
     )
 
 
@@ -141,8 +141,13 @@ def test_another_model_size_is_refused_in_one_line_and_writes_no_more_than_a_ref
 
 
 def test_a_missing_pretrained_run_is_one_line(make_cfg, tmp_path):
-    with pytest.raises(Exception, match=r"init.from_run=\S+nope: no such directory; give the directory of a"):
+    with pytest.raises(
+        UserError, match=r"^init.from_run=\S+nope: no such directory; give the directory of a"
+    ):
         train(make_cfg(f"init.from_run={tmp_path / 'nope'}"), tmp_path / "run")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"empty: no model.pt in it; give the directory of a completed run"):
+        train(make_cfg(f"init.from_run={tmp_path / 'empty'}"), tmp_path / "run2")
 
 
 def test_a_model_files_harmful_target_is_never_built(make_cfg, pretrained, tmp_path):
@@ -162,10 +167,15 @@ def test_a_model_files_harmful_target_is_never_built(make_cfg, pretrained, tmp_p
         and summary["finetune"]["tensors_loaded"] == len(payload["weights"]) - 2
     )
     after = weights_of(tmp_path / "run")
-    assert torch.equal(
-        after["asv_encoder.blocks.0.attn.qkv.weight"],
-        payload["weights"]["asv_encoder.blocks.0.attn.qkv.weight"],
+    frozen = [name for name in after if name.split(".")[0] in FROZEN["encoder"]]
+    assert all(torch.equal(after[name], payload["weights"][name]) for name in frozen)
+    # a model that does not fit: the refusal names sizes to set, never the file's _target_ to build
+    with pytest.raises(UserError) as refused:
+        train(make_cfg(f"init.from_run={shared}", "model.embedding_dim=48"), tmp_path / "refused")
+    assert "model._target_" not in str(refused.value) and str(refused.value).endswith(
+        ": set model.embedding_dim=32"
     )
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize(
