@@ -63,18 +63,21 @@ def test_loaded_weights_are_the_pretrained_runs_and_the_target_head_fresh(make_c
 def test_frozen_parameters_keep_the_pretrained_values_and_the_others_train(
     make_cfg, pretrained, tmp_path, frozen
 ):
-    cfg = make_cfg(f"init.from_run={pretrained}", f"finetune.freeze={frozen}", *FINETUNE)
-    summary = train(cfg, tmp_path)
+    frozen_run = [f"init.from_run={pretrained}", f"finetune.freeze={frozen}", "trainer.checkpoint_every=3"]
+    summary = train(make_cfg(*frozen_run, *FINETUNE), tmp_path)
     assert summary["status"] == "completed"
     before, after = weights_of(pretrained), weights_of(tmp_path)
     is_frozen = {name: name.split(".")[0] in FROZEN[frozen] for name in after}
     kept = [name for name, f in is_frozen.items() if f]
     trained = [name for name, f in is_frozen.items() if not f]
     assert kept and all(torch.equal(after[name], before[name]) for name in kept)  # bit for bit
-    # every trainable tensor moved (AdamW moves each by about lr a step); the target head from its own start
+    # every trainable tensor moved (AdamW moves each by about lr a step)
     changed = [name for name in trained if not torch.equal(after[name], before[name])]
     assert changed == trained
     assert {"nuc_head.weight", "target_head.weight"} <= set(trained)
+    # the optimizer holds the trainable tensors only: nothing it could decay or step among the frozen ones
+    optimizer = torch.load(tmp_path / "checkpoints" / "step_00000003.pt", weights_only=True)["optimizer"]
+    assert sum(len(group["params"]) for group in optimizer["param_groups"]) == len(trained)
     record = summary["finetune"]
     assert record["frozen_modules"] == list(FROZEN[frozen]) and record["frozen_in_eval"] is True
     assert record["frozen_params"] == sum(after[name].numel() for name in kept)
