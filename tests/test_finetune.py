@@ -206,3 +206,25 @@ def test_a_resumed_fine_tune_goes_on_from_its_checkpoint(make_cfg, pretrained, t
     assert summary["status"] == "completed" and summary["resumed_from_step"] == 2
     resumed = weights_of(tmp_path)
     assert all(torch.equal(resumed[name], whole[name]) for name in whole)
+
+
+def test_a_plug_in_model_fine_tunes_by_name_and_shape(make_cfg, tmp_path):
+    """Any nn.Module: its tensors load by name and shape as AAM's do; a size that differs is named, and
+    freezing AAM's modules is refused for a model that has none."""
+    plugin = ["~model", "+model._target_=plugin_model.MeanPoolModel", "+model.dim=8", "data.max_asvs=16"]
+    plugin += ["~loss", "+loss._target_=plugin_model.pair_loss", "+loss._partial_=true", "data.target=null"]
+    assert train(make_cfg(*plugin), tmp_path / "pretrain")["status"] == "completed"
+    from_run = f"init.from_run={tmp_path / 'pretrain'}"
+    summary = train(make_cfg(*plugin, from_run, "trainer.max_steps=1"), tmp_path / "finetune")
+    assert summary["status"] == "completed" and summary["finetune"]["tensors_loaded"] == 3
+    assert summary["finetune"]["fresh"] == [] and summary["finetune"]["frozen_params"] == 0
+    wider = [p.replace("dim=8", "dim=16") for p in plugin]
+    with pytest.raises(UserError) as refused:
+        train(make_cfg(*wider, from_run), tmp_path / "wider")
+    assert str(refused.value) == (
+        f"init.from_run={tmp_path / 'pretrain'}: its model has dim=8, this run's dim=16 (embed.weight [7, 8] "
+        "there, [7, 16] here; proj.weight [8, 8] there, [16, 16] here; proj.bias [8] there, [16] here): set "
+        "model.dim=8"
+    )
+    with pytest.raises(UserError, match=r"has none of them: set finetune.freeze=none$"):
+        train(make_cfg(*plugin, from_run, "finetune.freeze=encoder"), tmp_path / "frozen")
