@@ -72,7 +72,11 @@ def test_two_ranks_train_like_one_process_with_the_whole_batch(launch, strategy)
     assert summary["world_size"] == 2 and summary["phases"]["distributed"]["strategy"] == strategy
     assert [r["rank"] for r in summary["per_rank"]] == [0, 1]
     assert summary["peak_rss_bytes_all_ranks"] == sum(r["peak_rss_bytes"] for r in summary["per_rank"])
+    # the target's figures: of every rank's validation samples, gathered (val_predictions.tsv: rank 0's file)
+    for key in ("val_target_mae", "val_target_rmse", "val_target_r2"):
+        assert [r[key] for r in two if key in r] == pytest.approx([r[key] for r in one if key in r], rel=1e-4)
     files = [".hydra", "metrics.jsonl", "model.pt", "summary.json", "train.log", "train_rank1.log"]
+    files += ["val_predictions.tsv"]
     # the kept model: the whole model (FSDP2: gathered from the shards), under its plain names, trained
     # like the one process's
     mine, theirs = (torch.load(d / "model.pt", weights_only=True)["weights"] for d in (run_dir, one_dir))

@@ -122,38 +122,40 @@ def validate(
 ) -> dict[str, float | None]:
     """Every figure of one validation, all of the same samples: those of its first `n_batches` batches
     (at most: its cost does not grow with the data), `val_samples` of them. The mean loss and parts (the
-    batches are of one size: the means of the samples), and, where the loss predicts a target
-    (`evaluate`), its figures in the target's own units (aamperf/metrics/target.py) of every rank's
-    samples. `detail`, where given, gets what those were computed from: the samples, observed and
+    batches are of one size: the means of the samples), and, where the model predicts a target the loss
+    knows (its `target`), its figures in the target's own units (aamperf/metrics/target.py) of every
+    rank's samples. `detail`, where given, gets what those were computed from: the samples, observed and
     predicted values, a classification's confusion matrix."""
     model.eval()
     sums: dict[str, torch.Tensor] = {}
     n = samples = 0
-    evaluate = getattr(loss_fn, "evaluate", None)
+    outputs: list[torch.Tensor] = []  # the model's target output of the batch, as the loss saw it
     predictions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (sample_idx, target, output)
-    for batch in loader:
-        # step=0: the same nucleotide masks at every validation, so val losses are comparable over time.
-        new_cuda_graph_step(device)
-        batch = to_device(batch, device, non_blocking)
-        if evaluate is None:
-            (loss, parts), predicted = loss_fn(model, batch, 0), None
-        else:
-            loss, parts, predicted = evaluate(model, batch, 0)
-        for name, value in {"loss": loss, **parts}.items():
-            sums[name] = sums.get(name, 0) + value.detach().float()
-        if predicted is not None:  # a copy: a CUDA graph's output is overwritten by its next replay
-            predictions.append((batch["sample_idx"], batch["target"].squeeze(1), predicted.float().clone()))
-        samples += batch["n_samples"]  # of the global batch
-        n += 1
-        if n == n_batches:
-            break
+    hook = model.register_forward_hook(lambda _, __, out: outputs.append(target_output(out)))
+    try:
+        for batch in loader:
+            # step=0: the same nucleotide masks at every validation, so val losses are comparable over time.
+            new_cuda_graph_step(device)
+            batch = to_device(batch, device, non_blocking)
+            loss, parts = loss_fn(model, batch, 0)
+            for name, value in {"loss": loss, **parts}.items():
+                sums[name] = sums.get(name, 0) + value.detach().float()
+            if outputs and outputs[-1] is not None and batch.get("target") is not None:
+                predictions.append((batch["sample_idx"], batch["target"].squeeze(1), outputs[-1]))
+            outputs.clear()
+            samples += batch["n_samples"]  # of the global batch
+            n += 1
+            if n == n_batches:
+                break
+    finally:
+        hook.remove()
     model.train()
     world = world_size()  # each rank holds its share of every part: the global value is their mean
     val: dict[str, float | None] = {
         f"val_{name}": (all_sum(total) / (n * world)).item() for name, total in sums.items()
     }  # host sync: once per validation
     val["val_samples"] = samples
-    if predictions:  # every rank's samples, in rank order: the same figures on every rank
+    if predictions and getattr(loss_fn, "target", None) is not None:  # every rank's, in rank order
         idx, observed, predicted = (
             gather_constant(torch.cat(column)).cpu() for column in zip(*predictions, strict=True)
         )
@@ -163,6 +165,14 @@ def validate(
             detail.clear()
             detail.update(found, sample_idx=idx.tolist())
     return val
+
+
+def target_output(out: Any) -> torch.Tensor | None:
+    """A model's target output (float32, a copy: a CUDA graph's output is overwritten by its next replay),
+    or None where it has none."""
+    if isinstance(out, dict) and torch.is_tensor(out.get("target")):
+        return out["target"].detach().float().clone()
+    return None
 
 
 def interrupted(
