@@ -181,16 +181,16 @@ class AAMLoss(nn.Module):
             return weighted.sum(), weight.sum(), {}
         standard = self.target.forward(target)  # [B, 1], the model's units
         if self.target_loss == "quantile":
-            per_sample = pinball(predicted, standard, self.quantiles).sum()
+            summed = pinball(predicted, standard, self.quantiles).sum()
         elif self.target_loss == "huber":
-            per_sample = F.huber_loss(predicted, standard, delta=self.huber_delta, reduction="sum")
+            summed = F.huber_loss(predicted, standard, delta=self.huber_delta, reduction="sum")
         elif self.target_loss == "mae":
-            per_sample = F.l1_loss(predicted, standard, reduction="sum")
+            summed = F.l1_loss(predicted, standard, reduction="sum")
         else:
-            per_sample = F.mse_loss(predicted, standard, reduction="sum")
-        own = self.target.inverse(self.point(predicted.detach()))
+            summed = F.mse_loss(predicted, standard, reduction="sum")
+        own = self.target.inverse(self.point(predicted.detach()))  # the target's own units
         mae = (own - target.squeeze(1)).abs().sum()
-        return per_sample, predicted.new_tensor(float(target.size(0))), {"target_mae": mae}
+        return summed, predicted.new_tensor(float(target.size(0))), {"target_mae": mae}
 
     def outputs(self, model: nn.Module, batch: dict, step: int) -> tuple[dict[str, Tensor], Tensor]:
         """(the model's outputs on the batch with this step's bases hidden, which bases are hidden)."""
@@ -206,7 +206,8 @@ class AAMLoss(nn.Module):
         self, model: nn.Module, batch: dict, step: int
     ) -> tuple[Tensor, dict[str, Tensor], Tensor | None]:
         """(the loss, its parts, the model's target output [B, target_outputs] detached, or None):
-        `forward`'s, with the predictions validation reports its target metrics of."""
+        `forward`'s, with the predictions it was taken on (in the model's units: `target.inverse` and
+        `point` put a regression's in the target's own)."""
         tokens = batch["tokens"]
         out, hidden = self.outputs(model, batch, step)
 
