@@ -13,9 +13,10 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, RandomSampler, Subset
 
 from aamperf.data.branches import batch_matrix
+from aamperf.data.metadata import read_target_column
 from aamperf.data.samples import SampleDataset, Samples
 from aamperf.data.store import sample_store
-from aamperf.data.tables import read_target_column, read_unifrac, resolve_files, table_ids
+from aamperf.data.tables import read_unifrac, resolve_files, table_ids
 from aamperf.data.unifrac import cached_unifrac, select_unifrac
 from aamperf.errors import UserError
 from aamperf.model.aam import bucket_size

@@ -15,7 +15,8 @@ from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
 from aamperf.data.branches import Branches
-from aamperf.data.tables import observation_sequences, read_table, read_target, resolve_files
+from aamperf.data.metadata import read_target
+from aamperf.data.tables import observation_sequences, read_table, resolve_files
 from aamperf.data.tokenize import count_real_tokens, tokenize_sequences
 from aamperf.errors import UserError
 from aamperf.tokens import ASV_BP, TOKENS_PER_ASV

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from aamperf.cgroups import core_budget
 from aamperf.data.branches import Branches, read_branches
+from aamperf.data.metadata import read_target
 from aamperf.data.samples import (
     Chunk,
     Ragged,
@@ -45,7 +46,7 @@ from aamperf.data.samples import (
     warn_too_shallow,
     warn_without_target,
 )
-from aamperf.data.tables import read_target, table_chunks, table_ids
+from aamperf.data.tables import table_chunks, table_ids
 from aamperf.data.trees import warn_missing_lengths
 from aamperf.errors import UserError, disk_full, no_space
 from aamperf.files import one_builder, replace_durably, sha256_of
