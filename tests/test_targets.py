@@ -173,6 +173,7 @@ def test_a_regression_trains_and_reports_sklearn_s_figures_in_the_target_s_own_u
         assert val["val_target_interval_nominal"] == pytest.approx(0.8)
         assert summary["target"]["quantiles"] == [0.1, 0.5, 0.9]
     assert summary["target"]["transform"] == transform and summary["target"]["loss"] == loss
+    assert summary["config"]["model"]["target_dim"] == (3 if loss == "quantile" else 1)  # model.pt's too
 
 
 def test_a_log_zscore_regression_reports_in_the_target_s_units(make_cfg, cache_dir, tmp_path):
@@ -202,6 +203,9 @@ def test_a_log_zscore_regression_reports_in_the_target_s_units(make_cfg, cache_d
         assert summary["val"][key] == pytest.approx(value, rel=1e-6), key
     train_ids, _ = split(make_cfg, *biom)
     assert summary["target"]["shift"] == pytest.approx(np.log(metadata.loc[train_ids, "target"]).mean())
+    # saved with the model, where predict reads the target's scale
+    saved = torch.load(tmp_path / "run" / "model.pt", weights_only=True)["target"]
+    assert saved == summary["target"] and saved["transform"] == "log_zscore"
 
 
 def sklearn_classification(table: pd.DataFrame, classes: list[str]) -> dict:
