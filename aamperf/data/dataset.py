@@ -207,9 +207,9 @@ class Data:
     n_asvs: int  # distinct ASVs kept (after rarefaction and the max_asvs cut)
     max_asvs: int  # most ASVs of a sample; the `S` of every batch unless padded to the longest sample
     has_target: bool
-    target_mean: float | None  # of the training samples' raw target: the loss standardizes with these
+    target_mean: float | None  # of the training samples' raw target (a regression's; None for classes)
     target_std: float | None
-    target: TargetSpec | None  # its kind, transform or classes, fitted on the training samples
+    target: TargetSpec | None  # what the loss learns: kind, transform or classes (of the training samples)
     samples_without_target: int  # of data.table, left out: no value of data.target in data.metadata
     unifrac_mode: str  # batch (from branch sets, per batch) or precomputed (the n x n matrix)
     unifrac_cached: bool  # precomputed from data.tree: the matrix came from `<cache_dir>/unifrac/`
