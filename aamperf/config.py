@@ -233,6 +233,10 @@ class MetricsConfig:
     # the device's dense peak FLOP/s for the run's matmul dtype, from its data sheet: for a GPU not in
     # aamperf/metrics/gpu_peaks.py (e.g. an A10G); null: that table (GPU) or a calibration (CPU)
     peak_flops: float | None = None
+    # a run with data.target: a random forest on the same samples' ASV counts after training, its figures
+    # beside the model's (summary.json rf_baseline; aamperf/metrics/rf_baseline.py). About 1 s on the
+    # default simulated data (2 cores), outside every timed figure; false skips it
+    rf_baseline: bool = True
 
 
 @dataclass

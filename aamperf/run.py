@@ -22,6 +22,7 @@ from aamperf.metrics import (
     release_freed_memory,
     start_job_peak_rss,
 )
+from aamperf.metrics.rf_baseline import add_rf_baseline, rf_baseline_line
 from aamperf.metrics.target import write_val_predictions
 from aamperf.phases.compile import compiled_graphs
 from aamperf.summary import Summary, resolved_config
@@ -87,6 +88,8 @@ def train(
             summary["per_rank"] = per_rank(summary, ("peak_rss_bytes", "step_time_s", "peak_device_bytes"))
             summary["peak_rss_bytes_all_ranks"] = sum(r["peak_rss_bytes"] for r in summary["per_rank"])
         summary.completed(job, job.model_flops, job.hardware_flops)
+        if main:  # after every timed figure; the first rank's detail holds every rank's samples
+            add_rf_baseline(summary, cfg, job.data, result.val_detail)
     except (RunAborted, StopSignal) as caught:  # a guard, or a stop signal (interrupted)
         exc = caught.interrupted if isinstance(caught, StopSignal) else caught
         summary.trained(exc.result, job and job.plan, monitor)
@@ -143,6 +146,9 @@ def print_result(summary: dict, run_dir: Path) -> None:
             f"{found['largest_fitting']}, limited by {found['limited_by']})"
         )
     target = target_line(summary)
+    forest = rf_baseline_line(summary)
+    if forest:  # the reference the model's target figures are read against, just above them
+        print(forest)
     if target:  # last: the figures a fine-tuning run is for
         print(target)
 
