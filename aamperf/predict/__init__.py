@@ -1,8 +1,9 @@
 """Use what was trained: a completed run's model applied to samples (`python -m aamperf.predict`).
 
 Writes, into its own directory: `embeddings.tsv` (one row per sample: its id, then the sample
-embedding), `targets.tsv` (the predicted target in the target's own units, and the observed value where
-the metadata has one) when the model predicts one, `unifrac.npy` + `unifrac.ids.txt` (the predicted
+embedding), `targets.tsv` when the model predicts a target (a regression's value, and each quantile's, in
+the target's own units: its transform inverted; a classification's class and each class's probability;
+the observed value or class where the metadata has one), `unifrac.npy` + `unifrac.ids.txt` (the predicted
 UniFrac between every pair of samples) with `pairwise=true`, and a `summary.json` of its own."""
 
 import logging
@@ -35,24 +36,28 @@ from aamperf.predict.bench import latencies
 from aamperf.predict.export import export_model
 from aamperf.predict.levels import apply_levels, forward, quality
 from aamperf.predict.outputs import write_predictions
+from aamperf.predict.target import SavedTarget, observed_values, read_saved_target
 from aamperf.weights import MODEL_FILE, OWN_MODELS, build_model, load_model, read_model_file
 
 log = logging.getLogger(__name__)
 
 
-def data_config(run_data: dict[str, Any], new: DictConfig) -> DictConfig:
+def data_config(run_data: dict[str, Any], new: DictConfig, target: SavedTarget | None) -> DictConfig:
     """The run's data config (its samples), or a new table in its place; rarefaction, the ASV cut and
-    data.seed stay the run's, so the model reads samples as it was trained on them."""
+    data.seed stay the run's, so the model reads samples as it was trained on them. The target column is
+    read as the model's target: numbers for a regression, names for a classification."""
     cfg = OmegaConf.create(run_data)
     if new.table is None:
         if new.metadata is not None or new.sequences is not None:
             raise UserError(
                 "data.metadata and data.sequences go with a new data.table; give data.table=<t.biom>"
             )
-        return cfg
-    cfg.source, cfg.table, cfg.tree, cfg.unifrac = "biom", new.table, None, None
-    cfg.metadata, cfg.sequences = new.metadata, new.sequences
-    cfg.target = (new.target or cfg.target) if new.metadata is not None else None
+    else:
+        cfg.source, cfg.table, cfg.tree, cfg.unifrac = "biom", new.table, None, None
+        cfg.metadata, cfg.sequences = new.metadata, new.sequences
+        cfg.target = (new.target or cfg.get("target")) if new.metadata is not None else None
+    if cfg.get("target") is not None and target is not None:
+        cfg.target_type = target.spec.kind
     return cfg
 
 
@@ -100,7 +105,8 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             )
         model = build_model(payload, Path(cfg.run) / MODEL_FILE, device)
         assert isinstance(model, AAM)
-        data_cfg = data_config(payload["config"]["data"], cfg.data)
+        target = read_saved_target(payload, Path(cfg.run) / MODEL_FILE)
+        data_cfg = data_config(payload["config"]["data"], cfg.data, target)
         chunks = sample_chunks(data_cfg, cfg.chunk_samples, 1 if auto_batch else cfg.batch_size)
         samples = read_samples(data_cfg, keep_unlabelled=True, sample_ids=chunks[0])
         warm = 32 if auto_batch else cfg.batch_size  # compile's warm-up batch, the export's example
@@ -132,7 +138,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             "world_size": world.world_size,
             "chunks": len(chunks),
             "batch_size": cfg.batch_size,
-            "target": payload.get("target"),  # the column and the scale the model was trained with
+            "target": None if target is None else target.describe(),  # column, transform or classes
             "export": exported,
         }
         reset_peak_rss()
@@ -146,17 +152,19 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             mine = apply_model(
                 model, autocast, samples, range(min(n, cfg.quality_samples)), cfg, device, False
             )
-            summary.update(n_samples=n, quality=check_quality(mine, samples, cfg, device, payload))
+            summary.update(n_samples=n, quality=check_quality(mine, samples, cfg, device, target))
         else:
             mine, read = predict_chunks(model, autocast, data_cfg, chunks, samples, cfg, device, world)
             summary.update(n_samples=len(read["ids"]), too_shallow=read["too_shallow"])
             if world.is_main:  # the first samples through the fp32 eager model too
-                summary["quality"] = check_quality(mine, samples, cfg, device, payload)
+                summary["quality"] = check_quality(mine, samples, cfg, device, target)
             parts = gather_shares(out_dir, mine, world)
             if not world.is_main:
                 completed = True
                 return {}
-            summary.update(write_predictions(out_dir, read, parts, cfg.pairwise, payload.get("target")))
+            metadata = resolve_files(data_cfg).get("metadata")
+            observed = observed_values(metadata, data_cfg.get("target"), read["ids"], target)
+            summary.update(write_predictions(out_dir, read, parts, cfg.pairwise, target, observed))
             if exported is not None:
                 summary["files"][exported["file"]] = (
                     "the model as a torch.export program: torch.export.load(path).module()"
@@ -192,9 +200,9 @@ def batch_share(n: int, batch_size: int, world: World) -> range:
 
 def predict_chunks(model, autocast, data_cfg, chunks, first, cfg: DictConfig, device, world: World):
     """Every chunk through the model, this rank's batches of each: (its share, with each row's place in
-    the output; what was read: every sample's id and observed target, the samples too shallow)."""
+    the output; what was read: every sample's id, the samples too shallow)."""
     shares: list[dict] = []
-    read: dict[str, list] = {"ids": [], "observed": [], "too_shallow": []}
+    read: dict[str, list] = {"ids": [], "too_shallow": []}
     for k, chunk in enumerate(chunks):
         samples = first if k == 0 else read_samples(data_cfg, keep_unlabelled=True, sample_ids=chunk)
         share = batch_share(len(samples.ids), cfg.batch_size, world)
@@ -203,7 +211,6 @@ def predict_chunks(model, autocast, data_cfg, chunks, first, cfg: DictConfig, de
         shares.append(part)
         read["ids"] += samples.ids
         read["too_shallow"] += samples.too_shallow
-        read["observed"].append(samples.dataset.target)
         del samples  # the chunk's table and tokens go before the next is read
     if read["too_shallow"] and world.is_main:
         log.warning(
@@ -223,7 +230,7 @@ def concat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(kept) if kept else tensors[0]
 
 
-def check_quality(mine: dict, samples, cfg: DictConfig, device, payload: dict) -> dict | None:
+def check_quality(mine: dict, samples, cfg: DictConfig, device, target: SavedTarget | None) -> dict | None:
     """The level against the fp32 eager model on the first `quality_samples` samples (None: none asked)."""
     rows = range(min(cfg.quality_samples, len(mine["embedding"]), len(samples.ids)))
     if not len(rows):
@@ -231,7 +238,7 @@ def check_quality(mine: dict, samples, cfg: DictConfig, device, payload: dict) -
     reference, _ = load_model(Path(cfg.run), device)
     plain = apply_model(reference, nullcontext, samples, rows, cfg, device, False)
     level = {key: mine[key][: len(rows)] for key in ("embedding", "predicted")}
-    return quality(plain, level, (payload.get("target") or {}).get("std"))
+    return quality(plain, level, target)
 
 
 def collate_range(samples, rows: range) -> dict[str, Any]:
@@ -245,8 +252,8 @@ def collate_of(samples) -> Collate:
 
 
 def apply_model(model, autocast, samples, share: range, cfg: DictConfig, device, show: bool) -> dict:
-    """These samples through the model: their embeddings, standardized targets (empty without a target
-    head) and each batch's seconds."""
+    """These samples through the model: their embeddings, target outputs in the model's units (empty
+    without a target head) and each batch's seconds."""
     loader = DataLoader(
         Subset(samples.dataset, share), batch_size=cfg.batch_size, collate_fn=collate_of(samples)
     )

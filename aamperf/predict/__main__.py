@@ -11,6 +11,7 @@ from aamperf.errors import UserError, bad_input_exits, exit_bad_input
 from aamperf.interrupts import stop_at_once
 from aamperf.predict import predict
 from aamperf.predict.config import register_predict_configs
+from aamperf.predict.target import summary_line
 
 register_predict_configs()
 
@@ -36,6 +37,9 @@ def main(cfg: DictConfig) -> None:
         f"  {summary['n_samples']} samples | {summary['samples_per_s']:.4g} samples/s | batch latency p50 "
         f"{summary['batch_latency_s']['p50']:.3g} s | files: {', '.join(summary['files'])}"
     )
+    target = summary_line(summary)
+    if target:
+        print(target)
 
 
 def cli() -> None:

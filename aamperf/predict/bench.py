@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from aamperf.device import sync
 from aamperf.files import write_atomic, write_json_atomic
 from aamperf.metrics.monitor import peak_rss, release_freed_memory, reset_peak_rss
+from aamperf.predict.config import DEFAULT_MAX_PROBABILITY_DIFF
 from aamperf.predict.levels import forward
 from aamperf.report.runs import find_runs
 
@@ -49,13 +50,25 @@ def latencies(model, autocast, batches: dict[int, dict], cfg: DictConfig) -> dic
     return result
 
 
-def keeps_quality(summary: dict[str, Any], min_cosine: float, max_target_mae_std: float) -> bool:
-    """The level's embeddings and target agree with the fp32 eager model's within the bench's bounds."""
+def keeps_quality(
+    summary: dict[str, Any],
+    min_cosine: float,
+    max_target_mae_std: float,
+    max_probability_diff: float = DEFAULT_MAX_PROBABILITY_DIFF,
+) -> bool:
+    """The level's embeddings and target agree with the fp32 eager model's within the bench's bounds: a
+    regression's target within `max_target_mae_std` of its scale (the model's units: target standard
+    deviations for a zscore), a classification's probabilities each within `max_probability_diff`."""
     q = summary.get("quality") or {}
-    std = (summary.get("target") or {}).get("std") or 1.0
-    return (
-        q.get("embedding_cosine_min", 0) >= min_cosine and q.get("target_mae", 0) <= max_target_mae_std * std
-    )
+    if "target_probability_max_diff" in q:
+        target_kept = q["target_probability_max_diff"] <= max_probability_diff
+    elif "target_mae_scale" in q:
+        target_kept = q["target_mae_scale"] <= max_target_mae_std
+    else:  # a summary written before: its target_mae in own units, the scale as `std` (or `scale`)
+        target = summary.get("target") or {}
+        scale = target.get("scale") or target.get("std") or 1.0
+        target_kept = q.get("target_mae", 0) <= max_target_mae_std * scale
+    return q.get("embedding_cosine_min", 0) >= min_cosine and target_kept
 
 
 def report(sweep_dir: Path, cfg: DictConfig) -> dict[str, Any]:
@@ -65,11 +78,16 @@ def report(sweep_dir: Path, cfg: DictConfig) -> dict[str, Any]:
     if not runs:
         raise ValueError(f"no benchmark summary under {sweep_dir} (bench.enabled=true)")
     base = next((r for r in runs if r["inference"] == "baseline"), None)
+    bounds = {
+        "min_cosine": cfg.bench.min_cosine,
+        "max_target_mae_std": cfg.bench.max_target_mae_std,
+        "max_probability_diff": cfg.bench.get("max_probability_diff", DEFAULT_MAX_PROBABILITY_DIFF),
+    }
     rows = []
     for run in runs:
         row = {
             "inference": run["inference"],
-            "keeps_quality": keeps_quality(run, cfg.bench.min_cosine, cfg.bench.max_target_mae_std),
+            "keeps_quality": keeps_quality(run, **bounds),
         }
         row["quality"] = run.get("quality")
         for size, figures in run["bench"].items():
@@ -84,10 +102,7 @@ def report(sweep_dir: Path, cfg: DictConfig) -> dict[str, Any]:
         "device": runs[0].get("cpu") or runs[0]["device"],
         "rows": rows,
         "fastest_keeping_quality": fastest,
-        "quality_bounds": {
-            "min_cosine": cfg.bench.min_cosine,
-            "max_target_mae_std": cfg.bench.max_target_mae_std,
-        },
+        "quality_bounds": bounds,
     }
 
 

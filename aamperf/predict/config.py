@@ -17,6 +17,7 @@ from aamperf.config import (
 )
 
 Quantize = choices("Quantize", "none", "int8_dynamic")
+DEFAULT_MAX_PROBABILITY_DIFF = 0.01  # bench: a level keeps a classification's probabilities within this
 
 
 @dataclass
@@ -58,6 +59,8 @@ class BenchConfig:
     calls: int = 50  # timed calls per batch size: p50 and p95 over them
     min_cosine: float = 0.999  # a level keeps quality: its embeddings' worst cosine to fp32 eager's ...
     max_target_mae_std: float = 0.01  # ... and its target within this many target standard deviations
+    # ... or, a classification's, each class probability within this much
+    max_probability_diff: float = DEFAULT_MAX_PROBABILITY_DIFF
 
 
 DEFAULT_PROBE_CACHE = "${oc.env:AAMPERF_CACHE,${oc.env:HOME}/.cache/aamperf}/device_probe.json"

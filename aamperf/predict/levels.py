@@ -21,6 +21,7 @@ from aamperf.phases.auto import apply_decisions, choose_attention, choose_precis
 from aamperf.phases.compile import apply_compile, auto_compile, cached_decision, compile_on_ranks
 from aamperf.phases.precision import DTYPES, apply_precision
 from aamperf.phases.record import applied, skipped
+from aamperf.predict.target import SavedTarget, in_own_units, output_as_is, probabilities
 from aamperf.probe import Probe, compile_block, model_shapes
 
 
@@ -119,11 +120,13 @@ def apply_quantize(model: nn.Module, mode: str, autocast: Callable) -> dict:
 
 
 def quality(
-    reference: dict[str, torch.Tensor], level: dict[str, torch.Tensor], target_std: float | None
+    reference: dict[str, torch.Tensor], level: dict[str, torch.Tensor], target: SavedTarget | None
 ) -> dict:
     """A level's outputs against the fp32 eager model's on the same samples: cosine similarity of the
-    sample embeddings (mean, worst), the predicted target's mean absolute difference (in its own units)
-    and the predicted UniFrac's (over every pair)."""
+    sample embeddings (mean, worst), the predicted UniFrac's mean absolute difference (over every pair),
+    and the target's: a regression's mean absolute difference in its own units (`target_mae`) and in the
+    model's (`target_mae_scale`: in target standard deviations for a zscore), a classification's largest
+    difference of a class probability (`target_probability_max_diff`)."""
     mine, theirs = level["embedding"].double(), reference["embedding"].double()
     cosine = torch.nn.functional.cosine_similarity(mine, theirs, dim=1)
     result = {
@@ -135,9 +138,17 @@ def quality(
         .mean()
         .item(),
     }
-    if len(level["predicted"]) and len(reference["predicted"]):
-        diff = (level["predicted"].double() - reference["predicted"].double()).abs().mean().item()
-        result["target_mae"] = diff * (target_std or 1.0)
+    if not (len(level["predicted"]) and len(reference["predicted"])):
+        return result
+    target = target or output_as_is()
+    if target.spec.is_classification:
+        diff = probabilities(level["predicted"]) - probabilities(reference["predicted"])
+        result["target_probability_max_diff"] = diff.abs().max().item()
+        return result
+    own = in_own_units(target, level["predicted"]) - in_own_units(target, reference["predicted"])
+    result["target_mae"] = own.abs().mean().item()
+    in_model_units = level["predicted"].double() - reference["predicted"].double()
+    result["target_mae_scale"] = in_model_units.abs().mean().item()
     return result
 
 

@@ -10,18 +10,27 @@ import torch
 
 from aamperf.files import write_atomic
 from aamperf.model.loss import unifrac_of
+from aamperf.predict.target import SavedTarget, output_as_is, target_figures, target_table
 
 
 def write_predictions(
-    out_dir: Path, read: dict, parts: list[dict], pairwise: bool, target: dict | None
+    out_dir: Path,
+    read: dict,
+    parts: list[dict],
+    pairwise: bool,
+    target: SavedTarget | None,
+    observed: pd.Series | None,
 ) -> dict:
-    """The ranks' shares, in input order, into the files; the summary's figures of them."""
+    """The ranks' shares, in input order, into the files; the summary's figures of them. `observed`: each
+    sample's observed target (None: the metadata has none)."""
     order = torch.argsort(torch.cat([part["rows"] for part in parts]))
     embedding = torch.cat([part["embedding"] for part in parts])[order]
     predicted = torch.cat([part["predicted"] for part in parts])
-    predicted = predicted[order] if len(predicted) else None
-    observed = None if read["observed"][0] is None else torch.cat(read["observed"])
-    targets = None if predicted is None else target_table(read["ids"], observed, predicted, target)
+    targets, figures = None, {}
+    if len(predicted):  # the model has a target head
+        target = target or output_as_is()
+        targets = target_table(read["ids"], predicted[order], target, observed)
+        figures = target_summary(target_figures(targets, target))
     written = write_outputs(out_dir, read["ids"], embedding, targets, pairwise)
     seconds = torch.cat([part["latencies"] for part in parts]).tolist()
     busy_s = max(float(part["latencies"].sum()) for part in parts)  # the ranks work side by side
@@ -32,19 +41,19 @@ def write_predictions(
             "p50": float(np.percentile(seconds, 50)),
             "p95": float(np.percentile(seconds, 95)),
         },
-        **target_quality(targets),
+        **figures,
     }
 
 
-def target_table(ids: list[str], observed, standard: torch.Tensor, target: dict | None) -> pd.DataFrame:
-    """The predicted target in its own units (the loss's standardization undone), and the observed
-    value where the metadata has one."""
-    scale = target or {"mean": 0.0, "std": 1.0}
-    values = standard * (scale["std"] or 1.0) + scale["mean"]
-    table = pd.DataFrame({"predicted": values.numpy()}, index=pd.Index(ids, name="sample_id"))
-    if observed is not None:
-        table["observed"] = observed.numpy()
-    return table
+def target_summary(figures: dict[str, Any]) -> dict[str, Any]:
+    """summary.json's target figures: all of them as `target_metrics`; a regression's MAE, R^2 and sample
+    count also under the keys predict wrote before (`target_mae`, `target_r2`, `target_observed`)."""
+    if not figures:
+        return {}
+    summary = {"target_metrics": figures, "target_observed": figures["observed"]}
+    if "mae" in figures:
+        summary.update(target_mae=figures["mae"], target_r2=figures["r2"])
+    return summary
 
 
 def write_outputs(
@@ -57,7 +66,10 @@ def write_outputs(
     written = {"embeddings.tsv": "sample embeddings, one row per sample"}
     if targets is not None:
         write_atomic(out_dir / "targets.tsv", targets.to_csv(sep="\t", float_format="%.6g"))
-        written["targets.tsv"] = "predicted target in its own units (and the observed value, where known)"
+        written["targets.tsv"] = (
+            "predicted target in its own units (a regression's value and quantiles, a classification's "
+            "class and class probabilities), and the observed one where known"
+        )
     if pairwise:
         write_atomic(out_dir / "unifrac.npy", lambda f: write_pairwise(f, embedding))
         write_atomic(out_dir / "unifrac.ids.txt", "".join(f"{sid}\n" for sid in ids))
@@ -77,14 +89,3 @@ def write_pairwise(f, embedding: torch.Tensor, block_bytes: int = 1 << 26) -> No
             0.0  # each sample to itself
         )
         f.write(block.numpy().astype("<f4").tobytes())
-
-
-def target_quality(table: pd.DataFrame | None) -> dict[str, Any]:
-    """MAE and R^2 of the predicted target against the observed values, where the metadata has some."""
-    if table is None or "observed" not in table or table["observed"].notna().sum() == 0:
-        return {}
-    known = table.dropna(subset=["observed"])
-    error = known["predicted"] - known["observed"]
-    variance = float(known["observed"].var(ddof=0))
-    r2 = 1.0 - float((error**2).mean()) / variance if variance > 0 else None
-    return {"target_mae": float(error.abs().mean()), "target_r2": r2, "target_observed": len(known)}

@@ -1,0 +1,213 @@
+"""The target a model file says its model predicts (its `target` payload: `TargetSpec.payload()` plus the
+loss and its quantiles, or the zscore-only `column` / `mean` / `std` of older files), read as data and
+checked; and what predict writes of it: the predicted target in its own units (a regression's point and
+quantiles, a classification's class and probabilities), beside the observed one, with its figures."""
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from aamperf.data.metadata import metadata_column
+from aamperf.errors import UserError
+from aamperf.metrics.target import classification_metrics, interval_coverage, regression_metrics
+from aamperf.model.loss import TARGET_LOSSES, is_number
+from aamperf.targets import TRANSFORMS, TargetSpec
+
+
+@dataclass
+class SavedTarget:
+    """A model file's target: what its model's target output means (`spec`), and with a quantile loss
+    which quantile each output column is."""
+
+    spec: TargetSpec
+    loss: str | None = None  # a regression's: mse | huber | mae | quantile (None: a file that does not say)
+    quantiles: list[float] = field(default_factory=list)  # loss=quantile: one per output column
+
+    @property
+    def outputs(self) -> int:
+        """The columns of the model's target output: a logit per class, a value per quantile, or one."""
+        if self.spec.is_classification:
+            return len(self.spec.classes)
+        return len(self.quantiles) if self.loss == "quantile" else 1
+
+    def describe(self) -> dict[str, Any]:
+        """summary.json's `target`: the payload as training writes it (`mean` / `std` included for a
+        regression, the names readers of the older payload know) and the loss."""
+        out = self.spec.payload()
+        if not self.spec.is_classification:
+            out["loss"] = self.loss
+            if self.loss == "quantile":
+                out["quantiles"] = self.quantiles
+        return out
+
+
+def output_as_is() -> SavedTarget:
+    """The target of a model whose file names none (a target head without a payload): its output as is."""
+    return SavedTarget(TargetSpec("target", transform="none"))
+
+
+def read_saved_target(payload: dict[str, Any], path: Path) -> SavedTarget | None:
+    """The target of a model file's payload (None: the run learned none, a pretraining); a malformed one
+    (wrong types, an unknown kind, transform or loss, classes that are not strings, outputs that do not
+    match the model's target head) is refused in one line: a model file is data."""
+    saved = payload.get("target")
+    if saved is None:
+        return None
+    bad = f"{path}: its target"
+    if not isinstance(saved, dict) or not isinstance(saved.get("column"), str):
+        raise UserError(f"{bad} is not a mapping with a column name ({str(saved)[:80]}); train the run again")
+    kind = saved.get("type", "regression")  # files before classification: a regression
+    if kind == "classification":
+        target = SavedTarget(TargetSpec(saved["column"], kind, "none", classes=saved_classes(saved, bad)))
+    elif kind == "regression":
+        target = saved_regression(saved, bad)
+    else:
+        raise UserError(
+            f"{bad} has type {str(kind)[:40]!r}, not regression or classification; train the run again"
+        )
+    head = (payload.get("config") or {}).get("model", {}).get("target_dim")
+    if is_number(head) and head != target.outputs:
+        raise UserError(
+            f"{bad} needs {target.outputs} outputs but its model.target_dim is {head}; train the run again"
+        )
+    return target
+
+
+def saved_classes(saved: dict[str, Any], bad: str) -> list[str]:
+    """A classification's class names: a non-empty list of distinct strings."""
+    classes = saved.get("classes")
+    if not (isinstance(classes, list) and classes and all(isinstance(c, str) for c in classes)):
+        raise UserError(f"{bad}'s classes ({str(classes)[:80]}) are not a list of names; train the run again")
+    if len(set(classes)) != len(classes):
+        raise UserError(f"{bad}'s classes ({str(classes)[:80]}) name a class twice; train the run again")
+    return classes
+
+
+def saved_regression(saved: dict[str, Any], bad: str) -> SavedTarget:
+    """A regression's transform, shift and scale (`mean` / `std` where the file predates `shift` /
+    `scale`: a zscore), loss and quantiles."""
+    transform = saved.get("transform", "zscore")
+    if transform not in TRANSFORMS:
+        raise UserError(f"{bad} has transform {str(transform)[:40]!r}, not one of {', '.join(TRANSFORMS)}")
+    shift, scale = saved.get("shift", saved.get("mean", 0.0)), saved.get("scale", saved.get("std", 1.0))
+    for name, value in (("shift", shift), ("scale", scale)):
+        if not (is_number(value) and math.isfinite(value)):
+            raise UserError(f"{bad}'s {name} ({str(value)[:40]}) is not a finite number; train the run again")
+    if scale <= 0:
+        raise UserError(f"{bad}'s scale {scale} is not > 0; train the run again")
+    loss = saved.get("loss")
+    if loss is not None and loss not in TARGET_LOSSES:
+        raise UserError(f"{bad} has loss {str(loss)[:40]!r}, not one of {', '.join(TARGET_LOSSES)}")
+    quantiles = saved.get("quantiles") if loss == "quantile" else []
+    if not (isinstance(quantiles, list) and all(is_number(q) and 0 < q < 1 for q in quantiles)) or (
+        loss == "quantile" and not quantiles
+    ):
+        raise UserError(f"{bad}'s quantiles ({str(quantiles)[:80]}) are not numbers between 0 and 1")
+    spec = TargetSpec(saved["column"], "regression", transform, float(shift), float(scale))
+    return SavedTarget(spec, loss, [float(q) for q in quantiles])
+
+
+def probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """[n, classes] each sample's class probabilities: the softmax of its logits."""
+    return logits.double().softmax(dim=1)
+
+
+def point_column(target: SavedTarget) -> int:
+    """The output column of a regression's point prediction: the middle quantile (0.5 where it is among
+    them) of a quantile loss, as training's validation takes it (AAMLoss.point); else the one output."""
+    if target.loss != "quantile":
+        return 0
+    return target.quantiles.index(0.5) if 0.5 in target.quantiles else len(target.quantiles) // 2
+
+
+def in_own_units(target: SavedTarget, outputs: torch.Tensor) -> torch.Tensor:
+    """[n, outputs] a regression's outputs in the target's own units (its transform inverted)."""
+    return target.spec.inverse(outputs.double().reshape(len(outputs), -1))
+
+
+def target_table(
+    ids: list[str], outputs: torch.Tensor, target: SavedTarget, observed: pd.Series | None
+) -> pd.DataFrame:
+    """One row per sample: a regression's `predicted` value (and `predicted_q<q>` per quantile) in the
+    target's own units; a classification's `predicted` class and `p_<class>` per class; the `observed`
+    value or class where the metadata has the column (NaN for a sample without one)."""
+    index = pd.Index(ids, name="sample_id")
+    if target.spec.is_classification:
+        chances = probabilities(outputs).numpy()
+        classes = target.spec.classes
+        table = pd.DataFrame({"predicted": [classes[k] for k in chances.argmax(axis=1)]}, index=index)
+        for k, name in enumerate(classes):
+            table[f"p_{name}"] = chances[:, k]
+    else:
+        own = in_own_units(target, outputs).numpy()
+        table = pd.DataFrame({"predicted": own[:, point_column(target)]}, index=index)
+        for k, q in enumerate(target.quantiles):
+            table[f"predicted_q{q:g}"] = own[:, k]
+    if observed is not None:
+        table.insert(1, "observed", observed.to_numpy())
+    return table
+
+
+def observed_values(metadata: Path | None, column: str | None, ids: list[str], target: SavedTarget) -> (
+    pd.Series | None
+):  # fmt: skip
+    """Each sample's observed value of the target's column as the metadata writes it (a class name, or a
+    number for a regression), NaN where it has none; None without metadata or the column."""
+    if metadata is None or column is None:
+        return None
+    written = metadata_column(Path(metadata), column).reindex(ids)
+    if target.spec.is_classification:
+        return written.str.strip()
+    return pd.to_numeric(written, errors="coerce")
+
+
+def target_figures(table: pd.DataFrame, target: SavedTarget) -> dict[str, Any]:
+    """aamperf/metrics/target.py's figures of the samples with an observed value: a regression's MAE,
+    RMSE, R^2 in its own units (and the outermost quantiles' interval coverage); a classification's
+    accuracy, macro-F1, ROC AUC and confusion matrix, of the samples of a class the model knows (the
+    others counted apart). {} without observed values."""
+    if "observed" not in table or table["observed"].notna().sum() == 0:
+        return {}
+    known = table.dropna(subset=["observed"])
+    if not target.spec.is_classification:
+        figures: dict[str, Any] = {"observed": len(known)}
+        figures.update(regression_metrics(known["observed"], known["predicted"]))
+        if target.loss == "quantile" and len(target.quantiles) > 1:
+            low, high = min(target.quantiles), max(target.quantiles)
+            bounds = (known[f"predicted_q{q:g}"] for q in (low, high))
+            figures.update(interval_coverage=interval_coverage(known["observed"], *bounds))
+            figures.update(interval_nominal=high - low)
+        return figures
+    classes = target.spec.classes
+    labelled = known[known["observed"].isin(classes)]
+    figures = {"observed": len(labelled), "observed_unknown_class": len(known) - len(labelled)}
+    if len(labelled):
+        labels = np.array([classes.index(name) for name in labelled["observed"]])
+        chances = labelled[[f"p_{name}" for name in classes]].to_numpy()
+        figures.update(classification_metrics(labels, chances))
+    return figures
+
+
+def summary_line(summary: dict[str, Any]) -> str | None:
+    """predict's printout of the target: what it is, and its figures where observed values exist."""
+    target, figures = summary.get("target"), summary.get("target_metrics") or {}
+    if not target:
+        return None
+    if target.get("type") == "classification":
+        what = f"classification over {len(target['classes'])} classes ({', '.join(target['classes'][:6])}"
+        what += ", ...)" if len(target["classes"]) > 6 else ")"
+        shown = {"accuracy": "accuracy", "macro_f1": "macro-F1", "roc_auc": "ROC AUC"}
+    else:
+        what = f"regression, {target.get('transform', 'zscore')} transform"
+        what += f", quantiles {target['quantiles']}" if target.get("loss") == "quantile" else ""
+        shown = {"mae": "MAE", "rmse": "RMSE", "r2": "R^2", "interval_coverage": "interval coverage"}
+    line = f"  target {target['column']}: {what}"
+    values = [f"{label} {figures[key]:.4g}" for key, label in shown.items() if figures.get(key) is not None]
+    if values:
+        line += f" | {', '.join(values)} over {figures['observed']} observed samples"
+    return line
