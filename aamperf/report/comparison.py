@@ -20,7 +20,19 @@ from aamperf.report.paired import (
     time_to_quality,
 )
 from aamperf.report.render import write_report
-from aamperf.report.runs import Run, find_runs, group_runs, overlapping, paired, pick_baseline, same_training
+from aamperf.report.runs import (
+    Group,
+    Run,
+    find_runs,
+    group_runs,
+    overlapping,
+    paired,
+    pick_baseline,
+    same_training,
+)
+
+# A target's headline figure (summary.json `val` key, its name in the report): a regression's, a classifier's
+TARGET_FIGURES = (("val_target_r2", "R^2"), ("val_accuracy", "accuracy"))
 
 
 def paired_values(pairs: list[tuple[Run, Run]], value) -> list[float]:
@@ -61,6 +73,22 @@ def quality_times(
         mine.append(time_to_quality(run.validations, target))
         theirs.append(time_to_quality(base.validations, target))
     return mine, theirs
+
+
+def target_figures(group: Group) -> dict[str, Any]:
+    """The median over seeds of the model's headline target figure (its last validation's) and of the
+    random forest's on the same samples (summary.json `rf_baseline`); None where the runs have none."""
+    for key, name in TARGET_FIGURES:
+        model = [(r.summary.get("val") or {}).get(key) for r in group.ok_runs]
+        forest = [(r.summary.get("rf_baseline") or {}).get(key) for r in group.ok_runs]
+        model, forest = ([v for v in vs if isinstance(v, int | float)] for vs in (model, forest))
+        if model or forest:
+            return {
+                "target_figure": name,
+                "target_value": median_or_none(model),
+                "rf_value": median_or_none(forest),
+            }
+    return {"target_figure": None, "target_value": None, "rf_value": None}
 
 
 def compare(
@@ -145,6 +173,7 @@ def compare(
             "val_loss_delta_hi": None if quality is None or few else quality.hi,
             "train_loss": train,
             "train_loss_delta": train / base_train - 1 if train is not None and base_train else None,
+            **target_figures(group),  # a fine-tuning run's: the model's beside a random forest's
             "errors": [
                 f"{r.path.name}: {r.summary.get('error')}" for r in group.runs if r not in group.ok_runs
             ],

@@ -73,6 +73,23 @@ def load_lines(under_load: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def target_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Where runs have a target: each configuration's headline target figure beside the random forest's on
+    the same samples (summary.json rf_baseline), the reference a fine-tuned model is read against."""
+    shown = [r for r in rows if r.get("target_figure")]
+    if not shown:
+        return []
+    each = "; ".join(
+        f"`{r['config']}` {r['target_figure']} {fmt(r['target_value'])} (random forest {fmt(r['rf_value'])})"
+        for r in shown
+    )
+    return [
+        "",
+        "Target, median over seeds of each run's last validation, beside a random forest on the same "
+        f"samples' ASV counts (metrics.rf_baseline; n/a: none fitted): {each}.",
+    ]
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     header = [
         "config",
@@ -131,6 +148,7 @@ def to_markdown(result: dict[str, Any]) -> str:
             r["verdict"],
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += target_lines(result["rows"])
     return "\n".join(lines) + "\n"
 
 
