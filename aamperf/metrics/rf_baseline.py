@@ -10,6 +10,7 @@ same forest as a classifier (the original is a regressor only). It is fitted on 
 and scored on exactly the samples of the model's last validation, with the same functions
 (aamperf/metrics/target.py), so its figures sit beside the model's `val` figures under the same names."""
 
+import logging
 import time
 from typing import Any
 
@@ -23,9 +24,14 @@ from aamperf.data.samples import SampleDataset
 from aamperf.metrics.target import classification_metrics, regression_metrics
 from aamperf.targets import TargetSpec
 
+log = logging.getLogger(__name__)
+
 N_TREES = 500  # aam rf-baseline --n-estimators
 MAX_FEATURES = "sqrt"  # --max-features: how many features each split chooses among
 FEATURES = "rarefied ASV counts"  # what a sample's feature vector holds: its reads of each ASV
+# Features up to this size are handed to the forest as a dense array: its trees split them 1.5x (256
+# simulated samples) to 3.6x (2,000) faster than the sparse matrix, on 2 cores; larger ones stay sparse.
+DENSE_MAX_BYTES = 512 * 2**20
 
 
 def count_matrix(dataset: SampleDataset, n_observations: int) -> sp.csr_matrix:
@@ -66,7 +72,17 @@ def fit_rf_baseline(
     from sklearn.ensemble import RandomForestClassifier, RandomForestRegressor
 
     features = training_features(count_matrix(dataset, n_observations), train_idx)
+    dense = features.shape[0] * features.shape[1] * features.dtype.itemsize <= DENSE_MAX_BYTES
+    if dense:
+        features = features.toarray()
     settings = forest_settings(seed)
+    log.info(
+        "random forest beside the model: %d trees on %d training samples x %d ASVs "
+        "(metrics.rf_baseline=false skips it)",
+        N_TREES,
+        len(train_idx),
+        features.shape[1],
+    )
     forest_class = RandomForestClassifier if target.is_classification else RandomForestRegressor
     forest = forest_class(**settings)
     observed = dataset.target.numpy().astype(np.int64 if target.is_classification else np.float64)
@@ -88,6 +104,7 @@ def fit_rf_baseline(
         "n_val": len(val_idx),
         "features": FEATURES,
         "n_features": features.shape[1],
+        "matrix": "dense" if dense else "sparse",  # as the forest got it: splits tie-break differently
         "settings": {"forest": forest_class.__name__, **settings},
         "fit_s": fit_s,
     }

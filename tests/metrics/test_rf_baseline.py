@@ -13,9 +13,11 @@ from conftest import read_summary
 from sklearn.ensemble import RandomForestClassifier, RandomForestRegressor
 from sklearn.metrics import accuracy_score, f1_score, mean_absolute_error, mean_squared_error, r2_score
 
+from aamperf.data import build_data
 from aamperf.data.dataset import rarefied_table, split_indices
 from aamperf.data.samples import read_samples
 from aamperf.data.tables import resolve_files
+from aamperf.metrics import rf_baseline
 from aamperf.run import train
 
 # 99 samples after rarefaction: 79 trained, 20 validated, of which the model's validation covers the
@@ -23,7 +25,9 @@ from aamperf.run import train
 MORE = ["data.n_samples=100", "data.rarefy_depth=300", "trainer.val_batches=2", "seed=3"]
 
 
-def forest_again(cfg, val_ids: list[str], forest_class) -> tuple[np.ndarray, np.ndarray, int]:
+def forest_again(
+    cfg, val_ids: list[str], forest_class, dense: bool = True
+) -> tuple[np.ndarray, np.ndarray, int]:
     """(observed, predicted) on `val_ids` of the original's forest, fitted here on the training samples of
     the run's split, and the training sample count: features as aam rf-baseline builds them, from the
     rarefied table (samples x ASVs, the ASVs without a read in any training sample dropped)."""
@@ -44,6 +48,8 @@ def forest_again(cfg, val_ids: list[str], forest_class) -> tuple[np.ndarray, np.
         y = np.searchsorted(sorted(set(y[train_rows])), y)
     y = y.astype(np.int64 if forest_class is RandomForestClassifier else np.float64)
     forest = forest_class(n_estimators=500, max_features="sqrt", random_state=cfg.seed, n_jobs=2)
+    if dense:  # a small table: the forest gets it dense (rf_baseline.DENSE_MAX_BYTES)
+        counts = counts.toarray()
     forest.fit(counts[train_rows], y[train_rows])
     return y[val_rows], forest.predict(counts[val_rows]), len(train_rows)
 
@@ -68,10 +74,29 @@ def test_a_regression_run_reports_the_forest_s_figures_on_the_model_s_validation
         "n_jobs": rf["settings"]["n_jobs"],
     }
     assert rf["features"] == "rarefied ASV counts" and 0 < rf["n_features"] <= 64 and rf["fit_s"] > 0
+    assert rf["matrix"] == "dense"
     # the model's own figures are untouched beside it
     assert summary["val"]["val_target_mae"] == pytest.approx(
         mean_absolute_error(table["observed"], table["predicted"]), rel=1e-6
     )
+
+
+def test_a_table_too_large_to_densify_gives_the_forest_the_sparse_counts(make_cfg, monkeypatch):
+    """The same forest on the sparse matrix (DENSE_MAX_BYTES: the largest dense one; 0 here): its figures
+    are those of a forest fitted here on the sparse table, all 20 validation samples scored."""
+    cfg = make_cfg(*MORE)
+    data = build_data(cfg.data, batch_size=4, seed=cfg.seed, loader=cfg.dataloader)
+    val_idx = list(data.val_loader.dataset.indices)
+    monkeypatch.setattr(rf_baseline, "DENSE_MAX_BYTES", 0)
+    train_idx = list(data.train_loader.dataset.indices)
+    rf = rf_baseline.fit_rf_baseline(
+        data.dataset, len(data.collate.tokens), data.target, train_idx, val_idx, cfg.seed
+    )
+    val_ids = [data.sample_ids[i] for i in val_idx]
+    observed, predicted, _ = forest_again(cfg, val_ids, RandomForestRegressor, dense=False)
+    assert rf["matrix"] == "sparse" and rf["n_val"] == 20
+    assert rf["val_target_mae"] == pytest.approx(mean_absolute_error(observed, predicted), rel=1e-9)
+    assert rf["val_target_r2"] == pytest.approx(r2_score(observed, predicted), rel=1e-9)
 
 
 def test_a_classification_run_reports_the_forest_s_accuracy_and_macro_f1_and_ends_with_both_lines(
