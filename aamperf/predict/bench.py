@@ -125,7 +125,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         cells += [
             f"{max(row[s]['peak_rss_bytes'] for s in sizes) / 2**20:.0f}",
             f"{q.get('embedding_cosine_min', float('nan')):.6f}",
-            f"{q.get('target_mae', float('nan')):.3g}",
+            target_difference(q),
             "yes" if row["keeps_quality"] else "no",
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -133,6 +133,14 @@ def to_markdown(result: dict[str, Any]) -> str:
     largest, fastest = max(sizes, key=int), result["fastest_keeping_quality"]
     lines.append(f"Fastest level that keeps quality (at batch {largest}): {fastest}; on {result['device']}")
     return "\n".join(lines) + "\n"
+
+
+def target_difference(quality: dict) -> str:
+    """The report's target cell: a regression's MAE in its own units, a classification's largest
+    difference of a class probability."""
+    if "target_probability_max_diff" in quality:
+        return f"p diff {quality['target_probability_max_diff']:.3g}"
+    return f"{quality.get('target_mae', float('nan')):.3g}"
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

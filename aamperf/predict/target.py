@@ -39,6 +39,8 @@ class SavedTarget:
         """summary.json's `target`: the payload as training writes it (`mean` / `std` included for a
         regression, the names readers of the older payload know) and the loss."""
         out = self.spec.payload()
+        if self.spec.is_classification and not self.spec.class_counts:
+            del out["train_class_counts"]  # a file that did not say
         if not self.spec.is_classification:
             out["loss"] = self.loss
             if self.loss == "quantile":
@@ -63,7 +65,11 @@ def read_saved_target(payload: dict[str, Any], path: Path) -> SavedTarget | None
         raise UserError(f"{bad} is not a mapping with a column name ({str(saved)[:80]}); train the run again")
     kind = saved.get("type", "regression")  # files before classification: a regression
     if kind == "classification":
-        target = SavedTarget(TargetSpec(saved["column"], kind, "none", classes=saved_classes(saved, bad)))
+        classes = saved_classes(saved, bad)
+        counts = saved.get("train_class_counts")  # shown again in the summary where it is whole
+        counts = counts if isinstance(counts, list) and len(counts) == len(classes) else []
+        counts = counts if all(isinstance(c, int) for c in counts) else []
+        target = SavedTarget(TargetSpec(saved["column"], kind, "none", classes=classes, class_counts=counts))
     elif kind == "regression":
         target = saved_regression(saved, bad)
     else:
@@ -210,4 +216,6 @@ def summary_line(summary: dict[str, Any]) -> str | None:
     values = [f"{label} {figures[key]:.4g}" for key, label in shown.items() if figures.get(key) is not None]
     if values:
         line += f" | {', '.join(values)} over {figures['observed']} observed samples"
+    if figures.get("observed_unknown_class"):
+        line += f" ({figures['observed_unknown_class']} more of classes the model does not know)"
     return line
