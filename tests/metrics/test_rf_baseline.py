@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import read_summary
+from conftest import read_summary, torchrun
 from sklearn.ensemble import RandomForestClassifier, RandomForestRegressor
 from sklearn.metrics import accuracy_score, f1_score, mean_absolute_error, mean_squared_error, r2_score
 
@@ -167,3 +167,20 @@ def test_a_sweep_s_report_shows_the_forest_s_figure_beside_the_model_s(launch):
         f"`metrics.rf_baseline=True` R^2 {model_r2:.3g} (random forest {forest_r2:.3g}); "
         f"`metrics.rf_baseline=False` R^2 {without['val']['val_target_r2']:.3g} (random forest n/a)."
     )
+
+
+@pytest.mark.slow  # two processes and a torchrun job: about 30 s on a 2-core EPYC
+def test_two_ranks_fit_the_one_process_s_forest_on_every_rank_s_validation_samples(launch):
+    """distributed=ddp: the first rank fits the forest, on the validation samples of both ranks (gathered):
+    the same figures as the one process's, of the same 16 samples (2 batches of 8)."""
+    common = [*MORE, "trainer.batch_size=8"]
+    proc, one = launch(*common, name="one")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, two = launch(*common, "distributed=ddp", name="two", launcher=torchrun(2))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    alone, ranks = read_summary(one)["rf_baseline"], read_summary(two)["rf_baseline"]
+    assert ranks["n_val"] == alone["n_val"] == 16
+    for key in ("val_target_mae", "val_target_rmse", "val_target_r2", "n_train", "n_features"):
+        assert ranks[key] == alone[key], key
+    assert "random forest beside the model" in (two / "train.log").read_text()
+    assert "random forest" not in (two / "train_rank1.log").read_text()  # rank 1 fitted none
