@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 N_TREES = 500  # aam rf-baseline --n-estimators
 MAX_FEATURES = "sqrt"  # --max-features: how many features each split chooses among
 FEATURES = "rarefied ASV counts"  # what a sample's feature vector holds: its reads of each ASV
-# Features up to this size are handed to the forest as a dense array: its trees split them 1.5x (256
-# simulated samples) to 3.6x (2,000) faster than the sparse matrix, on 2 cores; larger ones stay sparse.
+# Features up to this size are handed to the forest as a dense array (its training rows copied once more):
+# its trees split them 1.5x (256 simulated samples) to 3.6x (2,000) faster than the sparse matrix, on 2
+# cores; larger ones stay sparse.
 DENSE_MAX_BYTES = 512 * 2**20
 
 
@@ -122,8 +123,8 @@ def add_rf_baseline(summary: dict[str, Any], cfg: DictConfig, data: Data, val_de
 
 
 def rf_baseline_line(summary: dict[str, Any]) -> str | None:
-    """The run's last line beside its target line: the forest's figures on the same samples; None
-    without one."""
+    """The line a run prints just above its target line: the forest's figures on the same samples; None
+    without a forest."""
     rf = summary.get("rf_baseline")
     if not rf:
         return None
