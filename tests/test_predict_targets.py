@@ -141,6 +141,34 @@ def test_a_classification_writes_the_class_its_probabilities_and_sklearn_s_figur
     assert f"accuracy {figures['accuracy']:.4g}" in line and f"over {len(ids)} observed samples" in line
 
 
+def test_a_pretrained_run_writes_embeddings_only_and_its_frozen_fine_tune_the_same_ones(make_cfg, tmp_path):
+    """Stage 1 (no target: its target head never trained) writes no targets.tsv; stage 2 from it with the
+    encoder frozen writes the same embeddings and its classification's predictions."""
+    train(make_cfg("data.target=null", *FAST), tmp_path / "pretrain")
+    stage2 = [f"init.from_run={tmp_path / 'pretrain'}", "finetune.freeze=encoder", "data.target=environment"]
+    train(make_cfg(*stage2, *FAST), tmp_path / "finetune")
+    register_predict_configs()
+    summaries = {}
+    for stage in ("pretrain", "finetune"):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = compose("predict", [f"run={tmp_path / stage}", "device=cpu", "progress=false"])
+        summaries[stage] = predict(cfg, tmp_path / f"{stage}_out")
+    assert summaries["pretrain"]["target"] is None and "target_metrics" not in summaries["pretrain"]
+    assert not (tmp_path / "pretrain_out" / "targets.tsv").exists()
+    assert (
+        "targets.tsv" not in summaries["pretrain"]["files"]
+        and "target_mae" not in summaries["pretrain"]["quality"]
+    )
+    first, second = (
+        pd.read_csv(tmp_path / f"{s}_out" / "embeddings.tsv", sep="\t", index_col=0) for s in summaries
+    )
+    pd.testing.assert_frame_equal(first, second)  # the frozen encoder's embeddings, bit for bit as written
+    table = pd.read_csv(tmp_path / "finetune_out" / "targets.tsv", sep="\t", index_col=0)
+    classes = summaries["finetune"]["target"]["classes"]
+    assert list(table.columns) == ["predicted", "observed", *(f"p_{c}" for c in classes)]
+    assert set(table["predicted"]) <= set(classes) and len(table) == len(first)
+
+
 @pytest.fixture
 def zscore_run(make_cfg, tmp_path):
     """A run of the default target (zscore, mse), trained to completion."""

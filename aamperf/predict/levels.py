@@ -21,7 +21,7 @@ from aamperf.phases.auto import apply_decisions, choose_attention, choose_precis
 from aamperf.phases.compile import apply_compile, auto_compile, cached_decision, compile_on_ranks
 from aamperf.phases.precision import DTYPES, apply_precision
 from aamperf.phases.record import applied, skipped
-from aamperf.predict.target import SavedTarget, in_own_units, output_as_is, probabilities
+from aamperf.predict.target import SavedTarget, in_own_units, probabilities
 from aamperf.probe import Probe, compile_block, model_shapes
 
 
@@ -138,9 +138,8 @@ def quality(
         .mean()
         .item(),
     }
-    if not (len(level["predicted"]) and len(reference["predicted"])):
-        return result
-    target = target or output_as_is()
+    if target is None or not (len(level["predicted"]) and len(reference["predicted"])):
+        return result  # no target learnt (a pretraining): its head's output means nothing
     if target.spec.is_classification:
         diff = probabilities(level["predicted"]) - probabilities(reference["predicted"])
         result["target_probability_max_diff"] = diff.abs().max().item()

@@ -10,7 +10,7 @@ import torch
 
 from aamperf.files import write_atomic
 from aamperf.model.loss import unifrac_of
-from aamperf.predict.target import SavedTarget, output_as_is, target_figures, target_table
+from aamperf.predict.target import SavedTarget, target_figures, target_table
 
 
 def write_predictions(
@@ -21,14 +21,14 @@ def write_predictions(
     target: SavedTarget | None,
     observed: pd.Series | None,
 ) -> dict:
-    """The ranks' shares, in input order, into the files; the summary's figures of them. `observed`: each
-    sample's observed target (None: the metadata has none)."""
+    """The ranks' shares, in input order, into the files; the summary's figures of them. `target`: the
+    model file's (None: the run learned none, a pretraining, and its target head's output means nothing);
+    `observed`: each sample's observed target (None: the metadata has none)."""
     order = torch.argsort(torch.cat([part["rows"] for part in parts]))
     embedding = torch.cat([part["embedding"] for part in parts])[order]
     predicted = torch.cat([part["predicted"] for part in parts])
     targets, figures = None, {}
-    if len(predicted):  # the model has a target head
-        target = target or output_as_is()
+    if target is not None and len(predicted):  # a run that learned no target left its head untrained
         targets = target_table(read["ids"], predicted[order], target, observed)
         figures = target_summary(target_figures(targets, target))
     written = write_outputs(out_dir, read["ids"], embedding, targets, pairwise)

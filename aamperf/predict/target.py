@@ -48,11 +48,6 @@ class SavedTarget:
         return out
 
 
-def output_as_is() -> SavedTarget:
-    """The target of a model whose file names none (a target head without a payload): its output as is."""
-    return SavedTarget(TargetSpec("target", transform="none"))
-
-
 def read_saved_target(payload: dict[str, Any], path: Path) -> SavedTarget | None:
     """The target of a model file's payload (None: the run learned none, a pretraining); a malformed one
     (wrong types, an unknown kind, transform or loss, classes that are not strings, outputs that do not
