@@ -206,6 +206,10 @@ MALFORMED = {
         {"column": "target", "type": "classification", "classes": [1, 2]},
         "'s classes ([1, 2]) are not a list of names",
     ),
+    "outputs the model's head does not have": (
+        {"column": "target", "loss": "quantile", "quantiles": [0.1, 0.9]},
+        " needs 2 outputs but its model.target_dim is 1",
+    ),
     "quantiles that are not numbers": (
         {"column": "target", "loss": "quantile", "quantiles": ["a"]},
         "'s quantiles (['a']) are not numbers between 0 and 1",

@@ -94,7 +94,10 @@ def saved_regression(saved: dict[str, Any], bad: str) -> SavedTarget:
     `scale`: a zscore), loss and quantiles."""
     transform = saved.get("transform", "zscore")
     if transform not in TRANSFORMS:
-        raise UserError(f"{bad} has transform {str(transform)[:40]!r}, not one of {', '.join(TRANSFORMS)}")
+        raise UserError(
+            f"{bad} has transform {str(transform)[:40]!r}, not one of {', '.join(TRANSFORMS)}; "
+            "train the run again"
+        )
     shift, scale = saved.get("shift", saved.get("mean", 0.0)), saved.get("scale", saved.get("std", 1.0))
     for name, value in (("shift", shift), ("scale", scale)):
         if not (is_number(value) and math.isfinite(value)):
@@ -103,12 +106,15 @@ def saved_regression(saved: dict[str, Any], bad: str) -> SavedTarget:
         raise UserError(f"{bad}'s scale {scale} is not > 0; train the run again")
     loss = saved.get("loss")
     if loss is not None and loss not in TARGET_LOSSES:
-        raise UserError(f"{bad} has loss {str(loss)[:40]!r}, not one of {', '.join(TARGET_LOSSES)}")
+        raise UserError(
+            f"{bad} has loss {str(loss)[:40]!r}, not one of {', '.join(TARGET_LOSSES)}; train the run again"
+        )
     quantiles = saved.get("quantiles") if loss == "quantile" else []
-    if not (isinstance(quantiles, list) and all(is_number(q) and 0 < q < 1 for q in quantiles)) or (
-        loss == "quantile" and not quantiles
-    ):
-        raise UserError(f"{bad}'s quantiles ({str(quantiles)[:80]}) are not numbers between 0 and 1")
+    numbers = isinstance(quantiles, list) and all(is_number(q) and 0 < q < 1 for q in quantiles)
+    if not numbers or (loss == "quantile" and not quantiles):
+        raise UserError(
+            f"{bad}'s quantiles ({str(quantiles)[:80]}) are not numbers between 0 and 1; train the run again"
+        )
     spec = TargetSpec(saved["column"], "regression", transform, float(shift), float(scale))
     return SavedTarget(spec, loss, [float(q) for q in quantiles])
 
