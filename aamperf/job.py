@@ -32,6 +32,7 @@ from aamperf.phases.compile import trial_context
 from aamperf.probe import Probe, measured, measuring, timed
 from aamperf.rng import forked_rng, seed_everything
 from aamperf.targets import learn_target
+from aamperf.trainer.cached import head_flops, use_cached_embeddings
 from aamperf.trainer.checkpoints import steps_left
 from aamperf.trainer.stream import BatchStream
 
@@ -121,6 +122,9 @@ def build_job(cfg: DictConfig, summary: dict[str, Any], run_dir: Path | None = N
                 cfg, setup, plan, data, loss_fn, host_batches[0], batch_s, step_s, flops[1], peak, device,
                 world, steps,
             )  # fmt: skip
+    # stage 2 with a frozen encoder: every sample embedded once, the steps train the heads on them
+    if use_cached_embeddings(cfg, plan, model, data, loss_fn, device, world.world_size, summary):
+        flops = head_flops(model, data.train_loader.batch_size)
     model_flops, hardware_flops = (f * tc.grad_accum_steps for f in flops)
     summary.update(
         auto_s=round(measuring.seconds, 3),

@@ -50,6 +50,9 @@ class Summary(dict):
     def trained(self, result, plan=None, monitor=None) -> None:
         """What the loop did, however it ended (`result`: its FitResult; None: it never started)."""
         self.update(self.meter.summary())
+        cached = (self.get("finetune") or {}).get("cached_embeddings")
+        if cached is not None:  # the steps' time beside what the cache cost (aamperf/trainer/cached.py)
+            cached.update(step_time_s=self.get("step_time_s"), samples_per_s=self.get("samples_per_s"))
         if monitor is not None:
             self.update(monitor.summary())
         if plan is not None:

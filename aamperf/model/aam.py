@@ -61,7 +61,8 @@ class AAM(nn.Module):
       `sample_embedding` [B, D], `asv_embedding` [B, S, D] (ASV encoder output, 0 on padding ASVs),
       `nuc_logits` [B, S, L, vocab_size] (0 on padding ASVs), and `target` [B, target_dim] when
       target_dim > 0. `asv_ids` (the batch's global ASV index per slot, -1 on padding) is only read
-      when `asv_rows == "unique"`.
+      when `asv_rows == "unique"`. forward(sample_embedding=[B, D]) runs the heads alone on given
+      embeddings (a frozen encoder's, cached): `sample_embedding` and `target`.
 
     Set by `aamperf/phases/aam_ops.py`, none changing the outputs (up to fp32 rounding):
     `pack_samples`: the sample level runs on each sample's real ASVs packed along one axis
@@ -136,7 +137,15 @@ class AAM(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: Tensor, counts: Tensor, asv_ids: Tensor | None = None) -> dict[str, Tensor]:
+    def forward(
+        self,
+        tokens: Tensor | None = None,
+        counts: Tensor | None = None,
+        asv_ids: Tensor | None = None,
+        sample_embedding: Tensor | None = None,
+    ) -> dict[str, Tensor]:
+        if sample_embedding is not None:  # a frozen encoder's, computed once (aamperf/trainer/cached.py)
+            return self.heads(sample_embedding)
         batch, n_asvs, length = tokens.shape
         if n_asvs > self.max_asvs or length > self.seq_len:
             raise ValueError(
@@ -163,10 +172,14 @@ class AAM(nn.Module):
         h = self.sample_transformer(h, packing)
         h = self.encoder_transformer(h, packing)
         sample = self.sample_pool(h, packing)
-
         out = {"sample_embedding": sample, "asv_embedding": asv, "nuc_logits": nuc_logits}
+        return {**out, **self.heads(sample)}
+
+    def heads(self, sample_embedding: Tensor) -> dict[str, Tensor]:
+        """The outputs of sample embeddings [B, D]: themselves, and the target head's where there is one."""
+        out = {"sample_embedding": sample_embedding}
         if self.target_head is not None:
-            out["target"] = self.target_head(sample)
+            out["target"] = self.target_head(sample_embedding)
         return out
 
     def encode_asvs(

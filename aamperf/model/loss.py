@@ -99,11 +99,14 @@ def is_number(value: Any) -> bool:
 
 class AAMLoss(nn.Module):
     """loss(model, batch, step) -> (total, parts). Parts the model does not output are left out:
-    `unifrac` needs `sample_embedding`, `nucleotide` needs `nuc_logits`, `target` needs both a
-    `target` output and `batch["target"]`. total = weighted sum of the parts present.
+    `unifrac` needs `sample_embedding`, `nucleotide` needs `nuc_logits` and nucleotide_weight > 0
+    (`hides_bases`), `target` needs both a `target` output and `batch["target"]`. total = weighted sum
+    of the parts present.
 
     The batch needs `tokens`, `counts`, `unifrac` and `asv_ids` (the mask is drawn per ASV); the
-    model is called as model(masked tokens, counts, asv_ids=...), the signature of AAM."""
+    model is called as model(masked tokens, counts, asv_ids=...), the signature of AAM. A batch of
+    cached embeddings (`sample_embedding` instead of tokens: aamperf/trainer/cached.py) is given to
+    the model as model(sample_embedding=...), its heads alone."""
 
     def __init__(
         self,
@@ -192,11 +195,28 @@ class AAMLoss(nn.Module):
         mae = (own - target.squeeze(1)).abs().sum()
         return summed, predicted.new_tensor(float(target.size(0))), {"target_mae": mae}
 
-    def outputs(self, model: nn.Module, batch: dict, step: int) -> tuple[dict[str, Tensor], Tensor]:
-        """(the model's outputs on the batch with this step's bases hidden, which bases are hidden)."""
-        tokens, asv_ids = batch["tokens"], batch["asv_ids"]
-        hidden = nucleotide_mask(tokens, asv_ids, step, self.seed, self.mask_fraction)
-        return model(tokens.masked_fill(hidden, MASK), batch["counts"], asv_ids=asv_ids), hidden
+    @property
+    def hides_bases(self) -> bool:
+        """Does the loss hide bases from the model? Only where it learns them: at nucleotide_weight=0 the
+        nucleotide part would train nothing, so the model sees whole sequences and the part is left out
+        (nothing hidden, nothing to score); a frozen encoder then gives each sample one embedding, which
+        aamperf/trainer/cached.py computes once."""
+        return self.weights["nucleotide"] > 0
+
+    def hidden_bases(self, batch: dict, step: int) -> Tensor | None:
+        """Which bases of the batch this step hides (`nucleotide_mask`), or None where none are."""
+        if not self.hides_bases:
+            return None
+        return nucleotide_mask(batch["tokens"], batch["asv_ids"], step, self.seed, self.mask_fraction)
+
+    def outputs(self, model: nn.Module, batch: dict, step: int) -> tuple[dict[str, Tensor], Tensor | None]:
+        """(the model's outputs on the batch with this step's bases hidden, which bases are hidden or None).
+        A batch of cached sample embeddings (aamperf/trainer/cached.py) goes to the model's heads alone."""
+        if "sample_embedding" in batch:
+            return model(sample_embedding=batch["sample_embedding"]), None
+        tokens, asv_ids, hidden = batch["tokens"], batch["asv_ids"], self.hidden_bases(batch, step)
+        shown = tokens if hidden is None else tokens.masked_fill(hidden, MASK)
+        return model(shown, batch["counts"], asv_ids=asv_ids), hidden
 
     def forward(self, model: nn.Module, batch: dict, step: int) -> tuple[Tensor, dict[str, Tensor]]:
         total, parts, _ = self.evaluate(model, batch, step)
@@ -208,7 +228,6 @@ class AAMLoss(nn.Module):
         """(the loss, its parts, the model's target output [B, target_outputs] detached, or None):
         `forward`'s, with the predictions it was taken on (in the model's units: `target.inverse` and
         `point` put a regression's in the target's own)."""
-        tokens = batch["tokens"]
         out, hidden = self.outputs(model, batch, step)
 
         # Under torch.distributed each rank holds a slice of the global batch. Every part is the
@@ -221,8 +240,8 @@ class AAMLoss(nn.Module):
             parts["unifrac"] = unifrac_loss(
                 gather(out["sample_embedding"]), gather_constant(batch["unifrac"])
             )
-        if "nuc_logits" in out:
-            total_ce, n_hidden = masked_nucleotide_sums(out["nuc_logits"], tokens, hidden)
+        if "nuc_logits" in out and hidden is not None:
+            total_ce, n_hidden = masked_nucleotide_sums(out["nuc_logits"], batch["tokens"], hidden)
             parts["nucleotide"] = world * total_ce / all_sum(n_hidden).clamp(min=1.0)
         metrics: dict[str, Tensor] = {}  # reported beside the parts, not trained on
         predicted = None
@@ -256,9 +275,9 @@ class AAMLoss(nn.Module):
 
     def step_counts(self, batches: list[dict], step: int) -> StepCounts:
         """What the step's separable parts divide by: its hidden bases on every rank, its samples here."""
-        seed, fraction = self.seed, self.mask_fraction
-        hidden = sum(nucleotide_mask(b["tokens"], b["asv_ids"], step, seed, fraction).sum() for b in batches)
-        samples = sum(b["tokens"].size(0) for b in batches)
+        masks = [self.hidden_bases(b, step) for b in batches]
+        hidden = sum(m.sum() for m in masks) if self.hides_bases else batches[0]["sample_idx"].new_zeros(())
+        samples = sum(b["sample_idx"].size(0) for b in batches)
         target_weight = None
         if self.class_weights is not None and batches[0].get("target") is not None:
             weights = self.class_weights.to(batches[0]["target"])
@@ -275,7 +294,7 @@ class AAMLoss(nn.Module):
         out, hidden = self.outputs(model, batch, step)
         world = world_size()
         parts: dict[str, Tensor] = {}
-        if "nuc_logits" in out:
+        if "nuc_logits" in out and hidden is not None:
             total_ce, _ = masked_nucleotide_sums(out["nuc_logits"], batch["tokens"], hidden)
             parts["nucleotide"] = world * total_ce / counts.hidden.clamp(min=1.0)
         metrics: dict[str, Tensor] = {}

@@ -1,0 +1,159 @@
+"""Stage 2's fast path (`finetune.cache_embeddings`): the heads trained on sample embeddings computed once.
+
+With the encoder frozen (`finetune.freeze=encoder`: no weight of it changes, and it runs in eval mode, dropout
+off) a sample's embedding depends on the encoder's input alone: its table, rarefied once with data.seed and
+cut to its max_asvs most abundant ASVs in a fixed order (aamperf/data/samples.py), and the bases the loss
+hides, which change every step unless it hides none (loss.nucleotide_weight=0: AAMLoss.hides_bases). Then
+every training and validation sample is embedded once, before the first step, and each step trains the heads
+on the cached embeddings: the same loss (AAMLoss's parts on the model's `sample_embedding` and target
+outputs, `AAM.heads`), the same batches in the same order (the run's own sampler, batched as its loader
+batches: the schedule, checkpoints and resume see the stream they always saw), validation on the same
+samples; a step costs the heads' forward and backward instead of the encoder's too. The UniFrac part on
+frozen embeddings trains nothing (a constant), reported as before.
+"""
+
+import time
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Subset
+
+from aamperf.data.branches import batch_matrix
+from aamperf.device import new_cuda_graph_step, sync, to_device
+from aamperf.errors import UserError
+from aamperf.model.aam import AAM
+from aamperf.phases import Plan
+
+
+def why_not(cfg: DictConfig, model: torch.nn.Module, loss_fn: Any, world_size: int) -> str | None:
+    """Why cached embeddings would not give the losses of the frozen encoder run at every step, as the
+    override that changes it; None where they would. `model`: the run's, before any phase wrapped it."""
+    freeze = str(cfg.finetune.freeze)
+    if freeze != "encoder":
+        trains = "the whole encoder trains" if freeze == "none" else "the sample encoder trains"
+        return (
+            f"finetune.freeze={freeze}: {trains}, so embeddings change every step (finetune.freeze=encoder)"
+        )
+    if not isinstance(model, AAM):
+        return f"model {cfg.model.get('_target_')} is not AAM: only AAM runs its heads on given embeddings"
+    if not hasattr(loss_fn, "hides_bases"):
+        return f"loss {cfg.loss.get('_target_')} is not AAMLoss: it may not take a batch of embeddings"
+    if loss_fn.hides_bases:
+        return (
+            f"loss.nucleotide_weight={cfg.loss.nucleotide_weight}: the nucleotide part reads the encoder's "
+            "per-base outputs on bases hidden anew each step (loss.nucleotide_weight=0)"
+        )
+    if world_size > 1:
+        return (
+            f"distributed.strategy={cfg.distributed.strategy}: the cache is one process's (distributed=none)"
+        )
+    return None
+
+
+def use_cached_embeddings(
+    cfg: DictConfig, plan: Plan, model: torch.nn.Module, data, loss_fn: Any, device: torch.device,
+    world_size: int, summary: dict[str, Any],
+) -> bool:  # fmt: skip
+    """finetune.cache_embeddings: where it applies, embed every sample once and put loaders of the cached
+    embeddings in `data` (its train and val loaders); a fine-tune records what was done or why not in
+    summary["finetune"]["cached_embeddings"]. `true` where it cannot apply: a one-line UserError."""
+    asked = cfg.finetune.cache_embeddings
+    if not (asked == "auto" or isinstance(asked, bool)):
+        raise UserError(f"finetune.cache_embeddings={asked} must be auto, true or false")
+    reason = "finetune.cache_embeddings=false" if asked is False else why_not(cfg, model, loss_fn, world_size)
+    if asked is True and reason:
+        raise UserError(
+            f"finetune.cache_embeddings=true cannot apply: {reason}; or finetune.cache_embeddings=auto"
+        )
+    if reason:
+        if "finetune" in summary:  # a fine-tune (init.from_run): said why its steps run the encoder
+            summary["finetune"]["cached_embeddings"] = {"applied": False, "reason": reason}
+        return False
+    started = time.perf_counter()
+    train_idx, val_idx = (list(loader.dataset.indices) for loader in (data.train_loader, data.val_loader))
+    embeddings = embed_samples(plan, loss_fn, data, sorted(train_idx + val_idx), device)
+    sync(device)
+    summary.setdefault("finetune", {})["cached_embeddings"] = {
+        "applied": True,
+        "samples_embedded": len(train_idx) + len(val_idx),
+        "embed_s": round(time.perf_counter() - started, 3),
+        "bytes": embeddings.numel() * embeddings.element_size(),
+    }
+    data.train_loader, data.val_loader = cached_loaders(data, embeddings)
+    return True
+
+
+@torch.no_grad()
+def embed_samples(plan: Plan, loss_fn: Any, data, indices: list[int], device: torch.device) -> torch.Tensor:
+    """[n_samples, D] every sample's embedding as a step computes it (the loss's model input, the run's
+    autocast, eval mode), in rows `indices` (zeros elsewhere), on `device`; batched as the run batches."""
+    loader = DataLoader(
+        Subset(data.dataset, indices), batch_size=data.train_loader.batch_size, collate_fn=data.collate
+    )
+    model, cache = plan.model, None
+    model.eval()
+    for batch in loader:
+        new_cuda_graph_step(device)
+        batch = to_device(batch, device)
+        with plan.autocast():
+            embedding = loss_fn.outputs(model, batch, 0)[0]["sample_embedding"]
+        if cache is None:
+            cache = embedding.new_zeros(len(data.dataset), embedding.size(1))
+        # a copy: a CUDA graph's output is overwritten by its next replay
+        cache[batch["sample_idx"]] = embedding
+    model.train()
+    return cache
+
+
+class CachedCollate:
+    """Sample indices -> the batch `Collate` makes of those samples, with their cached `sample_embedding`
+    [B, D] in place of their tokens: sample_idx, unifrac (or the branch sets it is computed from on the
+    device), target, n_samples and n_tokens (the samples' real bases, as the step meter counts them
+    whichever path trains on them). Nothing is tokenized or padded."""
+
+    def __init__(self, embeddings: torch.Tensor, data):
+        self.embeddings, self.dataset, self.collate = embeddings, data.dataset, data.collate
+
+    def __call__(self, items: list[int]) -> dict[str, Any]:
+        idx = torch.tensor(items)
+        batch = {
+            "sample_idx": idx,
+            "sample_embedding": self.embeddings[idx.to(self.embeddings.device)],
+            "n_samples": len(items),
+            "n_tokens": int(self.dataset.n_tokens[items].sum()),
+        }
+        if self.collate.unifrac is not None:
+            batch["unifrac"] = self.collate.unifrac[idx][:, idx]
+        if self.collate.branch_lengths is not None:  # batch UniFrac: computed by to_device, as Collate's
+            branches = [self.dataset.branches[i] for i in items]
+            matrix, lengths = batch_matrix(branches, self.collate.branch_lengths)
+            batch.update(branches=matrix, branch_lengths=lengths, branch_rows=torch.arange(len(items)))
+        if self.dataset.target is not None:
+            batch["target"] = self.dataset.target[idx].float().unsqueeze(1)
+        return batch
+
+
+def cached_loaders(data, embeddings: torch.Tensor) -> tuple[DataLoader, DataLoader]:
+    """The run's train and val loaders over the cached embeddings: the same samples in the same batches,
+    the train loader drawing from the run's own sampler (its generator: the batch order, and where a
+    checkpoint left it). In the main process: a batch is a few index lookups."""
+    collate = CachedCollate(embeddings, data)
+    train, val = data.train_loader, data.val_loader
+
+    def loader(indices: list[int], batch_size: int, **order: Any) -> DataLoader:
+        # the items are the samples' indices (range: i -> i), batched by `order` as the run's loader does
+        samples = Subset(range(len(data.dataset)), indices)
+        return DataLoader(samples, batch_size=batch_size, collate_fn=collate, drop_last=True, **order)
+
+    return (
+        loader(list(train.dataset.indices), train.batch_size, sampler=train.sampler),
+        loader(list(val.dataset.indices), val.batch_size, shuffle=False),
+    )
+
+
+def head_flops(model: AAM, batch_size: int) -> tuple[float, float]:
+    """(model, hardware) FLOPs of a step on cached embeddings: the target head's matmul, forward and
+    backward counted as 3 forwards as `AAM.flops_per_step` counts them (it leaves UniFrac's B^2 D out too)."""
+    flops = 3.0 * 2 * batch_size * model.embedding_dim * model.target_dim
+    return flops, flops

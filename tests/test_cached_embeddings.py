@@ -1,0 +1,137 @@
+"""Stage 2 on cached embeddings (aamperf/trainer/cached.py): a frozen encoder's sample embeddings computed
+once, the heads trained on them, with the losses of the frozen encoder run at every step. Real runs of the
+tiny config from a real 3-step pretraining."""
+
+import pytest
+import torch
+from conftest import CONF_DIR, TINY, read_metrics
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from aamperf.config import register_configs
+from aamperf.errors import UserError
+from aamperf.run import train
+from aamperf.tokens import MASK
+from aamperf.weights import MODEL_FILE
+
+# a regression fine-tune of the encoder as pretrained: the target and UniFrac parts, no nucleotide part
+FROZEN = ["data.target=target", "finetune.freeze=encoder", "loss.nucleotide_weight=0"]
+# every step logged, validated every 2 steps and at the end
+STEPS = ["trainer.max_steps=5", "trainer.val_every=2", "trainer.lr=3e-3"]
+LOSSES = ("loss", "loss_unifrac", "loss_target", "target_mae", "val_loss", "val_unifrac", "val_target")
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, cache_dir):
+    """A completed pretraining run (UniFrac + masked nucleotides, no target): its directory."""
+    register_configs()
+    run_dir = tmp_path_factory.mktemp("pretrain")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=[*TINY, f"data.cache_dir={cache_dir}", "data.target=null"])
+    assert train(cfg, run_dir)["status"] == "completed"
+    return run_dir
+
+
+def weights_of(run_dir) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / MODEL_FILE, weights_only=True)["weights"]
+
+
+def test_cached_embeddings_give_the_frozen_paths_losses_at_every_step(make_cfg, pretrained, tmp_path):
+    runs = {}
+    for cache in ("auto", "false"):
+        cfg = make_cfg(f"init.from_run={pretrained}", *FROZEN, *STEPS, f"finetune.cache_embeddings={cache}")
+        runs[cache] = train(cfg, tmp_path / cache)
+    cached, every_step = runs["auto"]["finetune"], runs["false"]["finetune"]
+    assert cached["cached_embeddings"]["applied"] is True
+    assert cached["cached_embeddings"]["samples_embedded"] == runs["auto"]["n_train"] + runs["auto"]["n_val"]
+    assert cached["cached_embeddings"]["step_time_s"] == runs["auto"]["step_time_s"]
+    assert every_step["cached_embeddings"]["reason"] == "finetune.cache_embeddings=false"
+    rows = {cache: read_metrics(tmp_path / cache) for cache in runs}
+    assert [r["step"] for r in rows["auto"]] == [r["step"] for r in rows["false"]] == [1, 2, 3, 4, 5]
+    for mine, theirs in zip(rows["auto"], rows["false"], strict=True):
+        assert set(mine) & set(LOSSES) == set(theirs) & set(LOSSES)
+        for key in set(mine) & set(LOSSES):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5), (mine["step"], key)
+    assert sum("val_loss" in r for r in rows["auto"]) == 3 and "loss_nucleotide" not in rows["auto"][0]
+    assert rows["auto"][0]["loss_target"] != pytest.approx(rows["auto"][-1]["loss_target"], rel=1e-3)
+    # the validation's target figures too: of the same samples, from the same predictions
+    assert runs["auto"]["val"] == pytest.approx(runs["false"]["val"], rel=1e-5)
+    ours, theirs = weights_of(tmp_path / "auto"), weights_of(tmp_path / "false")
+    assert all(torch.allclose(ours[n], theirs[n], rtol=1e-5, atol=1e-7) for n in ours)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        (
+            ["loss.nucleotide_weight=0.5"],
+            "loss.nucleotide_weight=0.5: the nucleotide part reads the encoder's per-base outputs on bases "
+            "hidden anew each step (loss.nucleotide_weight=0)",
+        ),
+        (
+            ["finetune.freeze=asv_encoder"],
+            "finetune.freeze=asv_encoder: the sample encoder trains, so embeddings change every step "
+            "(finetune.freeze=encoder)",
+        ),
+    ],
+    ids=["nucleotide part", "sample encoder trains"],
+)
+def test_auto_is_off_with_its_reason_and_true_is_refused_in_one_line(
+    make_cfg, pretrained, tmp_path, overrides, reason
+):
+    one_step = [f"init.from_run={pretrained}", *FROZEN, *overrides, "trainer.max_steps=1"]
+    summary = train(make_cfg(*one_step), tmp_path / "auto")
+    assert summary["status"] == "completed"
+    assert summary["finetune"]["cached_embeddings"] == {
+        "applied": False,
+        "reason": reason,
+        "step_time_s": summary["step_time_s"],
+        "samples_per_s": summary["samples_per_s"],
+    }
+    with pytest.raises(UserError) as refused:
+        train(make_cfg(*one_step, "finetune.cache_embeddings=true"), tmp_path / "true")
+    assert str(refused.value) == (
+        f"finetune.cache_embeddings=true cannot apply: {reason}; or finetune.cache_embeddings=auto"
+    )
+
+
+def test_a_resumed_cached_fine_tune_ends_as_the_whole_run(make_cfg, pretrained, tmp_path):
+    """The batch stream, schedule and optimizer go on from the checkpoint: bit for bit the whole run."""
+    resumable = [f"init.from_run={pretrained}", *FROZEN, *STEPS, "trainer.checkpoint_every=2"]
+    resumable += ["trainer.resume=auto"]
+    assert train(make_cfg(*resumable), tmp_path / "whole")["status"] == "completed"
+    whole_rows, whole = read_metrics(tmp_path / "whole"), weights_of(tmp_path / "whole")
+    cfg = make_cfg(*resumable, "trainer.max_steps=3")  # stopped after step 3, its last checkpoint step 2
+    assert train(cfg, tmp_path / "resumed")["status"] == "completed"
+    (tmp_path / "resumed" / "checkpoints" / "step_00000003.pt").unlink(missing_ok=True)
+    summary = train(make_cfg(*resumable), tmp_path / "resumed")
+    assert summary["status"] == "completed" and summary["resumed_from_step"] in (2, 3)
+    assert summary["finetune"]["cached_embeddings"]["applied"] is True
+    resumed = weights_of(tmp_path / "resumed")
+    assert all(torch.equal(resumed[name], whole[name]) for name in whole)
+    last = read_metrics(tmp_path / "resumed")[-1]
+    assert last["step"] == 5 and last["loss"] == whole_rows[-1]["loss"]
+    assert last["val_loss"] == whole_rows[-1]["val_loss"]
+
+
+@pytest.mark.parametrize("nucleotide_weight", [0.0, 1.0])
+def test_the_loss_hides_bases_only_where_it_learns_them(make_cfg, nucleotide_weight):
+    """At nucleotide_weight=0 the model sees every base and no nucleotide part is made of nothing hidden."""
+    cfg = make_cfg(f"loss.nucleotide_weight={nucleotide_weight}", "loss.mask_fraction=0.5")
+    model, loss_fn = instantiate(cfg.model), instantiate(cfg.loss)
+    tokens = torch.randint(1, 5, (2, 3, 151))  # every slot a real ASV of A/C/G/T
+    batch = {
+        "tokens": tokens,
+        "counts": torch.ones(2, 3, 1),
+        "asv_ids": torch.arange(6).view(2, 3),
+        "unifrac": torch.tensor([[0.0, 0.5], [0.5, 0.0]]),
+        "sample_idx": torch.arange(2),
+    }
+    seen = []
+    model.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    _, parts = loss_fn(model, batch, step=1)
+    if nucleotide_weight == 0:
+        assert torch.equal(seen[0], tokens) and "nucleotide" not in parts
+    else:
+        assert (seen[0] == MASK).sum() > 0 and "nucleotide" in parts
+        assert torch.equal(seen[0].masked_fill(seen[0] == MASK, 0), tokens.masked_fill(seen[0] == MASK, 0))
