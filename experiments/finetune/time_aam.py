@@ -7,6 +7,8 @@ its checks, optimizer: an epoch without its validation), and each `Trainer.valid
 kept (its loss and, for `train`, the target's metrics in the target's units: regression mae / mse / r2,
 classification accuracy and its support-weighted f1). The original reports no macro-F1: the last
 confusion matrix its classification metrics computed is kept, and summarize.py takes macro-F1 from it.
+Two changes to the original, without which its `aam train --classifier` fails at 6f65d20 (both found by
+this study's dry run): class_indices_target_loss and class_save_val_predictions.
 Usage: python time_aam.py RESULT.json pretrain|train -- <the command's options>
 Writes {"command", "epoch_times_s", "step_times_s", "val_results", "confusion_matrix", "wall_s", "device"}.
 """
@@ -16,6 +18,7 @@ import sys
 import time
 
 import torch
+from aam.training.losses import MultiTaskLoss
 from aam.training.metrics import StreamingClassificationMetrics
 from aam.training.trainer import Trainer
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -75,6 +78,33 @@ def recorded_compute(self):
     return classification_compute(self)
 
 
+target_loss = MultiTaskLoss.compute_target_loss
+
+
+def class_indices_target_loss(self, target_pred, target_true, is_classifier=False, *a, **k):
+    """The first change to the original: its dataset gives a classifier's target as float [B, 1], which its
+    nll_loss refuses ("0D or 1D target tensor expected, multi-target not supported": `aam train
+    --classifier` fails at 6f65d20); passed as the class indices [B] nll_loss takes, as it intends."""
+    if is_classifier and target_true.dim() == 2 and target_true.shape[1] == 1:
+        target_true = target_true.view(-1).long()
+        record["classifier_target_cast"] = True
+    return target_loss(self, target_pred, target_true, is_classifier, *a, **k)
+
+
+save_val_predictions = Trainer._save_val_predictions
+
+
+def class_save_val_predictions(self, full_predictions, *a, **k):
+    """The second change: a classifier's validation predictions are [N, classes] log-probabilities, which its
+    TSV writer cannot put in one column (pandas: "Per-column arrays must each be 1-dimensional"); the
+    predicted class is written instead. It runs once per best epoch, outside the timed epochs."""
+    predictions = full_predictions.get("predictions")
+    if predictions is not None and predictions.dim() == 2 and predictions.shape[1] > 1:
+        full_predictions = {**full_predictions, "predictions": predictions.argmax(dim=1)}
+        record["classifier_predictions_argmax"] = True
+    return save_val_predictions(self, full_predictions, *a, **k)
+
+
 def stamp(*_) -> None:
     sync()
     now = time.perf_counter()
@@ -85,6 +115,8 @@ def stamp(*_) -> None:
 Trainer.train_epoch = timed_train_epoch
 Trainer.validate_epoch = recorded_validate_epoch
 StreamingClassificationMetrics.compute = recorded_compute
+MultiTaskLoss.compute_target_loss = class_indices_target_loss
+Trainer._save_val_predictions = class_save_val_predictions
 register_optimizer_step_post_hook(stamp)
 
 start = time.perf_counter()
