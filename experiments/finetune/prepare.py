@@ -27,4 +27,4 @@ kept = [by_id[sample_id].split("\t") for sample_id in (out / "unifrac.ids.txt").
 classes = sorted({row[1] for row in kept})  # aamperf's classes: the training samples', sorted
 lines = [header + "\tenvironment_id"] + ["\t".join([*row, str(classes.index(row[1]))]) for row in kept]
 (out / "metadata.tsv").write_text("\n".join(lines) + "\n")
-print(f"{out / 'metadata.tsv'}: {len(kept)} samples, {header!r}; environments {', '.join(classes)}")
+print(f"{out / 'metadata.tsv'}: {len(kept)} samples, {lines[0]!r}; environments {', '.join(classes)}")
