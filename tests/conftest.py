@@ -44,6 +44,7 @@ TINY = [
     "trainer.progress=false",
     "metrics.log_every=1",
     "metrics.skip_steps=1",
+    "metrics.rf_baseline=false",  # the random forest after a target run: its own tests turn it on
 ]
 
 

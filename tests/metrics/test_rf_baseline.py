@@ -22,7 +22,14 @@ from aamperf.run import train
 
 # 99 samples after rarefaction: 79 trained, 20 validated, of which the model's validation covers the
 # first 2 batches of 4 (trainer.val_batches=2): the forest must be scored on those 8 and no others
-MORE = ["data.n_samples=100", "data.rarefy_depth=300", "trainer.val_batches=2", "seed=3"]
+# metrics.rf_baseline: on by default, off in the tests' TINY settings (conftest.py)
+MORE = [
+    "data.n_samples=100",
+    "data.rarefy_depth=300",
+    "trainer.val_batches=2",
+    "seed=3",
+    "metrics.rf_baseline=true",
+]
 
 
 def forest_again(
