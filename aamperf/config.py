@@ -75,6 +75,10 @@ class DataConfig:
     # a regression's target as the model learns it, fitted on the training samples (aamperf/targets.py);
     # every reported figure is in the target's own units
     target_transform: TargetTransform = TargetTransform.zscore
+    # metadata columns the target head is conditioned on (aamperf/data/categorical.py): each embedded and
+    # fused into the sample embedding the head reads (model.categorical_fusion); vocabularies of the
+    # training samples, slot 0 for a missing value or (at predict) a category training never saw
+    categorical: list[str] = field(default_factory=list)
     sequences: str | None = None  # FASTA id -> sequence, when observation ids are not sequences
     # batch: each batch's UniFrac from its samples' branch sets (the tree's), on the run's device;
     # precomputed: the whole n x n matrix up front (data.unifrac's, or scikit-bio's from data.tree, cached);

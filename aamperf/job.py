@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from aamperf.batch_size import find_batch_size, smallest_batch
 from aamperf.data import build_data, rebatch
+from aamperf.data.categorical import condition_model
 from aamperf.data.dataset import make_loaders
 from aamperf.device import resolve_device, sync, to_device
 from aamperf.distributed import World, from_main, init_world, main_decides, world_size
@@ -174,6 +175,7 @@ def build_model(cfg: DictConfig, device: torch.device, world: World, data, summa
     scale where the data has one."""
     loss_fn = build(cfg, "loss")
     learn_target(cfg, loss_fn, data.target, summary)  # before the model: its target head follows the target
+    condition_model(cfg, data.categorical, summary)  # its categorical tables follow data.categorical
     model = build(cfg, "model")
     if not isinstance(model, torch.nn.Module):
         raise UserError(

@@ -80,7 +80,9 @@ def train(
                 job.non_blocking, run_dir, interrupts,
             )  # fmt: skip
         summary["recompiles"] = compiled_graphs() - graphs  # graphs compiled for new shapes while training
-        kept = save_model(run_dir, job.plan.model, resolved_config(cfg), summary.get("target"))
+        kept = save_model(
+            run_dir, job.plan.model, resolved_config(cfg), summary.get("target"), summary.get("categorical")
+        )
         summary["model_file"] = kept and kept.name  # python -m aamperf.predict run=<run dir> uses it
         summary.update(target_record(run_dir, result.val_detail, job.data.sample_ids, main))
         summary.trained(result, job.plan, monitor)

@@ -24,9 +24,15 @@ FORMAT = 1
 OWN_MODELS = frozenset({"aamperf.model.AAM", "aamperf.model.aam.AAM"})
 
 
-def save_model(run_dir: Path, model: nn.Module, config: dict[str, Any], target: dict | None) -> Path | None:
+def save_model(
+    run_dir: Path,
+    model: nn.Module,
+    config: dict[str, Any],
+    target: dict | None,
+    categorical: dict | None = None,
+) -> Path | None:
     """Write the trained model (every rank calls this: FSDP2 gathers the full weights; rank 0 writes);
-    the path, on rank 0."""
+    the path, on rank 0. `categorical`: data.categorical's record (columns, vocabularies), plain data."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -38,6 +44,9 @@ def save_model(run_dir: Path, model: nn.Module, config: dict[str, Any], target: 
         "weights": {name: tensor.detach().cpu() for name, tensor in weights.items()},
         "config": config,  # resolved: model, loss and data as trained
         "target": target,  # the target column's mean and std (predictions in its own units), or None
+        # the categorical columns' vocabularies (aamperf/data/categorical.py): predict maps a new table's
+        # categories with them; None where the model is not conditioned
+        "categorical": categorical,
     }
     path = Path(run_dir) / MODEL_FILE
     write_atomic(path, lambda f: torch.save(payload, f), "free space there, or set hydra.run.dir elsewhere")
@@ -131,7 +140,6 @@ def build_model(
         model.load_state_dict(payload["weights"])
     except RuntimeError as exc:
         raise UserError(
-            f"{path}: its weights do not fit the model its config builds "
-            f"({one_line(exc)[:200]})"
+            f"{path}: its weights do not fit the model its config builds ({one_line(exc)[:200]})"
         ) from exc
     return model.to(device).eval()

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, RandomSampler, Subset
 
 from aamperf.data.branches import batch_matrix
+from aamperf.data.categorical import check_columns, learn_categories
 from aamperf.data.metadata import read_target_column
 from aamperf.data.samples import SampleDataset, Samples
 from aamperf.data.store import sample_store
@@ -32,7 +33,8 @@ class Collate:
 
     Batch: tokens int64 [B, S, 151], counts float32 [B, S, 1], unifrac float32 [B, B],
     sample_idx int64 [B], asv_ids int64 [B, S] (each slot's row of the token table, -1 on padding),
-    target float32 [B, 1] (when the data has one), n_samples and n_tokens int.
+    target float32 [B, 1] (when the data has one), categorical int64 [B, columns] (data.categorical: each
+    sample's category per column, 0 unseen or missing), n_samples and n_tokens int.
     Under torch.distributed B is this rank's slice b of the global batch, and unifrac is [b, B]:
     its rows against every sample of the global batch; n_samples and n_tokens count the global batch.
     Padding rows are all zero (START included), so `tokens[..., 0] == 0` marks padding.
@@ -90,6 +92,8 @@ class Collate:
             batch.update(branches=branches, branch_lengths=branch_lengths, branch_rows=rows)
         if "target" in items[0]:
             batch["target"] = torch.stack([item["target"] for item in items]).float().unsqueeze(1)
+        if "categorical" in items[0]:  # this rank's rows, as the target's
+            batch["categorical"] = torch.stack([item["categorical"] for item in items])
         return batch
 
 
@@ -210,6 +214,9 @@ class Data:
     target_mean: float | None  # of the training samples' raw target (a regression's; None for classes)
     target_std: float | None
     target: TargetSpec | None  # what the loss learns: kind, transform or classes (of the training samples)
+    # data.categorical's record (aamperf/data/categorical.py: columns, the training samples' vocabularies,
+    # missing and unseen counts), or None without conditioning
+    categorical: dict | None
     samples_without_target: int  # of data.table, left out: no value of data.target in data.metadata
     unifrac_mode: str  # batch (from branch sets, per batch) or precomputed (the n x n matrix)
     unifrac_cached: bool  # precomputed from data.tree: the matrix came from `<cache_dir>/unifrac/`
@@ -269,6 +276,8 @@ def build_data(
             f"pad_to must be 'max', 'bucket', None or an int >= data.max_asvs={cfg.max_asvs} (got {pad_to!r})"
         )
     files = resolve_files(cfg)
+    columns = list(cfg.get("categorical") or [])  # data.categorical
+    check_columns(columns, files["metadata"], cfg.target)  # before the samples are read
     mode = unifrac_mode(cfg, files)
     samples, samples_cached = sample_store(cfg, files, with_branches=mode == "batch")
     sample_ids, dataset, target = samples.ids, samples.dataset, samples.dataset.target
@@ -289,6 +298,11 @@ def build_data(
     )
     spec = None if target is None else fit_target(cfg, files["metadata"], dataset, train_idx, val_idx)
     target = dataset.target  # a classification's: class indices among the training samples' classes
+    categorical = None
+    if columns:  # the vocabularies of the training samples, the same split as the target's
+        dataset.categorical, categorical = learn_categories(
+            columns, files["metadata"], sample_ids, train_idx, val_idx
+        )
     train_target = None if spec is None or spec.is_classification else target[train_idx]
     return Data(
         train_loader=train_loader,
@@ -301,6 +315,7 @@ def build_data(
         target_mean=None if train_target is None else float(train_target.mean()),
         target_std=None if train_target is None else float(train_target.std()),
         target=spec,
+        categorical=categorical,
         samples_without_target=samples.without_target,
         unifrac_mode=mode,
         unifrac_cached=cached,

@@ -95,6 +95,9 @@ class SampleDataset(Dataset):
         assert len(rarefied[0]) == len(rarefied[1]) == len(n_tokens)
         self.rows, self.reads = rarefied
         self.max_asvs, self.n_tokens, self.target, self.branches = max_asvs, n_tokens, target, branches
+        # [n_samples, columns] long: each sample's categories (data.categorical), set once the training
+        # samples' vocabularies are known (aamperf/data/categorical.py); None without conditioning
+        self.categorical: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.n_tokens)
@@ -111,6 +114,8 @@ class SampleDataset(Dataset):
             item["target"] = self.target[i]
         if self.branches is not None:
             item["branches"] = self.branches[i]
+        if self.categorical is not None:
+            item["categorical"] = self.categorical[i]
         return item
 
 

@@ -1,5 +1,6 @@
 """AAM (Attention All Microbes): nucleotides -> ASV vectors -> sample embedding, plus its FLOP count."""
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from aamperf.model.packed import Packing
 from aamperf.tokens import PAD, TOKENS_PER_ASV, VOCAB_SIZE
 
 ASV_ROWS = ("all", "real", "unique")  # which ASV rows the ASV encoder runs on (`AAM.asv_rows`)
+FUSIONS = ("concat", "add")  # how categorical embeddings join the sample embedding (`AAM.condition`)
 # AAM's integer arguments and the least each may be (0 layers: a stack that passes its input through)
 LEAST = {
     "embedding_dim": 1,
@@ -37,6 +39,13 @@ def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
     dim, heads = args["embedding_dim"], args["num_heads"]
     if not problems and dim % heads:
         problems.append(f"{prefix}embedding_dim={dim} is not divisible by {prefix}num_heads={heads}")
+    if args["categorical_fusion"] not in FUSIONS:
+        problems.append(
+            f"{prefix}categorical_fusion={args['categorical_fusion']} must be one of {', '.join(FUSIONS)}"
+        )
+    sizes = args["categorical_sizes"]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
+        problems.append(f"{prefix}categorical_sizes={list(sizes)} must be a list of integers >= 0")
     dropout = args["dropout"]
     if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
         problems.append(f"{prefix}dropout={dropout} must be a number in [0, 1)")
@@ -94,6 +103,8 @@ class AAM(nn.Module):
         seq_len: int = TOKENS_PER_ASV,
         target_dim: int = 1,
         count_embedding: bool = True,
+        categorical_sizes: Sequence[int] = (),
+        categorical_fusion: str = "concat",
     ):
         problems = argument_problems({k: v for k, v in locals().items() if k not in ("self", "__class__")})
         if problems:
@@ -119,8 +130,18 @@ class AAM(nn.Module):
         self.encoder_transformer = Transformer(dim, num_heads, encoder_layers, ffn_mult, dropout)
         self.sample_pool = AttentionPooling(dim)
         self.target_head = nn.Linear(dim, target_dim) if target_dim > 0 else None
+        # categorical conditioning of the target head: a table per column, row 0 (unseen / missing) zero
+        self.categorical_fusion = categorical_fusion
+        self.categorical_embeddings = nn.ModuleList(
+            nn.Embedding(n + 1, dim, padding_idx=0) for n in categorical_sizes
+        )
+        concat = categorical_sizes and categorical_fusion == "concat"
+        self.categorical_projection = nn.Linear((1 + len(categorical_sizes)) * dim, dim) if concat else None
 
         self.apply(self._init_weights)
+        with torch.no_grad():
+            for table in self.categorical_embeddings:  # padding_idx's zero row, which the init drew over
+                table.weight[0].zero_()
         self.asv_rows = "real"  # one of ASV_ROWS; set by the aam_ops phase, before any wrapper
         self.bucket_rows = False  # pad the encoded rows to `bucket_size` (aam_ops.bucket)
         self.pack_samples = False  # the sample level on the real ASVs, packed (aam_ops.pack_samples)
@@ -143,9 +164,10 @@ class AAM(nn.Module):
         counts: Tensor | None = None,
         asv_ids: Tensor | None = None,
         sample_embedding: Tensor | None = None,
+        categorical: Tensor | None = None,
     ) -> dict[str, Tensor]:
         if sample_embedding is not None:  # a frozen encoder's, computed once (aamperf/trainer/cached.py)
-            return self.heads(sample_embedding)
+            return self.heads(sample_embedding, categorical)
         batch, n_asvs, length = tokens.shape
         if n_asvs > self.max_asvs or length > self.seq_len:
             raise ValueError(
@@ -173,14 +195,34 @@ class AAM(nn.Module):
         h = self.encoder_transformer(h, packing)
         sample = self.sample_pool(h, packing)
         out = {"sample_embedding": sample, "asv_embedding": asv, "nuc_logits": nuc_logits}
-        return {**out, **self.heads(sample)}
+        return {**out, **self.heads(sample, categorical)}
 
-    def heads(self, sample_embedding: Tensor) -> dict[str, Tensor]:
-        """The outputs of sample embeddings [B, D]: themselves, and the target head's where there is one."""
+    def heads(self, sample_embedding: Tensor, categorical: Tensor | None = None) -> dict[str, Tensor]:
+        """The outputs of sample embeddings [B, D]: themselves, and the target head's where there is one (on
+        the embeddings conditioned on the samples' `categorical` [B, columns], `condition`)."""
         out = {"sample_embedding": sample_embedding}
         if self.target_head is not None:
-            out["target"] = self.target_head(sample_embedding)
+            out["target"] = self.target_head(self.condition(sample_embedding, categorical))
         return out
+
+    def condition(self, sample_embedding: Tensor, categorical: Tensor | None) -> Tensor:
+        """The sample embeddings [B, D] the target head reads: with categorical columns, fused with each
+        column's embedding of the samples' categories `categorical` [B, columns] (index 0: unseen or
+        missing, a zero vector): `concat` [sample, columns...] -> Linear -> D, or `add` their sum. Only the
+        target head reads them, as in the original AAM (its `_fuse_categorical` feeds the target pathway
+        alone): the embedding UniFrac and predict's embeddings.tsv see stays the encoder's."""
+        if not len(self.categorical_embeddings):
+            return sample_embedding
+        if categorical is None:
+            raise ValueError(
+                f"the model is conditioned on {len(self.categorical_embeddings)} categorical columns: pass "
+                "categorical=[B, columns] (the batch's `categorical`, data.categorical)"
+            )
+        columns = [table(categorical[:, i]) for i, table in enumerate(self.categorical_embeddings)]
+        if self.categorical_projection is not None:
+            fused = torch.cat([sample_embedding, *(c.to(sample_embedding.dtype) for c in columns)], dim=-1)
+            return self.categorical_projection(fused)
+        return sample_embedding + sum(columns)
 
     def encode_asvs(
         self, tokens: Tensor, real_asv: Tensor, asv_ids: Tensor | None = None, rows: Tensor | None = None
@@ -292,9 +334,17 @@ class AAM(nn.Module):
             + (sample_layers + encoder_layers) * sample_layer
             + 2 * 2 * sum(widths) * dim  # sample pooling
             + 2 * len(widths) * dim * self.target_dim  # target head (0 when absent)
+            + self.conditioning_flops(len(widths))
         )
         recompute = recomputed[0] * asv_layer + (recomputed[1] + recomputed[2]) * sample_layer
         return 3.0 * forward + recompute
+
+    def conditioning_flops(self, batch_size: int) -> int:
+        """Forward FLOPs of the categorical conditioning: concat's Linear((1 + columns) x D, D) where the
+        target head reads it (lookups and add's sums are no matmuls)."""
+        if self.categorical_projection is None or self.target_head is None:
+            return 0
+        return 2 * batch_size * self.categorical_projection.in_features * self.embedding_dim
 
     def flops_per_step(
         self,

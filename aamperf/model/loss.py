@@ -211,12 +211,15 @@ class AAMLoss(nn.Module):
 
     def outputs(self, model: nn.Module, batch: dict, step: int) -> tuple[dict[str, Tensor], Tensor | None]:
         """(the model's outputs on the batch with this step's bases hidden, which bases are hidden or None).
-        A batch of cached sample embeddings (aamperf/trainer/cached.py) goes to the model's heads alone."""
+        A batch of cached sample embeddings (aamperf/trainer/cached.py) goes to the model's heads alone. The
+        samples' categories (data.categorical) go as `categorical=` only where the batch has them: a model
+        without the keyword serves data without them."""
+        conditions = {"categorical": batch["categorical"]} if "categorical" in batch else {}
         if "sample_embedding" in batch:
-            return model(sample_embedding=batch["sample_embedding"]), None
+            return model(sample_embedding=batch["sample_embedding"], **conditions), None
         tokens, asv_ids, hidden = batch["tokens"], batch["asv_ids"], self.hidden_bases(batch, step)
         shown = tokens if hidden is None else tokens.masked_fill(hidden, MASK)
-        return model(shown, batch["counts"], asv_ids=asv_ids), hidden
+        return model(shown, batch["counts"], asv_ids=asv_ids, **conditions), hidden
 
     def forward(self, model: nn.Module, batch: dict, step: int) -> tuple[Tensor, dict[str, Tensor]]:
         total, parts, _ = self.evaluate(model, batch, step)

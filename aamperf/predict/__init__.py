@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from aamperf.batch_size import find_forward_batch
 from aamperf.checks import cache_file_problem, check_values
+from aamperf.data.categorical import saved_vocabularies
 from aamperf.data.dataset import Collate
 from aamperf.data.samples import read_samples
 from aamperf.data.tables import resolve_files, table_ids
@@ -33,6 +34,7 @@ from aamperf.metrics.monitor import peak_rss, reset_peak_rss
 from aamperf.model import AAM
 from aamperf.phases.system import given, thread_record, threads_for_quota
 from aamperf.predict.bench import latencies
+from aamperf.predict.categorical import attach_categories, category_record, check_metadata
 from aamperf.predict.export import export_model
 from aamperf.predict.levels import apply_levels, forward, quality
 from aamperf.predict.outputs import write_predictions
@@ -106,9 +108,18 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         model = build_model(payload, Path(cfg.run) / MODEL_FILE, device)
         assert isinstance(model, AAM)
         target = read_saved_target(payload, Path(cfg.run) / MODEL_FILE)
+        vocabularies = saved_vocabularies(payload.get("categorical"), Path(cfg.run) / MODEL_FILE)
         data_cfg = data_config(payload["config"]["data"], cfg.data, target)
+        check_metadata(vocabularies, data_cfg, cfg.run)
+        if vocabularies and cfg.export:
+            raise UserError(
+                f"export=true serves tokens and counts; run={cfg.run} also reads categorical metadata "
+                f"({', '.join(vocabularies)}), which the exported program does not take: set export=false"
+            )
+        # every read of samples carries their categories, mapped with the saved vocabularies
+        read_chunk = partial(read_categorized_samples, vocabularies=vocabularies)
         chunks = sample_chunks(data_cfg, cfg.chunk_samples, 1 if auto_batch else cfg.batch_size)
-        samples = read_samples(data_cfg, keep_unlabelled=True, sample_ids=chunks[0])
+        samples = read_chunk(data_cfg, keep_unlabelled=True, sample_ids=chunks[0])
         warm = 32 if auto_batch else cfg.batch_size  # compile's warm-up batch, the export's example
         first_batch = to_device(collate_range(samples, range(min(len(samples.ids), warm))), device)
         # the serving program from the trained model as it is, before any level changes it
@@ -125,7 +136,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             rounded = sample_chunks(data_cfg, cfg.chunk_samples, cfg.batch_size)  # whole batches a chunk
             if rounded != chunks:
                 chunks = rounded
-                samples = read_samples(data_cfg, keep_unlabelled=True, sample_ids=chunks[0])
+                samples = read_chunk(data_cfg, keep_unlabelled=True, sample_ids=chunks[0])
         summary = {
             "status": "completed",
             "batch_finder": found,
@@ -154,7 +165,9 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             )
             summary.update(n_samples=n, quality=check_quality(mine, samples, cfg, device, target))
         else:
-            mine, read = predict_chunks(model, autocast, data_cfg, chunks, samples, cfg, device, world)
+            mine, read = predict_chunks(
+                model, autocast, data_cfg, chunks, samples, cfg, device, world, read_chunk
+            )
             summary.update(n_samples=len(read["ids"]), too_shallow=read["too_shallow"])
             if world.is_main:  # the first samples through the fp32 eager model too
                 summary["quality"] = check_quality(mine, samples, cfg, device, target)
@@ -164,6 +177,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
                 return {}
             metadata = resolve_files(data_cfg).get("metadata")
             observed = observed_values(metadata, data_cfg.get("target"), read["ids"], target)
+            summary["categorical"] = category_record(vocabularies, metadata, read["ids"])
             summary.update(write_predictions(out_dir, read, parts, cfg.pairwise, target, observed))
             if exported is not None:
                 summary["files"][exported["file"]] = (
@@ -198,13 +212,16 @@ def batch_share(n: int, batch_size: int, world: World) -> range:
     return range(min(first, n), min(last, n))
 
 
-def predict_chunks(model, autocast, data_cfg, chunks, first, cfg: DictConfig, device, world: World):
+def predict_chunks(
+    model, autocast, data_cfg, chunks, first, cfg: DictConfig, device, world: World, read_chunk=read_samples
+):
     """Every chunk through the model, this rank's batches of each: (its share, with each row's place in
-    the output; what was read: every sample's id, the samples too shallow)."""
+    the output; what was read: every sample's id, the samples too shallow). `read_chunk`: how a chunk is
+    read (with its categories where the model is conditioned)."""
     shares: list[dict] = []
     read: dict[str, list] = {"ids": [], "too_shallow": []}
     for k, chunk in enumerate(chunks):
-        samples = first if k == 0 else read_samples(data_cfg, keep_unlabelled=True, sample_ids=chunk)
+        samples = first if k == 0 else read_chunk(data_cfg, keep_unlabelled=True, sample_ids=chunk)
         share = batch_share(len(samples.ids), cfg.batch_size, world)
         part = apply_model(model, autocast, samples, share, cfg, device, cfg.progress and world.is_main)
         part["rows"] = torch.arange(share.start, share.stop) + len(read["ids"])
@@ -222,6 +239,13 @@ def predict_chunks(model, autocast, data_cfg, chunks, first, cfg: DictConfig, de
         key: concat([part[key] for part in shares]) for key in ("embedding", "predicted", "latencies", "rows")
     }
     return mine, read
+
+
+def read_categorized_samples(data_cfg: DictConfig, vocabularies=None, **options: Any):
+    """read_samples, each sample's categories mapped with the model's vocabularies (`attach_categories`)."""
+    samples = read_samples(data_cfg, **options)
+    attach_categories(samples, vocabularies)
+    return samples
 
 
 def concat(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -10,6 +10,7 @@ from aamperf.config import CONF_DIR
 from aamperf.errors import UserError, bad_input_exits, exit_bad_input
 from aamperf.interrupts import stop_at_once
 from aamperf.predict import predict
+from aamperf.predict.categorical import categorical_line
 from aamperf.predict.config import register_predict_configs
 from aamperf.predict.target import summary_line
 
@@ -40,6 +41,9 @@ def main(cfg: DictConfig) -> None:
     target = summary_line(summary)
     if target:
         print(target)
+    categorical = categorical_line(summary)
+    if categorical:
+        print(categorical)
 
 
 def cli() -> None:

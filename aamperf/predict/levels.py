@@ -153,4 +153,6 @@ def quality(
 
 def forward(model: nn.Module, batch: dict[str, Any], autocast: Callable) -> dict[str, torch.Tensor]:
     with torch.inference_mode(), autocast():
-        return model(batch["tokens"], batch["counts"], asv_ids=batch["asv_ids"])
+        # the samples' categories only where the batch has them (a model conditioned on data.categorical)
+        conditions = {"categorical": batch["categorical"]} if "categorical" in batch else {}
+        return model(batch["tokens"], batch["counts"], asv_ids=batch["asv_ids"], **conditions)

@@ -1,0 +1,240 @@
+"""Categorical conditioning (data.categorical, aamperf/data/categorical.py): real runs with each fusion, the
+vocabulary of the training samples (a category only validation has, and a missing value, in slot 0), the
+target head's input fused by hand, predict on a table with a category training never saw, the refusals,
+and the analytic FLOPs against torch's count with the conditioning on."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import CONF_DIR, read_summary
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch.utils.flop_counter import FlopCounterMode
+
+from aamperf.data import build_data
+from aamperf.data.tables import resolve_files
+from aamperf.device import to_device
+from aamperf.errors import UserError
+from aamperf.model import AAM, AAMLoss
+from aamperf.predict import predict
+from aamperf.predict.config import register_predict_configs
+from aamperf.run import train
+from aamperf.weights import load_model, read_model_file
+
+FAST = ["trainer.lr=3e-3", "trainer.max_steps=4", "data.target=target"]
+CPU = torch.device("cpu")
+
+
+def biom_with(make_cfg, tmp_path, edit) -> tuple[list[str], pd.DataFrame, dict]:
+    """(overrides for data=biom on the simulated files with a metadata copy `edit(metadata, train ids, val
+    ids)` changed, that copy, the files): the split is the simulated data's (it depends on the table)."""
+    cfg = make_cfg("data.target=target")
+    data = build_data(cfg.data, batch_size=4, seed=cfg.seed, loader=cfg.dataloader)
+    train_ids = [data.sample_ids[i] for i in data.train_loader.dataset.indices]
+    val_ids = [data.sample_ids[i] for i in data.val_loader.dataset.indices]
+    metadata = pd.read_csv(data.files["metadata"], sep="\t", index_col=0, dtype=str)
+    edit(metadata, train_ids, val_ids)
+    metadata.to_csv(tmp_path / "metadata.tsv", sep="\t")
+    biom = ["data=biom", f"data.table={data.files['table']}", f"data.tree={data.files['tree']}"]
+    return [*biom, f"data.metadata={tmp_path / 'metadata.tsv'}"], metadata, data.files
+
+
+def only_in_validation(metadata: pd.DataFrame, train_ids: list[str], val_ids: list[str]) -> None:
+    """A category only a validation sample has, and a training sample's value missing."""
+    metadata.loc[val_ids[0], "environment"] = "lagoon"
+    metadata.loc[train_ids[0], "environment"] = "not collected"
+
+
+@pytest.mark.parametrize("fusion", ["concat", "add"])
+def test_a_run_conditioned_on_a_column_trains_with_the_training_samples_vocabulary(
+    make_cfg, tmp_path, fusion
+):
+    biom, metadata, _ = biom_with(make_cfg, tmp_path, only_in_validation)
+    overrides = [*biom, *FAST, "data.categorical=[environment]", f"model.categorical_fusion={fusion}"]
+    summary = train(make_cfg(*overrides), tmp_path / "run")
+    assert summary["status"] == "completed", summary.get("error")
+    record = read_summary(tmp_path / "run")["categorical"]
+    data = build_data(make_cfg(*overrides).data, batch_size=4, seed=0, loader=make_cfg().dataloader)
+    train_ids = [data.sample_ids[i] for i in data.train_loader.dataset.indices]
+    written = metadata.loc[train_ids, "environment"]
+    vocabulary = sorted(set(written) - {"not collected"})
+    assert record["vocabularies"] == {"environment": vocabulary} and "lagoon" not in vocabulary
+    assert record["train_missing"] == {"environment": 1} and record["val_unseen"] == {"environment": 1}
+    assert record["fusion"] == fusion
+    # every sample's slot: its category's place in the vocabulary + 1, 0 for the unseen and the missing
+    expected = [
+        vocabulary.index(v) + 1 if v in vocabulary else 0
+        for v in metadata.loc[data.sample_ids, "environment"]
+    ]
+    assert data.dataset.categorical[:, 0].tolist() == expected
+    lagoon = data.sample_ids.index(metadata.index[metadata["environment"] == "lagoon"][0])
+    assert data.dataset.categorical[lagoon, 0] == 0 and lagoon in data.val_loader.dataset.indices
+    # saved with the model, as plain data; its tables sized to the vocabulary (+ slot 0)
+    payload = read_model_file(tmp_path / "run")
+    assert payload["categorical"]["vocabularies"] == record["vocabularies"]
+    assert payload["weights"]["categorical_embeddings.0.weight"].shape == (len(vocabulary) + 1, 32)
+    assert ("categorical_projection.weight" in payload["weights"]) == (fusion == "concat")
+    assert payload["config"]["model"]["categorical_sizes"] == [len(vocabulary)]
+
+
+def conditioned_model(make_cfg, fusion: str) -> tuple[AAM, dict]:
+    """(a tiny AAM conditioned on environment, in eval mode, a batch of the simulated data with it)."""
+    cfg = make_cfg(
+        "data.target=target", "data.categorical=[environment]", f"model.categorical_fusion={fusion}"
+    )
+    data = build_data(cfg.data, batch_size=8, seed=0, loader=cfg.dataloader)
+    cfg.model.categorical_sizes = [len(v) for v in data.categorical["vocabularies"].values()]
+    torch.manual_seed(0)
+    return instantiate(cfg.model).eval(), to_device(next(iter(data.train_loader)), CPU)
+
+
+@pytest.mark.parametrize("fusion", ["concat", "add"])
+def test_the_target_head_reads_the_sample_embedding_fused_with_the_category(make_cfg, fusion):
+    model, batch = conditioned_model(make_cfg, fusion)
+    with torch.no_grad():
+        out = model(
+            batch["tokens"], batch["counts"], asv_ids=batch["asv_ids"], categorical=batch["categorical"]
+        )
+        other = (batch["categorical"] % 4) + 1  # another category for every sample
+        moved = model(batch["tokens"], batch["counts"], asv_ids=batch["asv_ids"], categorical=other)
+        unseen = model(
+            batch["tokens"], batch["counts"], asv_ids=batch["asv_ids"], categorical=torch.zeros_like(other)
+        )
+        sample = out["sample_embedding"]
+        column = model.categorical_embeddings[0].weight[batch["categorical"][:, 0]]
+        if fusion == "concat":
+            by_hand = model.categorical_projection(torch.cat([sample, column], dim=-1))
+        else:
+            by_hand = sample + column
+        torch.testing.assert_close(out["target"], model.target_head(by_hand))
+        assert not torch.allclose(out["target"], moved["target"])  # the category is read
+        # only the target head is conditioned: the embedding UniFrac reads is the encoder's
+        torch.testing.assert_close(moved["sample_embedding"], sample)
+        # slot 0 (unseen / missing) is a zero vector: the embedding alone (concat: zeros beside it)
+        assert not model.categorical_embeddings[0].weight[0].any()
+        zero = torch.cat([sample, torch.zeros_like(sample)], -1) if fusion == "concat" else sample
+        fused = model.categorical_projection(zero) if fusion == "concat" else zero
+        torch.testing.assert_close(unseen["target"], model.target_head(fused))
+    # the loss passes the batch's categories: its target part is the conditioned output's
+    loss_fn = AAMLoss(unifrac_weight=0, nucleotide_weight=0)
+    with torch.no_grad():
+        _, _, predicted = loss_fn.evaluate(model, batch, 0)
+    torch.testing.assert_close(predicted, out["target"])
+
+
+def counted_and_analytic(model: AAM, batch: dict) -> tuple[int, float]:
+    """(FLOPs torch counts in forward + backward of the loss on `batch`, the model's analytic hardware
+    FLOPs of it)."""
+    batch = {**batch, "target": torch.zeros(batch["tokens"].size(0), 1)}
+    with FlopCounterMode(display=False) as counter:
+        total, _ = AAMLoss()(model.train(), batch, step=0)
+        total.backward()
+    return counter.get_total_flops(), model.batch_flops(batch["tokens"], batch["asv_ids"])[1]
+
+
+@pytest.mark.parametrize("fusion", ["concat", "add"])
+def test_analytic_flops_match_the_flop_counter_with_conditioning(make_cfg, fusion):
+    """The whole step within tests/model/test_flops.py's 0.1%, and what the conditioning adds (against the
+    same model without it) exactly: concat's Linear(2D, D) forward and backward on the batch's 8 samples."""
+    model, batch = conditioned_model(make_cfg, fusion)
+    plain = AAM(**{**model_arguments(make_cfg, fusion), "categorical_sizes": []})
+    counted, analytic = counted_and_analytic(model, batch)
+    assert abs(analytic / counted - 1) < 0.001
+    counted_plain, analytic_plain = counted_and_analytic(plain, batch)
+    extra = 3 * 2 * 8 * (2 * 32) * 32 if fusion == "concat" else 0
+    assert counted - counted_plain == extra == analytic - analytic_plain
+
+
+def model_arguments(make_cfg, fusion: str) -> dict:
+    """The tiny model's arguments, conditioned on one column of 4 categories."""
+    cfg = make_cfg(f"model.categorical_fusion={fusion}", "model.categorical_sizes=[4]")
+    arguments = OmegaConf.to_container(cfg.model, resolve=True)
+    return {key: value for key, value in arguments.items() if key != "_target_"}
+
+
+def predicted_here(run_dir, out, *overrides: str) -> dict:
+    register_predict_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("predict", [f"run={run_dir}", "device=cpu", "progress=false", *overrides])
+    return predict(cfg, out)
+
+
+def test_predict_maps_a_category_training_never_saw_to_slot_0_and_counts_it(make_cfg, tmp_path, launch):
+    """Trained on env0..env3; a new metadata gives two samples `glacier` (unseen) and one none: slot 0,
+    said per column in predict's summary and printout; the targets are the model's on those slots."""
+    overrides = [*FAST, "data.categorical=[environment]"]
+    train(make_cfg(*overrides), tmp_path / "run")
+    data = build_data(make_cfg(*overrides).data, batch_size=4, seed=0, loader=make_cfg().dataloader)
+    files = data.files
+    metadata = pd.read_csv(files["metadata"], sep="\t", index_col=0, dtype=str)
+    metadata.loc[data.sample_ids[:2], "environment"] = "glacier"
+    metadata.loc[data.sample_ids[2], "environment"] = ""
+    metadata.to_csv(tmp_path / "new.tsv", sep="\t")
+    new = [f"data.table={files['table']}", f"data.metadata={tmp_path / 'new.tsv'}"]
+    proc, out = launch(
+        f"run={tmp_path / 'run'}", "device=cpu", *new, name="out", module="aamperf.predict", tiny=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_summary(out)
+    ids = pd.read_csv(out / "targets.tsv", sep="\t", index_col=0).index.astype(str).tolist()
+    glacier, blank = 2, 1
+    assert summary["categorical"]["unseen"] == {"environment": glacier}
+    assert summary["categorical"]["missing"] == {"environment": blank}
+    assert f"environment: {glacier} unseen in training, {blank} missing" in proc.stdout
+    # the predictions are the model's with those samples in slot 0
+    model, payload = load_model(tmp_path / "run")
+    vocabulary = payload["categorical"]["vocabularies"]["environment"]
+    slots = [vocabulary.index(v) + 1 if v in vocabulary else 0 for v in metadata.loc[ids, "environment"]]
+    assert 0 in slots
+    from aamperf.data.samples import read_samples
+    from aamperf.predict import collate_of
+
+    cfg = make_cfg().data
+    samples = read_samples(cfg, keep_unlabelled=True, sample_ids=ids)
+    samples.dataset.categorical = torch.tensor(slots)[:, None]
+    batch = collate_of(samples)([samples.dataset[i] for i in range(len(ids))])
+    with torch.no_grad():
+        target = model(batch["tokens"], batch["counts"], categorical=batch["categorical"])["target"]
+    saved = payload["target"]
+    table = pd.read_csv(out / "targets.tsv", sep="\t", index_col=0)
+    own = target.squeeze(1).double() * saved["scale"] + saved["shift"]
+    np.testing.assert_allclose(table["predicted"], own.numpy(), rtol=1e-4)
+    # a new table without metadata is refused: the model needs its columns
+    with pytest.raises(UserError, match=r"conditions its target on the metadata columns environment"):
+        predicted_here(tmp_path / "run", tmp_path / "none", f"data.table={files['table']}")
+
+
+def test_a_column_the_metadata_lacks_is_refused_through_the_cli(launch):
+    proc, _ = launch("data.target=target", "data.categorical=[habitat]")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: data.categorical: no column 'habitat' in ")
+    assert errors[0].endswith(" (columns: environment, target); name columns it has in data.categorical")
+
+
+def test_the_target_itself_and_a_run_without_metadata_are_refused(make_cfg):
+    cfg = make_cfg("data.target=environment", "data.categorical=[environment]")
+    with pytest.raises(UserError, match=r"^data\.categorical: 'environment' is data\.target itself"):
+        build_data(cfg.data, batch_size=4, seed=0, loader=cfg.dataloader)
+    files = resolve_files(make_cfg().data)
+    cfg = make_cfg(
+        "data=biom",
+        f"data.table={files['table']}",
+        f"data.tree={files['tree']}",
+        "data.categorical=[environment]",
+    )
+    with pytest.raises(
+        UserError, match=r"^data\.categorical=\['environment'\] reads metadata columns: give data\.metadata="
+    ):
+        build_data(cfg.data, batch_size=4, seed=0, loader=cfg.dataloader)
+
+
+def test_a_fine_tune_from_a_run_without_conditioning_starts_the_conditioning_fresh(make_cfg, tmp_path):
+    train(make_cfg("trainer.max_steps=2"), tmp_path / "pretrain")
+    overrides = [*FAST, "data.categorical=[environment]", f"init.from_run={tmp_path / 'pretrain'}"]
+    summary = train(make_cfg(*overrides), tmp_path / "run")
+    assert summary["status"] == "completed", summary.get("error")
+    fresh = summary["finetune"]["fresh"]
+    assert "categorical_embeddings.0.weight" in fresh and "categorical_projection.weight" in fresh
