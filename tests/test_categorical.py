@@ -13,7 +13,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
+from aamperf.checks import check_config
 from aamperf.data import build_data
+from aamperf.data.dataset import Collate, split_batch
 from aamperf.data.tables import resolve_files
 from aamperf.device import to_device
 from aamperf.errors import UserError
@@ -238,3 +240,24 @@ def test_a_fine_tune_from_a_run_without_conditioning_starts_the_conditioning_fre
     assert summary["status"] == "completed", summary.get("error")
     fresh = summary["finetune"]["fresh"]
     assert "categorical_embeddings.0.weight" in fresh and "categorical_projection.weight" in fresh
+
+
+def test_each_rank_s_slice_and_each_micro_batch_carry_their_samples_categories(make_cfg):
+    """Under torch.distributed a rank's batch is its slice of the global batch (Collate), a gradient-cache
+    step's micro-batches are slices of the step's (split_batch): the categories follow their samples."""
+    cfg = make_cfg("data.target=target", "data.categorical=[environment]")
+    data = build_data(cfg.data, batch_size=8, seed=0, loader=cfg.dataloader)
+    items = [data.dataset[i] for i in data.train_loader.dataset.indices[:8]]
+    categories = data.dataset.categorical[[item["sample_idx"] for item in items]]
+    for rank in (0, 1):
+        sliced = Collate(data.collate.tokens, data.collate.unifrac, None, rank=rank, world_size=2)(items)
+        assert sliced["categorical"].tolist() == categories[4 * rank : 4 * rank + 4].tolist()
+        assert sliced["categorical"].dtype == torch.long
+    whole = data.collate(items)
+    for m, micro in enumerate(split_batch(whole, 2)):
+        assert micro["categorical"].tolist() == categories[4 * m : 4 * m + 4].tolist()
+
+
+def test_a_fusion_aamperf_lacks_is_refused_before_the_run_builds_anything(make_cfg):
+    with pytest.raises(UserError, match=r"model\.categorical_fusion=gated must be one of concat, add"):
+        check_config(make_cfg("model.categorical_fusion=gated"))
