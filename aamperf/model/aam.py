@@ -71,7 +71,9 @@ class AAM(nn.Module):
       `nuc_logits` [B, S, L, vocab_size] (0 on padding ASVs), and `target` [B, target_dim] when
       target_dim > 0. `asv_ids` (the batch's global ASV index per slot, -1 on padding) is only read
       when `asv_rows == "unique"`. forward(sample_embedding=[B, D]) runs the heads alone on given
-      embeddings (a frozen encoder's, cached): `sample_embedding` and `target`.
+      embeddings (a frozen encoder's, cached): `sample_embedding` and `target`. With `categorical_sizes`
+      (data.categorical: categories per column), `categorical` [B, columns] long (0: unseen or missing) is
+      fused into the embedding the target head reads (`condition`), in either call.
 
     Set by `aamperf/phases/aam_ops.py`, none changing the outputs (up to fp32 rounding):
     `pack_samples`: the sample level runs on each sample's real ASVs packed along one axis
