@@ -8,6 +8,7 @@ from conftest import CONF_DIR, TINY, read_metrics
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+import aamperf.trainer.cached as cached_module
 from aamperf.config import register_configs
 from aamperf.errors import UserError
 from aamperf.run import train
@@ -36,15 +37,22 @@ def weights_of(run_dir) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / MODEL_FILE, weights_only=True)["weights"]
 
 
-def test_cached_embeddings_give_the_frozen_paths_losses_at_every_step(make_cfg, pretrained, tmp_path):
+@pytest.mark.parametrize("unifrac", ["matrix", "per batch"])
+def test_cached_embeddings_give_the_frozen_paths_losses_at_every_step(
+    make_cfg, pretrained, tmp_path, monkeypatch, unifrac
+):
+    """Batch UniFrac of the cached samples: one matrix computed once, or (where it would take more than
+    UNIFRAC_MATRIX_BYTES) each batch's from its branch sets, as the frozen path computes it."""
+    if unifrac == "per batch":
+        monkeypatch.setattr(cached_module, "UNIFRAC_MATRIX_BYTES", 0)
     runs = {}
     for cache in ("auto", "false"):
         cfg = make_cfg(f"init.from_run={pretrained}", *FROZEN, *STEPS, f"finetune.cache_embeddings={cache}")
         runs[cache] = train(cfg, tmp_path / cache)
-    cached, every_step = runs["auto"]["finetune"], runs["false"]["finetune"]
-    assert cached["cached_embeddings"]["applied"] is True
-    assert cached["cached_embeddings"]["samples_embedded"] == runs["auto"]["n_train"] + runs["auto"]["n_val"]
-    assert cached["cached_embeddings"]["step_time_s"] == runs["auto"]["step_time_s"]
+    cached, every_step = runs["auto"]["finetune"]["cached_embeddings"], runs["false"]["finetune"]
+    assert cached["applied"] is True and cached["unifrac"] == unifrac
+    assert cached["samples_embedded"] == runs["auto"]["n_train"] + runs["auto"]["n_val"]
+    assert cached["step_time_s"] == runs["auto"]["step_time_s"]
     assert every_step["cached_embeddings"]["reason"] == "finetune.cache_embeddings=false"
     rows = {cache: read_metrics(tmp_path / cache) for cache in runs}
     assert [r["step"] for r in rows["auto"]] == [r["step"] for r in rows["false"]] == [1, 2, 3, 4, 5]

@@ -19,11 +19,17 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Subset
 
-from aamperf.data.branches import batch_matrix
+from aamperf.data.branches import batch_matrix, batch_unifrac
 from aamperf.device import new_cuda_graph_step, sync, to_device
 from aamperf.errors import UserError
 from aamperf.model.aam import AAM
 from aamperf.phases import Plan
+
+# Batch UniFrac (data.unifrac_mode=batch) of the cached samples is computed once, as one matrix, where it
+# takes at most this much memory: each step then slices it, as a precomputed matrix is sliced, instead of
+# multiplying the batch's branch sets (which, beside the heads' step, is most of it: 79 ms of a batch of 8
+# of the default data on a loaded 2-core CPU). Past it, each batch's is computed as the run computes it.
+UNIFRAC_MATRIX_BYTES = 64 * 2**20
 
 
 def why_not(cfg: DictConfig, model: torch.nn.Module, loss_fn: Any, world_size: int) -> str | None:
@@ -79,9 +85,23 @@ def use_cached_embeddings(
         "samples_embedded": len(train_idx) + len(val_idx),
         "embed_s": round(time.perf_counter() - started, 3),
         "bytes": embeddings.numel() * embeddings.element_size(),
+        # dataloader.* is not used: a batch is a few lookups into the cache, made in the main process
+        "loader": "main process, batches of cached embeddings",
     }
-    data.train_loader, data.val_loader = cached_loaders(data, embeddings)
+    unifrac = data.collate.unifrac
+    if unifrac is None and len(data.dataset) ** 2 * 4 <= UNIFRAC_MATRIX_BYTES:
+        unifrac = unifrac_matrix(data)
+    summary["finetune"]["cached_embeddings"]["unifrac"] = "matrix" if unifrac is not None else "per batch"
+    data.train_loader, data.val_loader = cached_loaders(data, embeddings, unifrac)
     return True
+
+
+def unifrac_matrix(data) -> torch.Tensor:
+    """[n_samples, n_samples] float32: batch UniFrac of every sample against every other, from the branch
+    sets as `to_device` computes a batch's (on the host: once)."""
+    everyone = list(range(len(data.dataset)))
+    matrix, lengths = batch_matrix([data.dataset.branches[i] for i in everyone], data.collate.branch_lengths)
+    return batch_unifrac(matrix, lengths, torch.arange(len(everyone)))
 
 
 @torch.no_grad()
@@ -109,11 +129,13 @@ def embed_samples(plan: Plan, loss_fn: Any, data, indices: list[int], device: to
 class CachedCollate:
     """Sample indices -> the batch `Collate` makes of those samples, with their cached `sample_embedding`
     [B, D] in place of their tokens: sample_idx, unifrac (or the branch sets it is computed from on the
-    device), target, n_samples and n_tokens (the samples' real bases, as the step meter counts them
-    whichever path trains on them). Nothing is tokenized or padded."""
+    device), target, categorical (data.categorical's, which the target head reads), n_samples and n_tokens
+    (the samples' real bases, as the step meter counts them whichever path trains on them). Nothing is
+    tokenized or padded."""
 
-    def __init__(self, embeddings: torch.Tensor, data):
+    def __init__(self, embeddings: torch.Tensor, data, unifrac: torch.Tensor | None):
         self.embeddings, self.dataset, self.collate = embeddings, data.dataset, data.collate
+        self.unifrac = unifrac  # [n_samples, n_samples], or None: each batch's from its branch sets
 
     def __call__(self, items: list[int]) -> dict[str, Any]:
         idx = torch.tensor(items)
@@ -123,22 +145,27 @@ class CachedCollate:
             "n_samples": len(items),
             "n_tokens": int(self.dataset.n_tokens[items].sum()),
         }
-        if self.collate.unifrac is not None:
-            batch["unifrac"] = self.collate.unifrac[idx][:, idx]
-        if self.collate.branch_lengths is not None:  # batch UniFrac: computed by to_device, as Collate's
+        if self.unifrac is not None:
+            batch["unifrac"] = self.unifrac[idx][:, idx]
+        else:  # batch UniFrac: computed by to_device from the branch sets, as Collate's batches are
             branches = [self.dataset.branches[i] for i in items]
             matrix, lengths = batch_matrix(branches, self.collate.branch_lengths)
             batch.update(branches=matrix, branch_lengths=lengths, branch_rows=torch.arange(len(items)))
         if self.dataset.target is not None:
             batch["target"] = self.dataset.target[idx].float().unsqueeze(1)
+        categorical = getattr(self.dataset, "categorical", None)  # data.categorical's, for the target head
+        if categorical is not None:
+            batch["categorical"] = categorical[idx]
         return batch
 
 
-def cached_loaders(data, embeddings: torch.Tensor) -> tuple[DataLoader, DataLoader]:
+def cached_loaders(
+    data, embeddings: torch.Tensor, unifrac: torch.Tensor | None
+) -> tuple[DataLoader, DataLoader]:
     """The run's train and val loaders over the cached embeddings: the same samples in the same batches,
     the train loader drawing from the run's own sampler (its generator: the batch order, and where a
     checkpoint left it). In the main process: a batch is a few index lookups."""
-    collate = CachedCollate(embeddings, data)
+    collate = CachedCollate(embeddings, data, unifrac)
     train, val = data.train_loader, data.val_loader
 
     def loader(indices: list[int], batch_size: int, **order: Any) -> DataLoader:
