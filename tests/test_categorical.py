@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import CONF_DIR, read_summary
+from conftest import CONF_DIR, read_metrics, read_summary
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -234,12 +234,29 @@ def test_the_target_itself_and_a_run_without_metadata_are_refused(make_cfg):
 
 
 def test_a_fine_tune_from_a_run_without_conditioning_starts_the_conditioning_fresh(make_cfg, tmp_path):
+    """The pretraining has no categorical tables: the fine-tune loads its encoder and trains the conditioning
+    from its own initialization; with the encoder frozen, on cached embeddings (aamperf/trainer/cached.py)
+    or running the encoder at every step, the same losses and the same conditioning learnt."""
     train(make_cfg("trainer.max_steps=2"), tmp_path / "pretrain")
     overrides = [*FAST, "data.categorical=[environment]", f"init.from_run={tmp_path / 'pretrain'}"]
-    summary = train(make_cfg(*overrides), tmp_path / "run")
+    overrides += ["finetune.freeze=encoder", "loss.nucleotide_weight=0"]
+    runs = {
+        cache: train(make_cfg(*overrides, f"finetune.cache_embeddings={cache}"), tmp_path / cache)
+        for cache in ("true", "false")
+    }
+    summary = runs["false"]
     assert summary["status"] == "completed", summary.get("error")
     fresh = summary["finetune"]["fresh"]
     assert "categorical_embeddings.0.weight" in fresh and "categorical_projection.weight" in fresh
+    assert runs["true"]["finetune"]["cached_embeddings"]["applied"] is True
+    rows = {cache: read_metrics(tmp_path / cache) for cache in runs}
+    for mine, theirs in zip(rows["true"], rows["false"], strict=True):
+        assert mine["loss_target"] == pytest.approx(theirs["loss_target"], rel=1e-5), mine["step"]
+    ours, theirs = (read_model_file(tmp_path / cache)["weights"] for cache in runs)
+    table = "categorical_embeddings.0.weight"
+    assert torch.allclose(ours[table], theirs[table], rtol=1e-5, atol=1e-7)
+    pretrained = read_model_file(tmp_path / "pretrain")["weights"]
+    assert not any(name.startswith("categorical") for name in pretrained)
 
 
 def test_each_rank_s_slice_and_each_micro_batch_carry_their_samples_categories(make_cfg):
