@@ -45,7 +45,7 @@ $original -c 'import aam.cli.train' || { echo "error: the original does not impo
 
 # the machine, named beside every figure
 { lscpu | sed -n 's/^Model name: *//p'
-  echo "cores $(nproc); flags: $(grep -o -w -E 'avx512_bf16|amx_[a-z0-9]+' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+  echo "cores $(nproc); flags: $(grep -o -w -E 'avx512_bf16|amx_[a-z0-9]+' /proc/cpuinfo | sort -u | tr '\n' ' ' | sed 's/ $//')"
   $aamperf -c 'import torch; print("torch", torch.__version__)'; } >"$out/machine.txt"
 cat "$out/machine.txt"
 
