@@ -37,17 +37,23 @@ def weights_of(run_dir) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / MODEL_FILE, weights_only=True)["weights"]
 
 
-@pytest.mark.parametrize("unifrac", ["matrix", "per batch"])
+@pytest.mark.parametrize(
+    ("unifrac", "conditioning"),
+    [("matrix", []), ("per batch", []), ("matrix", ["data.categorical=[environment]"])],
+    ids=["unifrac matrix", "unifrac per batch", "categorical"],
+)
 def test_cached_embeddings_give_the_frozen_paths_losses_at_every_step(
-    make_cfg, pretrained, tmp_path, monkeypatch, unifrac
+    make_cfg, pretrained, tmp_path, monkeypatch, unifrac, conditioning
 ):
     """Batch UniFrac of the cached samples: one matrix computed once, or (where it would take more than
-    UNIFRAC_MATRIX_BYTES) each batch's from its branch sets, as the frozen path computes it."""
+    UNIFRAC_MATRIX_BYTES) each batch's from its branch sets, as the frozen path computes it; a target head
+    conditioned on a categorical column reads the samples' categories beside their cached embeddings."""
     if unifrac == "per batch":
         monkeypatch.setattr(cached_module, "UNIFRAC_MATRIX_BYTES", 0)
     runs = {}
     for cache in ("auto", "false"):
-        cfg = make_cfg(f"init.from_run={pretrained}", *FROZEN, *STEPS, f"finetune.cache_embeddings={cache}")
+        cache_option = f"finetune.cache_embeddings={cache}"
+        cfg = make_cfg(f"init.from_run={pretrained}", *FROZEN, *STEPS, *conditioning, cache_option)
         runs[cache] = train(cfg, tmp_path / cache)
     cached, every_step = runs["auto"]["finetune"]["cached_embeddings"], runs["false"]["finetune"]
     assert cached["applied"] is True and cached["unifrac"] == unifrac

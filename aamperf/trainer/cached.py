@@ -79,19 +79,19 @@ def use_cached_embeddings(
     started = time.perf_counter()
     train_idx, val_idx = (list(loader.dataset.indices) for loader in (data.train_loader, data.val_loader))
     embeddings = embed_samples(plan, loss_fn, data, sorted(train_idx + val_idx), device)
+    unifrac = data.collate.unifrac  # precomputed: the run's matrix
+    if unifrac is None and len(data.dataset) ** 2 * 4 <= UNIFRAC_MATRIX_BYTES:
+        unifrac = unifrac_matrix(data)
     sync(device)
     summary.setdefault("finetune", {})["cached_embeddings"] = {
         "applied": True,
         "samples_embedded": len(train_idx) + len(val_idx),
-        "embed_s": round(time.perf_counter() - started, 3),
+        "embed_s": round(time.perf_counter() - started, 3),  # the embeddings, and batch UniFrac's matrix
         "bytes": embeddings.numel() * embeddings.element_size(),
+        "unifrac": "matrix" if unifrac is not None else "per batch",
         # dataloader.* is not used: a batch is a few lookups into the cache, made in the main process
         "loader": "main process, batches of cached embeddings",
     }
-    unifrac = data.collate.unifrac
-    if unifrac is None and len(data.dataset) ** 2 * 4 <= UNIFRAC_MATRIX_BYTES:
-        unifrac = unifrac_matrix(data)
-    summary["finetune"]["cached_embeddings"]["unifrac"] = "matrix" if unifrac is not None else "per batch"
     data.train_loader, data.val_loader = cached_loaders(data, embeddings, unifrac)
     return True
 
@@ -180,7 +180,8 @@ def cached_loaders(
 
 
 def head_flops(model: AAM, batch_size: int) -> tuple[float, float]:
-    """(model, hardware) FLOPs of a step on cached embeddings: the target head's matmul, forward and
-    backward counted as 3 forwards as `AAM.flops_per_step` counts them (it leaves UniFrac's B^2 D out too)."""
-    flops = 3.0 * 2 * batch_size * model.embedding_dim * model.target_dim
-    return flops, flops
+    """(model, hardware) FLOPs of a step on cached embeddings: the heads' matmuls (the target head's, and
+    the categorical conditioning's), forward and backward counted as 3 forwards as `AAM.flops_per_step`
+    counts them (it leaves UniFrac's B^2 D out too)."""
+    forward = 2 * batch_size * model.embedding_dim * model.target_dim + model.conditioning_flops(batch_size)
+    return 3.0 * forward, 3.0 * forward
