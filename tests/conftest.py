@@ -22,6 +22,8 @@ from omegaconf import DictConfig
 
 from aamperf.config import register_configs
 from aamperf.report.runs import Run
+from aamperf.run import train
+from aamperf.weights import MODEL_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
@@ -65,6 +67,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One cache for the whole session: the tiny data set is simulated once."""
     return tmp_path_factory.mktemp("aamperf-cache")
+
+
+# a stage-2 (fine-tuning) test's stage 1: tests/test_finetune.py, test_cached_embeddings.py
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
+    """A completed pretraining run (UniFrac + masked nucleotides, no target): its directory."""
+    register_configs()
+    run_dir = tmp_path_factory.mktemp("pretrain")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=[*TINY, f"data.cache_dir={cache_dir}", "data.target=null"])
+    assert train(cfg, run_dir)["status"] == "completed"
+    return run_dir
+
+
+def weights_of(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights a completed run keeps (its model.pt)."""
+    return torch.load(run_dir / MODEL_FILE, weights_only=True)["weights"]
 
 
 @pytest.fixture

@@ -4,37 +4,19 @@ tiny config from a real 3-step pretraining."""
 
 import pytest
 import torch
-from conftest import CONF_DIR, TINY, read_metrics
-from hydra import compose, initialize_config_dir
+from conftest import read_metrics, weights_of
 from hydra.utils import instantiate
 
 import aamperf.trainer.cached as cached_module
-from aamperf.config import register_configs
 from aamperf.errors import UserError
 from aamperf.run import train
 from aamperf.tokens import MASK
-from aamperf.weights import MODEL_FILE
 
 # a regression fine-tune of the encoder as pretrained: the target and UniFrac parts, no nucleotide part
 FROZEN = ["data.target=target", "finetune.freeze=encoder", "loss.nucleotide_weight=0"]
 # every step logged, validated every 2 steps and at the end
 STEPS = ["trainer.max_steps=5", "trainer.val_every=2", "trainer.lr=3e-3"]
 LOSSES = ("loss", "loss_unifrac", "loss_target", "target_mae", "val_loss", "val_unifrac", "val_target")
-
-
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory, cache_dir):
-    """A completed pretraining run (UniFrac + masked nucleotides, no target): its directory."""
-    register_configs()
-    run_dir = tmp_path_factory.mktemp("pretrain")
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose("config", overrides=[*TINY, f"data.cache_dir={cache_dir}", "data.target=null"])
-    assert train(cfg, run_dir)["status"] == "completed"
-    return run_dir
-
-
-def weights_of(run_dir) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / MODEL_FILE, weights_only=True)["weights"]
 
 
 @pytest.mark.parametrize(

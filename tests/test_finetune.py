@@ -5,12 +5,10 @@ import json
 
 import pytest
 import torch
-from conftest import CONF_DIR, TINY, read_summary
-from hydra import compose, initialize_config_dir
+from conftest import read_summary, weights_of
 from hydra.utils import instantiate
 from test_file_payloads import payloads
 
-from aamperf.config import register_configs
 from aamperf.errors import UserError
 from aamperf.finetune import ASV_LEVEL, FROZEN, SAMPLE_LEVEL, freeze, load_pretrained
 from aamperf.rng import seed_everything
@@ -19,21 +17,6 @@ from aamperf.weights import MODEL_FILE
 
 # the metadata of the simulated data (aamperf/data/simulate.py): `target` is numeric
 FINETUNE = ["data.target=target"]
-
-
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory, cache_dir):
-    """A completed pretraining run (UniFrac + masked nucleotides, no target): its directory."""
-    register_configs()
-    run_dir = tmp_path_factory.mktemp("pretrain")
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose("config", overrides=[*TINY, f"data.cache_dir={cache_dir}", "data.target=null"])
-    assert train(cfg, run_dir)["status"] == "completed"
-    return run_dir
-
-
-def weights_of(run_dir) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / MODEL_FILE, weights_only=True)["weights"]
 
 
 def fresh_model(cfg) -> torch.nn.Module:

@@ -106,6 +106,7 @@ def test_a_table_too_large_to_densify_gives_the_forest_the_sparse_counts(make_cf
     assert rf["val_target_r2"] == pytest.approx(r2_score(observed, predicted), rel=1e-9)
 
 
+@pytest.mark.slow  # a real process fitting a classifier: about 9 s on a 2-core EPYC
 def test_a_classification_run_reports_the_forest_s_accuracy_and_macro_f1_and_ends_with_both_lines(
     make_cfg, launch
 ):
@@ -149,6 +150,7 @@ def test_metrics_rf_baseline_false_skips_the_forest(make_cfg, tmp_path):
     assert "rf_baseline" not in summary
 
 
+@pytest.mark.slow  # a two-job sweep and its report: about 10 s on a 2-core EPYC
 def test_a_sweep_s_report_shows_the_forest_s_figure_beside_the_model_s(launch):
     """A real sweep of two jobs, one without the forest: comparison.md's target line and comparison.json's
     rows hold each run's own figures (one seed: the medians are the run's)."""
