@@ -187,9 +187,16 @@ def read_overrides(path: Path) -> list[str]:
     return overrides
 
 
+def canonical(override: str) -> str:
+    """`key=value` as the command line writes it: Optuna's sweeper writes a boolean back as True / False
+    (`metrics.rf_baseline=False` in a trial, `=false` in the search's reference run): one configuration."""
+    key, sep, value = override.partition("=")
+    return f"{key}{sep}{value.lower()}" if value in ("True", "False") else override
+
+
 def group_runs(runs: list[Run]) -> list[Group]:
     """Group by the overrides that are not the seed; label by those that differ between groups."""
-    keys = [tuple(o for o in r.overrides if not o.startswith(IGNORED_OVERRIDES)) for r in runs]
+    keys = [tuple(canonical(o) for o in r.overrides if not o.startswith(IGNORED_OVERRIDES)) for r in runs]
     common = set.intersection(*(set(k) for k in keys)) if keys else set()
     groups: dict[str, Group] = {}
     for run, key in zip(runs, keys, strict=True):

@@ -190,6 +190,7 @@ def test_two_ranks_fit_the_one_process_s_forest_on_every_rank_s_validation_sampl
     alone, ranks = read_summary(one)["rf_baseline"], read_summary(two)["rf_baseline"]
     assert ranks["n_val"] == alone["n_val"] == 16
     for key in ("val_target_mae", "val_target_rmse", "val_target_r2", "n_train", "n_features"):
-        assert ranks[key] == alone[key], key
+        # the same forest; its figures summed in another order
+        assert ranks[key] == pytest.approx(alone[key], rel=1e-12), key
     assert "random forest beside the model" in (two / "train.log").read_text()
     assert "random forest" not in (two / "train_rank1.log").read_text()  # rank 1 fitted none
