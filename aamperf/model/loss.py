@@ -154,6 +154,12 @@ class AAMLoss(nn.Module):
         if target.is_classification and self.class_weights_option is not None:
             self.class_weights = class_weights(self.class_weights_option, target.class_counts)
 
+    def device_class_weights(self, like: Tensor) -> Tensor:
+        """The class weights on `like`'s device and dtype, moved there once (not a copy every step)."""
+        if self.class_weights.device != like.device or self.class_weights.dtype != like.dtype:
+            self.class_weights = self.class_weights.to(like)
+        return self.class_weights
+
     @property
     def target_outputs(self) -> int:
         """What the model's target head must output: a logit per class, a value per quantile, or one."""
@@ -177,7 +183,7 @@ class AAMLoss(nn.Module):
         predicted, target = predicted.float(), target.float()
         if self.target.is_classification:
             labels = target.squeeze(1).long()
-            weights = None if self.class_weights is None else self.class_weights.to(predicted)
+            weights = None if self.class_weights is None else self.device_class_weights(predicted)
             # reduction="none": each sample's cross-entropy x its class's weight
             weighted = F.cross_entropy(predicted, labels, weight=weights, reduction="none")
             weight = torch.ones_like(weighted) if weights is None else weights[labels]
@@ -283,7 +289,7 @@ class AAMLoss(nn.Module):
         samples = sum(b["sample_idx"].size(0) for b in batches)
         target_weight = None
         if self.class_weights is not None and batches[0].get("target") is not None:
-            weights = self.class_weights.to(batches[0]["target"])
+            weights = self.device_class_weights(batches[0]["target"].float())
             target_weight = sum(weights[b["target"].squeeze(1).long()].sum() for b in batches)
         return StepCounts(all_sum(hidden.float()), samples, target_weight)
 
