@@ -208,6 +208,7 @@ def group_runs(runs: list[Run]) -> list[Group]:
 def named_by(groups: list[Group], baseline: str) -> list[Group]:
     """The groups compare.baseline `baseline` names: labelled so, else those whose overrides include all
     of its overrides, else those of its level (`optim=...`)."""
+    baseline = " ".join(canonical(o) for o in baseline.split())  # `=True` as `=true`, as groups are labelled
     matches = [g for g in groups if g.config == baseline]  # exact first: "optim=baseline" alone
     if not matches:
         wanted = set(baseline.split())

@@ -154,7 +154,8 @@ def test_metrics_rf_baseline_false_skips_the_forest(make_cfg, tmp_path):
 def test_a_sweep_s_report_shows_the_forest_s_figure_beside_the_model_s(launch):
     """A real sweep of two jobs, one without the forest: comparison.md's target line and comparison.json's
     rows hold each run's own figures (one seed: the medians are the run's)."""
-    baseline = 'compare.baseline="metrics.rf_baseline=True"'  # Hydra's spelling of the override
+    # Hydra's sweeper writes the override back as `=True`; the report labels it as the command line does
+    baseline = 'compare.baseline="metrics.rf_baseline=True"'
     proc, sweep_dir = launch("metrics.rf_baseline=true,false", baseline, multirun=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summaries = {
@@ -164,17 +165,17 @@ def test_a_sweep_s_report_shows_the_forest_s_figure_beside_the_model_s(launch):
     with_forest, without = summaries[True], summaries[False]
     model_r2, forest_r2 = with_forest["val"]["val_target_r2"], with_forest["rf_baseline"]["val_target_r2"]
     rows = {r["config"]: r for r in json.loads((sweep_dir / "comparison.json").read_text())["rows"]}
-    fitted = rows["metrics.rf_baseline=True"]
+    fitted = rows["metrics.rf_baseline=true"]
     assert (fitted["target_figure"], fitted["target_value"], fitted["rf_value"]) == (
         "R^2",
         model_r2,
         forest_r2,
     )
-    assert rows["metrics.rf_baseline=False"]["rf_value"] is None
+    assert rows["metrics.rf_baseline=false"]["rf_value"] is None
     line = (sweep_dir / "comparison.md").read_text().splitlines()[-1]
     assert line.endswith(
-        f"`metrics.rf_baseline=True` R^2 {model_r2:.3g} (random forest {forest_r2:.3g}); "
-        f"`metrics.rf_baseline=False` R^2 {without['val']['val_target_r2']:.3g} (random forest n/a)."
+        f"`metrics.rf_baseline=true` R^2 {model_r2:.3g} (random forest {forest_r2:.3g}); "
+        f"`metrics.rf_baseline=false` R^2 {without['val']['val_target_r2']:.3g} (random forest n/a)."
     )
 
 
