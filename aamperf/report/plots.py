@@ -11,6 +11,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from aamperf.files import write_atomic  # noqa: E402
 
+# the loss curves' styles: the baseline's above the others (zorder; Line2D's default is 2) and dashed
+OTHER_LINE = {"ls": "-", "lw": 1.0, "ms": 3, "alpha": 0.8, "zorder": 2}
+BASELINE_LINE = {"ls": "--", "lw": 1.6, "ms": 4, "alpha": 1.0, "zorder": 3}
+
 
 def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> plt.Figure:
     """Six panels: the two verdict intervals (speed-up, val-loss change), peak memory, MFU / HFU,
@@ -70,31 +74,30 @@ def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> plt.Figu
 
     by_label = {g.config: g for g in groups}
     train_ax, val_ax = axes[1, 0], axes[1, 1]
-    for label, color in zip(labels, colors, strict=True):
+    # the baseline's curves on top of the others (where the losses are equal, as they should be, a line
+    # drawn later covers it), dashed and thicker, so the curves under them show through the gaps
+    styles = [BASELINE_LINE if label == result["baseline"] else OTHER_LINE for label in labels]
+    for label, color, style in zip(labels, colors, styles, strict=True):
         for run in by_label[label].runs:
             logged = [r for r in run.metrics if r.get("loss") is not None]
             steps, losses = [r["step"] for r in logged], [r["loss"] for r in logged]
             few = len(steps) < 20  # markers: a run that logged one point still shows it
-            train_ax.plot(steps, losses, "o-" if few else "-", color=color, alpha=0.8, lw=1, ms=3)
+            train_ax.plot(steps, losses, color=color, marker="o" if few else "", **style)
             points = [(t, v) for t, v in run.validations if t is not None]
             if points:
-                val_ax.plot(
-                    *zip(*points, strict=True),
-                    "o-",
-                    color=color,
-                    alpha=0.8,
-                    lw=1,
-                    ms=3,
-                )
+                val_ax.plot(*zip(*points, strict=True), color=color, marker="o", **style)
     for run in by_label[result["baseline"]].ok_runs:  # the quality every configuration is timed to
         if run.summary.get("val_loss") is not None:
             val_ax.axhline(run.summary["val_loss"], color="tab:gray", ls=":", lw=0.8)
-    train_ax.set_title("train loss per logged step (each seed)")
+    train_ax.set_title("train loss per logged step (each seed; the baseline dashed, on top)")
     train_ax.set_xlabel("step")
     val_ax.set_title("val loss over time from the run's start (dotted: the baseline's final, per seed)")
     val_ax.set_xlabel("seconds from the run's start")
     # one legend for the curves, below the panels: however many configurations, it covers none
-    handles = [plt.Line2D([], [], color=color, marker="o", ms=3, lw=1) for color in colors]
+    handles = [
+        plt.Line2D([], [], color=color, marker="o", **style)
+        for color, style in zip(colors, styles, strict=True)
+    ]
     columns = min(len(labels), 3)
     fig.legend(handles, ticks, loc="lower center", ncol=columns, fontsize=7, frameon=False)
     legend_rows = sum(label.count("\n") + 1 for label in ticks[::columns])
