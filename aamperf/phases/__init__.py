@@ -99,7 +99,7 @@ def apply_phases(
     confirmed by timing steps, and changed in place where fp32 is faster); `least_step_s`: a step's FLOPs
     at the device's peak, where known (compile=auto tells a run too short to compile by it)."""
     autocast, scaler, records["precision"] = apply_precision(cfg.precision, device)
-    records["attention"] = apply_attention(model, cfg.attention)
+    records["attention"] = apply_attention(model, cfg.attention, device)
     records["dropout"] = apply_dropout(model, cfg.dropout, device)  # after attention: reaches its dropout too
     records["aam_ops"] = apply_aam_ops(model, cfg.aam_ops)
     records["channels_last"] = apply_channels_last(model, cfg.system)

@@ -133,19 +133,29 @@ def check_attention(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -
     return []
 
 
-def apply_attention(model: nn.Module, cfg: DictConfig) -> dict:
-    """Replace every MathAttention module of `model` by SDPAttention with the same dropout."""
+def apply_attention(model: nn.Module, cfg: DictConfig, device: torch.device | None = None) -> dict:
+    """Replace every MathAttention module of `model` by SDPAttention with the same dropout. The record
+    says what training runs on `device` (None: nothing trains here, prediction): on a CPU, attention
+    dropout makes it the chunked math, and the backends serve validation only."""
     if cfg.impl == "math":
         return skipped("attention=math (the written-out baseline)")
-    swapped = 0
+    swapped = []
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if isinstance(child, MathAttention):
-                setattr(parent, name, SDPAttention(child.dropout_p, list(cfg.backends)))
-                swapped += 1
+                swapped.append(SDPAttention(child.dropout_p, list(cfg.backends)))
+                setattr(parent, name, swapped[-1])
     if not swapped:
         return skipped("the model has no MathAttention module to replace")
-    note = (
-        "on CPU, training with dropout runs the math in cache-sized chunks (no CPU SDPA kernel has dropout)"
-    )
-    return applied(impl="sdpa", backends=list(cfg.backends) or "auto", modules=swapped, note=note)
+    backends = [str(b) for b in cfg.backends] or "auto"
+    if device is None:
+        return applied(impl="sdpa", backends=backends, modules=len(swapped))
+    if device.type == "cpu" and any(m.dropout_p > 0 for m in swapped):  # as SDPAttention.forward decides
+        note = (
+            "training runs the math in cache-sized chunks with the attention dropout (no CPU SDPA kernel has "
+            "dropout); the backends run only where there is no dropout: validation, evaluation"
+        )
+        return applied(
+            impl="sdpa", training="chunked_math", backends=backends, modules=len(swapped), note=note
+        )
+    return applied(impl="sdpa", training="sdpa", backends=backends, modules=len(swapped))
