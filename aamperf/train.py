@@ -26,6 +26,8 @@ from aamperf.errors import (
 
 register_configs()
 log = logging.getLogger("aamperf.train")  # by its name: run as __main__ (python -m aamperf.train)
+# conf/predict.yaml's groups that training's conf/config.yaml does not take (tests/test_cli.py checks)
+PREDICTION_GROUPS = ("inference", "quantize")
 
 
 def log_ending(line: str, exc: BaseException | None = None) -> None:
@@ -79,6 +81,20 @@ def main(cfg: DictConfig) -> float | None:
     return objective(cfg, summary)  # what a sweeper maximizes: samples/s (at equal quality in a search)
 
 
+def refuse_prediction_groups(args: list[str]) -> None:
+    """`inference=fast` given to training: Hydra would advise `+inference=fast`, which is wrong (training
+    has no such group); the command that takes it instead."""
+    multirun = "-m " if any(arg in ("-m", "--multirun") for arg in args) else ""
+    for arg in args:
+        key, given, value = arg.partition("=")
+        group = key.lstrip("+~").partition("@")[0]
+        if given and not arg.startswith("-") and group in PREDICTION_GROUPS:
+            raise UserError(
+                f"{arg}: {group} sets how a trained model predicts, not training: "
+                f"python -m aamperf.predict {multirun}run=<run dir> {group}={value}"
+            )
+
+
 def cli() -> None:
     """main() with every user mistake, Hydra's config errors included, as one `error:` line and exit
     code 2; a run a guard stopped as one `aborted:` line and exit code 3; a run a signal stopped as one
@@ -87,6 +103,7 @@ def cli() -> None:
     logging.raiseExceptions = False  # a log file on a full disk: no "--- Logging error ---" tracebacks
     restart_before_hydra()  # a plain run whose config preloads an allocator: before torch is imported
     with bad_input_exits():
+        refuse_prediction_groups(sys.argv[1:])
         try:
             main()
         except RunAborted as exc:

@@ -1,11 +1,16 @@
 """The entry point as a user runs it: exit codes, one-line errors, the run directory."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import read_summary
+from omegaconf import OmegaConf
+
+from aamperf.config import CONF_DIR
+from aamperf.train import PREDICTION_GROUPS
 
 
 @pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
@@ -58,6 +63,42 @@ def test_help_says_what_aamperf_is_its_groups_and_commands(launch):
     predict, _ = launch("--help", module="aamperf.predict", tiny=False, name=None)
     assert predict.returncode == 0 and predict.stdout.startswith("aamperf.predict: a run's trained model")
     assert "inference=baseline|fast|int8" in predict.stdout and "powered by Hydra" not in predict.stdout
+    assert "compile, quantize." in predict.stdout  # prediction's groups: its help lists them
+
+
+def config_groups(name: str) -> dict[str, str]:
+    """The groups conf/<name>.yaml's defaults list takes, each with its options as Hydra lists them."""
+    defaults = OmegaConf.load(CONF_DIR / f"{name}.yaml").defaults
+    groups = [
+        str(next(iter(entry))).removeprefix("optional ") for entry in defaults if not isinstance(entry, str)
+    ]
+    return {group: ", ".join(sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))) for group in groups}
+
+
+def test_the_help_lists_trainings_groups_and_a_prediction_group_is_refused_in_one_line(launch):
+    proc, _ = launch("--help", tiny=False, name=None)
+    assert proc.returncode == 0, proc.stderr
+    section = proc.stdout.split("Config groups (group=option", 1)[1].split("Plain keys", 1)[0]
+    listed = dict(line.split(": ", 1) for line in section.splitlines() if re.match(r"\w+: ", line))
+    training = config_groups("config")
+    assert listed == training  # each group training takes, with each of its options, and no other
+    assert not {"inference", "quantize"} & listed.keys()
+    assert (
+        set(PREDICTION_GROUPS)
+        == config_groups("predict").keys() - training.keys()
+        == {"inference", "quantize"}
+    )
+    for override, group, value in (
+        ("inference=fast", "inference", "fast"),
+        ("+quantize=none", "quantize", "none"),
+    ):
+        refused, run_dir = launch(override)  # Hydra's own advice was `+inference=fast`
+        assert refused.returncode == 2
+        assert refused.stderr.strip().splitlines() == [
+            f"error: {override}: {group} sets how a trained model predicts, not training: "
+            f"python -m aamperf.predict run=<run dir> {group}={value}"
+        ]
+        assert not run_dir.exists()
 
 
 def test_the_console_scripts_are_installed():
