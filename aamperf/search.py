@@ -1,10 +1,11 @@
 """Auto-tuning (`hparams_search=fastest`): Optuna searches phases and batch size for the highest
 samples/s whose validation loss stays within `compare.quality_tolerance` of a baseline reference run.
 
-The reference runs first, in `<sweep dir>/reference`, with the search's other overrides and
-`optim=baseline`; each trial's objective is its samples/s, or 0 when its val loss is worse than the
-reference by more than the tolerance. At the end the best feasible trial becomes a ready optim level,
-`<sweep dir>/optim/fastest.yaml`.
+The reference runs first, in `<sweep dir>/reference`, with `optim=baseline` and every value the
+search fixes (a plain override, or a space narrowed to one value: `'compile=choice(disabled)'`), as each
+trial gets it; a reference that fails stops the search before its trials. Each trial's objective is its
+samples/s, or 0 when its val loss is worse than the reference by more than the tolerance. At the end the
+best feasible trial becomes a ready optim level, `<sweep dir>/optim/fastest.yaml`.
 """
 
 import datetime
@@ -15,11 +16,13 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, Override
 from omegaconf import DictConfig, OmegaConf
 
 from aamperf.callbacks import CompareReport
 from aamperf.distributed import torchrun_env
-from aamperf.errors import exit_bad_input
+from aamperf.errors import error_line, exit_bad_input, exit_with
 from aamperf.files import write_atomic
 from aamperf.report import find_runs
 
@@ -54,6 +57,34 @@ def objective(cfg: DictConfig, summary: dict[str, Any]) -> float:
     return 0.0
 
 
+def one_choice(override: Override) -> str | None:
+    """The value of a `choice(...)` of one value (a search narrowed to it: `compile=choice(disabled)`),
+    as an override writes it; None for any other sweep."""
+    sweep = override.value()
+    if isinstance(sweep, ChoiceSweep) and len(sweep.list) == 1:
+        return next(override.sweep_string_iterator())
+    return None
+
+
+def reference_overrides(params: dict[str, Any], task: list[str]) -> list[str]:
+    """The reference run's overrides: each key the search gives one value, that value, as the Optuna
+    sweeper gives it to every trial from `params` (hydra.sweeper.params) and the command line's `task`
+    overrides (which win; a plain value wins over a search of the same key). A key still searched is
+    left to optim=baseline, which the caller adds."""
+    parsed = OverridesParser.create().parse_overrides([*(f"{k}={v}" for k, v in params.items()), *task])
+    plain: dict[str, Override] = {}
+    searched: dict[str, Override] = {}
+    for override in parsed:
+        if override.is_hydra_override() or override.key_or_group in ("hparams_search", "optim"):
+            continue
+        (searched if override.is_sweep_override() else plain)[override.get_key_element()] = override
+    narrowed = {key: one_choice(override) for key, override in searched.items() if key not in plain}
+    return [
+        *(override.input_line for override in plain.values()),
+        *(f"{key}={value}" for key, value in narrowed.items() if value is not None),
+    ]
+
+
 def level_yaml(overrides: list[str], searched: list[str], note: str) -> str:
     """An optim level file from a trial's overrides: groups become `override /group: option`."""
     chosen = [o for o in overrides if o.split("=", 1)[0] in searched]
@@ -64,6 +95,37 @@ def level_yaml(overrides: list[str], searched: list[str], note: str) -> str:
         lines += ["defaults:", *(f"  - override /{group}: {option}" for group, option in groups)]
     body = OmegaConf.to_yaml(OmegaConf.merge(values, {"optim": "fastest"}))
     return "\n".join(lines) + "\n\n" + body
+
+
+def run_reference(config: DictConfig) -> None:
+    """The reference run, in `<sweep dir>/reference`, before the first trial. One that fails ends the
+    search with its exit code: without its val loss every trial would pass unchecked."""
+    reference_dir = Path(config.hydra.sweep.dir) / REFERENCE_DIR
+    params = config.hydra.sweeper.get("params")
+    overrides = reference_overrides(
+        OmegaConf.to_container(params, resolve=False) if params else {},
+        OmegaConf.to_container(config.hydra.overrides.task, resolve=False),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "aamperf.train",
+        *overrides,
+        "optim=baseline",
+        f"hydra.run.dir={reference_dir}",
+    ]
+    print(f"search: reference run (the quality bar): {' '.join(cmd[3:])}", flush=True)
+    code = subprocess.run(cmd).returncode
+    if code != 0:
+        exit_with(
+            error_line(
+                f"the search's reference run failed (exit code {code}; its own error is above, its "
+                f"directory {reference_dir}): without its validation loss no trial's quality can be "
+                "checked, so the search stops before its trials; fix what the reference reports and run "
+                "the search again"
+            ),
+            code if code > 0 else 128 - code,  # killed by signal N (-N here): 128 + N, as a shell says
+        )
 
 
 class FastestSearch(CompareReport):
@@ -79,23 +141,7 @@ class FastestSearch(CompareReport):
                 "aamperf.launch --nproc_per_node=N -m aamperf.train distributed=ddp optim=fastest "
                 "'hydra.searchpath=[file://<sweep dir>]'"
             )
-        sweep_dir = Path(config.hydra.sweep.dir)
-        keep = [
-            o
-            for o in config.hydra.overrides.task
-            if not o.startswith(("hparams_search=", "optim=", "hydra.")) and "," not in o
-        ]
-        cmd = [
-            sys.executable,
-            "-m",
-            "aamperf.train",
-            *keep,
-            "optim=baseline",
-            f"hydra.run.dir={sweep_dir / REFERENCE_DIR}",
-        ]
-        print(f"search: reference run (the quality bar): {' '.join(cmd[3:])}", flush=True)
-        if subprocess.run(cmd).returncode != 0:
-            print("warning: the reference run failed: trials are not checked for quality", file=sys.stderr)
+        run_reference(config)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         self.write_level(config)

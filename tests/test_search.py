@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from aamperf.config import register_configs
 from aamperf.report import find_runs
-from aamperf.search import objective
+from aamperf.search import objective, reference_overrides
 
 
 def test_a_trial_that_loses_quality_scores_zero(tmp_path):
@@ -21,6 +21,64 @@ def test_a_trial_that_loses_quality_scores_zero(tmp_path):
     assert objective(cfg, {"samples_per_s": 50.0, "val_loss": 2.039}) == 50.0  # +1.95%: within 2%
     assert objective(cfg, {"samples_per_s": 50.0, "val_loss": 2.05}) == 0.0  # +2.5%: not the same training
     assert objective(cfg, {"samples_per_s": 50.0, "val_loss": None}) == 0.0  # no validation: not counted
+
+
+def test_the_reference_has_each_value_the_search_fixes():
+    """A param given one value (a plain value, or the space narrowed the Optuna sweeper's way to a
+    `choice` of one, on the command line or in hydra.sweeper.params) has it in the reference as in every
+    trial; a param still searched is left to optim=baseline. Once `compile=choice(disabled)` reached the
+    reference as written, which a single run refuses ("requires --multirun"), and the trials then went
+    unchecked."""
+    params = yaml.safe_load((CONF_DIR / "hparams_search" / "fastest.yaml").read_text())["hydra"]["sweeper"]
+    params = {**params["params"], "memory": "none"}  # hydra.sweeper.params.memory=none
+    task = [
+        "hparams_search=fastest",
+        "model=aam_tiny",
+        "compile=choice(disabled)",  # narrowed to one value: fixed
+        "attention=choice(math,sdpa)",  # narrowed to two: still searched
+        "optim=ultra",  # the reference is optim=baseline
+        "trainer.batch_size=choice(8)",
+        "trainer.batch_size=16",  # a plain value wins over a search of the same key, as in the sweeper
+    ]
+    fixed = ["memory=none", "model=aam_tiny", "trainer.batch_size=16", "compile=disabled"]
+    assert reference_overrides(params, task) == fixed
+
+
+@pytest.mark.slow  # about 20 s on a 2-core AVX2-only EPYC
+def test_a_narrowed_search_runs_its_reference_and_trials_with_the_fixed_values(launch):
+    proc, sweep_dir = launch(
+        "hparams_search=fastest",
+        "hydra.sweeper.n_trials=2",
+        "compile=choice(disabled)",  # the Optuna sweeper's way on the command line
+        "hydra.sweeper.params.memory=none",  # ... and in its params (optim=baseline recomputes: full)
+        name="search",
+        multirun=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = find_runs([sweep_dir])
+    assert len(runs) == 3  # the reference and 2 trials
+    for run in runs:
+        config = run.summary["config"]
+        assert (run.summary["status"], config["compile"]["mode"], config["memory"]["checkpointing"]) == (
+            "completed",
+            "disabled",
+            "none",
+        ), run.path
+    assert read_summary(sweep_dir / "reference")["optim"] == "baseline"
+
+
+def test_a_reference_that_fails_stops_the_search_before_its_trials(launch):
+    """Without the reference's val loss no trial's quality can be checked: once, the search printed a
+    warning and went on, each trial scored on its speed alone."""
+    options = ["hparams_search=fastest", "hydra.sweeper.n_trials=2", "memory=choice(nosuch)"]  # misspelled
+    proc, sweep_dir = launch(*options, name="search", multirun=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]  # the reference's: bad input
+    lines = proc.stderr.strip().splitlines()
+    assert any(line.startswith("error: ") and "nosuch" in line for line in lines[:-1])  # the reference's own
+    assert lines[-1].startswith(
+        "error: the search's reference run failed (exit code 2; its own error is above"
+    )
+    assert not sweep_dir.exists()  # no trial ran
 
 
 @pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
