@@ -97,102 +97,31 @@ def compare(
     quality_tolerance: float = 0.02,
     confidence: float = 0.95,
 ) -> dict[str, Any]:
+    """Each configuration of `runs` against the one `baseline` names: a row of figures and a verdict,
+    the baseline's first, then the others by speed-up; and what the figures were measured on."""
     groups = group_runs(runs)
     base = pick_baseline(groups, baseline)
     overlaps = overlapping(runs)
     beside = {run.path for a, b, _ in overlaps for run in (a, b)}  # runs that shared their host's time
-    rows = []
-    for group in groups:
-        pairs = paired(group, base)
-        speed = mean_interval(paired_values(pairs, log_ratio("samples_per_s")), confidence)
-        step = mean_interval(paired_values(pairs, log_ratio("step_time_s", invert=True)), confidence)
-        quality = mean_interval(paired_values(pairs, relative_delta), confidence)
-        speedup, lo, hi = geometric(speed)
-        few = len(pairs) < MIN_PAIRS  # too few seeds for an interval: the means alone, no pretend spread
-        if few:
-            lo = hi = None
-        mine, theirs = quality_times(pairs, quality_tolerance)
-        reached = [(m, t) for m, t in zip(mine, theirs, strict=True) if m is not None and t is not None]
-        ttq = mean_interval([math.log(t / m) for m, t in reached if m > 0 and t > 0], confidence)
-        ttq_all = len(reached) == len(pairs) and not few  # an interval only when every seed reached it
-        ttq_speedup, ttq_lo, ttq_hi = geometric(ttq) if ttq_all else (None, None, None)
-        # the process tree's memory (loader workers' PSS included) where both have it, else the main process's
-        memory_key = (
-            "peak_tree_pss_bytes"
-            if group.values("peak_tree_pss_bytes") and base.values("peak_tree_pss_bytes")
-            else "peak_rss_bytes"
-        )
-        rss = group.median(memory_key), base.median(memory_key)
-        train, base_train = group.median("train_loss"), base.median("train_loss")  # both at the last step
-        model_flops = {
-            (r.summary.get("model_flops_per_step"), b.summary.get("model_flops_per_step")) for r, b in pairs
-        }
-        row = {
-            "config": group.config,
-            "optim": group.runs[0].summary.get("optim"),
-            "seeds": sorted(r.seed for r in group.ok_runs),
-            "baseline_seeds": len(base.ok_runs),
-            "paired_seeds": [r.seed for r, _ in pairs],
-            "samples_per_s": group.median("samples_per_s"),
-            "samples_per_s_min": min(group.values("samples_per_s"), default=None),
-            "samples_per_s_max": max(group.values("samples_per_s"), default=None),
-            # geometric mean of the per-seed speed-ups, with the bootstrap interval of that mean
-            "speedup": speedup,
-            "speedup_lo": lo,
-            "speedup_hi": hi,
-            "step_time_s": group.median("step_time_s"),
-            "step_time_speedup": geometric(step)[0],
-            "time_to_quality_s": median_or_none([m for m in mine if m is not None]),
-            "time_to_quality_reached": f"{sum(m is not None for m in mine)}/{len(pairs)}",
-            "time_to_quality_speedup": ttq_speedup,
-            "time_to_quality_speedup_lo": ttq_lo,
-            "time_to_quality_speedup_hi": ttq_hi,
-            "compile_time_s": group.median("compile_time_s"),
-            "time_to_first_step_s": group.median("time_to_first_step_s"),
-            # measuring for `auto` options: a run's first on a device pays it, later ones read the cache
-            "auto_s": group.median("auto_s"),
-            "auto_s_max": max(group.values("auto_s"), default=None),
-            "mfu": group.median("mfu"),
-            "hfu": group.median("hfu"),
-            "model_flops_per_step": group.median("model_flops_per_step"),
-            "hardware_flops_per_step": group.median("hardware_flops_per_step"),
-            # the same batches must cost the same model FLOPs in every configuration: else MFUs differ in work
-            "model_flops_match_baseline": all(a == b for a, b in model_flops) if pairs else None,
-            "data_wait_frac": group.median("data_wait_frac"),
-            "peak_rss_bytes": group.median("peak_rss_bytes"),
-            "peak_tree_pss_bytes": group.median("peak_tree_pss_bytes"),
-            "peak_memory_bytes": rss[0],  # what peak_rss_ratio compares: memory_key's figure
-            "memory_key": memory_key,
-            "peak_rss_ratio": rss[0] / rss[1] if None not in rss else None,
-            "train_rss_growth_bytes": group.median("train_rss_growth_bytes"),
-            "peak_device_bytes": group.median("peak_device_bytes"),  # the CUDA allocator's peak; None on CPU
-            "val_loss": group.median("val_loss"),
-            # mean over seeds of (val loss / the same seed's baseline val loss - 1), with its interval
-            "val_loss_delta": None if quality is None else quality.mean,
-            "val_loss_delta_lo": None if quality is None or few else quality.lo,
-            "val_loss_delta_hi": None if quality is None or few else quality.hi,
-            "train_loss": train,
-            "train_loss_delta": train / base_train - 1 if train is not None and base_train else None,
-            **target_figures(group),  # a fine-tuning run's: the model's beside a random forest's
-            "errors": [
-                f"{r.path.name}: {r.summary.get('error')}" for r in group.runs if r not in group.ok_runs
-            ],
-            # every pair trained the same way (the same phases applied after `auto`, the same config else)
-            "same_training": bool(pairs) and all(same_training(r, b) for r, b in pairs),
-            # pairs whose run or baseline run ran at the same time as another run on its host
-            "overlapped_pairs": sum(r.path in beside or b.path in beside for r, b in pairs),
-        }
-        row["verdict"], row["seeds_needed"] = verdict(
-            row, group is base, speed, quality, quality_tolerance, confidence
-        )
-        rows.append(row)
+    rows = [compare_group(group, base, beside, quality_tolerance, confidence) for group in groups]
     rows.sort(key=lambda r: (r["config"] != base.config, -(r["speedup"] or 0)))
-    # what each run's summary names (runs from before it: none)
-    machines = Counter(run.summary["machine"] for run in runs if run.summary.get("machine"))
     return {
         "baseline": base.config,
         "quality_tolerance": quality_tolerance,
         "confidence": confidence,
+        **timing_conditions(runs, overlaps, beside),
+        "rows": rows,
+    }
+
+
+def timing_conditions(
+    runs: list[Run], overlaps: list[tuple[Run, Run, float]], beside: set[Path]
+) -> dict[str, Any]:
+    """What the runs were timed on: the machines, runs that ran at the same time on one host (`overlaps`,
+    `beside`: the runs in them), and runs whose cores other processes shared."""
+    # what each run's summary names (runs from before it: none)
+    machines = Counter(run.summary["machine"] for run in runs if run.summary.get("machine"))
+    return {
         "machines": dict(machines),
         "overlaps": [
             {"runs": [str(a.path), str(b.path)], "host": a.summary["host"], "shared_s": shared}
@@ -204,7 +133,139 @@ def compare(
             for run in runs
             if run.path not in beside and (run.summary.get("loop_load") or {}).get("under_load")
         ],
-        "rows": rows,
+    }
+
+
+def compare_group(
+    group: Group, base: Group, beside: set[Path], tolerance: float, confidence: float
+) -> dict[str, Any]:
+    """One configuration's row: its figures, each beside the baseline's seed by seed where it is paired,
+    and its verdict. `beside`: the runs that ran at the same time as another run on their host."""
+    pairs = paired(group, base)
+    few = len(pairs) < MIN_PAIRS  # too few seeds for an interval: the means alone, no pretend spread
+    speed = mean_interval(paired_values(pairs, log_ratio("samples_per_s")), confidence)
+    quality = mean_interval(paired_values(pairs, relative_delta), confidence)
+    row = {
+        "config": group.config,
+        "optim": group.runs[0].summary.get("optim"),
+        "seeds": sorted(r.seed for r in group.ok_runs),
+        "baseline_seeds": len(base.ok_runs),
+        "paired_seeds": [r.seed for r, _ in pairs],
+        **speed_figures(group, pairs, speed, few, confidence),
+        **quality_time_figures(pairs, few, tolerance, confidence),
+        **cost_figures(group, pairs),
+        **memory_figures(group, base),
+        **quality_figures(group, base, quality, few),
+        **target_figures(group),  # a fine-tuning run's: the model's beside a random forest's
+        **validity(group, pairs, beside),
+    }
+    row["verdict"], row["seeds_needed"] = verdict(row, group is base, speed, quality, tolerance, confidence)
+    return row
+
+
+def speed_figures(
+    group: Group, pairs: list[tuple[Run, Run]], speed: Interval | None, few: bool, confidence: float
+) -> dict[str, Any]:
+    """Samples/s and step time: the configuration's medians, and its speed-up over the baseline."""
+    speedup, lo, hi = geometric(speed)
+    step = mean_interval(paired_values(pairs, log_ratio("step_time_s", invert=True)), confidence)
+    return {
+        "samples_per_s": group.median("samples_per_s"),
+        "samples_per_s_min": min(group.values("samples_per_s"), default=None),
+        "samples_per_s_max": max(group.values("samples_per_s"), default=None),
+        # geometric mean of the per-seed speed-ups, with the bootstrap interval of that mean
+        "speedup": speedup,
+        "speedup_lo": None if few else lo,
+        "speedup_hi": None if few else hi,
+        "step_time_s": group.median("step_time_s"),
+        "step_time_speedup": geometric(step)[0],
+    }
+
+
+def quality_time_figures(
+    pairs: list[tuple[Run, Run]], few: bool, tolerance: float, confidence: float
+) -> dict[str, Any]:
+    """Time to quality: the seconds until the baseline's final val loss (within `tolerance`), and the
+    speed-up in it over the baseline, with an interval only when every paired seed reached it."""
+    mine, theirs = quality_times(pairs, tolerance)
+    reached = [(m, t) for m, t in zip(mine, theirs, strict=True) if m is not None and t is not None]
+    ttq = mean_interval([math.log(t / m) for m, t in reached if m > 0 and t > 0], confidence)
+    every_seed = len(reached) == len(pairs) and not few
+    speedup, lo, hi = geometric(ttq) if every_seed else (None, None, None)
+    return {
+        "time_to_quality_s": median_or_none([m for m in mine if m is not None]),
+        "time_to_quality_reached": f"{sum(m is not None for m in mine)}/{len(pairs)}",
+        "time_to_quality_speedup": speedup,
+        "time_to_quality_speedup_lo": lo,
+        "time_to_quality_speedup_hi": hi,
+    }
+
+
+def cost_figures(group: Group, pairs: list[tuple[Run, Run]]) -> dict[str, Any]:
+    """What the start costs (compile, the first step, measuring for `auto`) and how well the steps use the
+    device (MFU, HFU, the FLOPs they count, the time spent waiting for data)."""
+    model_flops = {
+        (r.summary.get("model_flops_per_step"), b.summary.get("model_flops_per_step")) for r, b in pairs
+    }
+    return {
+        "compile_time_s": group.median("compile_time_s"),
+        "time_to_first_step_s": group.median("time_to_first_step_s"),
+        # measuring for `auto` options: a run's first on a device pays it, later ones read the cache
+        "auto_s": group.median("auto_s"),
+        "auto_s_max": max(group.values("auto_s"), default=None),
+        "mfu": group.median("mfu"),
+        "hfu": group.median("hfu"),
+        "model_flops_per_step": group.median("model_flops_per_step"),
+        "hardware_flops_per_step": group.median("hardware_flops_per_step"),
+        # the same batches must cost the same model FLOPs in every configuration: else MFUs differ in work
+        "model_flops_match_baseline": all(a == b for a, b in model_flops) if pairs else None,
+        "data_wait_frac": group.median("data_wait_frac"),
+    }
+
+
+def memory_figures(group: Group, base: Group) -> dict[str, Any]:
+    """Peak memory, and its ratio to the baseline's."""
+    # the process tree's memory (loader workers' PSS included) where both have it, else the main process's
+    memory_key = (
+        "peak_tree_pss_bytes"
+        if group.values("peak_tree_pss_bytes") and base.values("peak_tree_pss_bytes")
+        else "peak_rss_bytes"
+    )
+    peak, base_peak = group.median(memory_key), base.median(memory_key)
+    return {
+        "peak_rss_bytes": group.median("peak_rss_bytes"),
+        "peak_tree_pss_bytes": group.median("peak_tree_pss_bytes"),
+        "peak_memory_bytes": peak,  # what peak_rss_ratio compares: memory_key's figure
+        "memory_key": memory_key,
+        "peak_rss_ratio": peak / base_peak if None not in (peak, base_peak) else None,
+        "train_rss_growth_bytes": group.median("train_rss_growth_bytes"),
+        "peak_device_bytes": group.median("peak_device_bytes"),  # the CUDA allocator's peak; None on CPU
+    }
+
+
+def quality_figures(group: Group, base: Group, quality: Interval | None, few: bool) -> dict[str, Any]:
+    """The final val and train losses, and their change from the baseline's."""
+    train, base_train = group.median("train_loss"), base.median("train_loss")  # both at the last step
+    return {
+        "val_loss": group.median("val_loss"),
+        # mean over seeds of (val loss / the same seed's baseline val loss - 1), with its interval
+        "val_loss_delta": None if quality is None else quality.mean,
+        "val_loss_delta_lo": None if quality is None or few else quality.lo,
+        "val_loss_delta_hi": None if quality is None or few else quality.hi,
+        "train_loss": train,
+        "train_loss_delta": train / base_train - 1 if train is not None and base_train else None,
+    }
+
+
+def validity(group: Group, pairs: list[tuple[Run, Run]], beside: set[Path]) -> dict[str, Any]:
+    """What could make the comparison say less than it seems: failed runs, pairs that trained the same
+    way, pairs timed while another run shared their host."""
+    return {
+        "errors": [f"{r.path.name}: {r.summary.get('error')}" for r in group.runs if r not in group.ok_runs],
+        # every pair trained the same way (the same phases applied after `auto`, the same config else)
+        "same_training": bool(pairs) and all(same_training(r, b) for r, b in pairs),
+        # pairs whose run or baseline run ran at the same time as another run on its host
+        "overlapped_pairs": sum(r.path in beside or b.path in beside for r, b in pairs),
     }
 
 
