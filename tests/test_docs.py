@@ -9,6 +9,7 @@ parser. A `-m` sweep is composed at the first value of each sweep (`a,b`, `choic
 import argparse
 import contextlib
 import io
+import re
 import shlex
 from functools import cache
 from pathlib import Path
@@ -40,13 +41,14 @@ LINK_DOCS = [
 ]
 CONFIG_OF = {"train": "config", "predict": "predict"}
 
-# Placeholders: where a doc writes a value the user chooses. A shell word that is only a placeholder, or
-# an ellipsis, is dropped; an override whose value holds one is not composed (its type is unknown), but its
-# key must be one the config has. Other made-up values compose as written (`data.table=t.biom`, `run=DIR`
-# are strings). compare keeps placeholders as the paths they stand for.
+# Placeholders: where a doc writes a value the user (or the shell) chooses. A shell word that is only a
+# placeholder, or an ellipsis, is dropped; an override whose value holds one is not composed (its type is
+# unknown), but its key must be one the config has. Other made-up values compose as written
+# (`data.table=t.biom`, `run=DIR` are strings). compare keeps placeholders as the paths they stand for.
 PLACEHOLDER = "PLACEHOLDER"  # what each <...> (`<run dir>`, `<sweep dir>`, `<yours>`) becomes
 ELLIPSES = ("...", "…")  # `trainer.max_steps=...`, `DIR [DIR ...]`
 PLACEHOLDER_VALUES = {"N", "DIR"}  # `seed=N`
+SHELL_VARIABLE = re.compile(r"\$[A-Za-z_]")  # `seed=$SLURM_ARRAY_TASK_ID` (not Hydra's `${now:...}`)
 
 
 class DocError(AssertionError):
@@ -83,7 +85,12 @@ def where(command: Command) -> str:
 
 
 def is_placeholder(value: str) -> bool:
-    return PLACEHOLDER in value or value in PLACEHOLDER_VALUES or any(e in value for e in ELLIPSES)
+    return (
+        PLACEHOLDER in value
+        or value in PLACEHOLDER_VALUES
+        or any(e in value for e in ELLIPSES)
+        or SHELL_VARIABLE.search(value) is not None
+    )
 
 
 def hydra_overrides(command: Command, words: list[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
