@@ -21,7 +21,7 @@ from aamperf.metrics.monitor import pss_bytes
 from aamperf.phases import apply_phases, setup_phases
 from aamperf.run import train
 
-# The run record's keys that the checks and `python -m aamperf.compare` read (README: What a run writes).
+# The run record's keys that the checks and `python -m aamperf.compare` read (docs/run-outputs.md).
 SUMMARY_KEYS = {
     "status",
     "optim",
