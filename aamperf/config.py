@@ -88,6 +88,9 @@ class DataConfig:
     rarefy_depth: int = 1000
     max_asvs: int = "${model.max_asvs}"  # type: ignore[assignment]  # keep the most abundant per sample
     val_fraction: float = 0.2
+    # a text file of sample ids, one per line (as the original AAM's <output>/val_samples.txt): those samples
+    # validate, every other sample of the data trains, and val_fraction is not used; null: the seeded split
+    val_samples: str | None = None
 
 
 @dataclass

@@ -17,9 +17,10 @@ from aamperf.data.categorical import check_columns, learn_categories
 from aamperf.data.metadata import read_target_column
 from aamperf.data.samples import SampleDataset, Samples
 from aamperf.data.store import sample_store
-from aamperf.data.tables import read_unifrac, resolve_files, table_ids
+from aamperf.data.tables import read_unifrac, read_val_samples, resolve_files, shown_ids, table_ids
 from aamperf.data.unifrac import cached_unifrac, select_unifrac
 from aamperf.errors import UserError
+from aamperf.files import write_atomic
 from aamperf.model.aam import bucket_size
 from aamperf.targets import TargetSpec, fit_classes, fit_regression
 from aamperf.tokens import TOKENS_PER_ASV
@@ -104,6 +105,27 @@ def split_indices(n_samples: int, val_fraction: float, seed: int) -> tuple[list[
     return sorted(perm[n_val:]), sorted(perm[:n_val])
 
 
+def split_listed(samples: Samples, val_ids: list[str], cfg: DictConfig) -> tuple[list[int], list[int]]:
+    """(train, val) sample indices, each sorted: the samples data.val_samples lists validate, every other
+    sample of the data trains. UserError naming the listed ids that are not among the data's samples."""
+    position = {sid: i for i, sid in enumerate(samples.ids)}
+    unknown = [sid for sid in val_ids if sid not in position]
+    if unknown:
+        shallow, why = len(set(unknown) & set(samples.too_shallow)), ""
+        if shallow:
+            why = f"; {shallow} of them were left out by rarefaction (data.rarefy_depth={cfg.rarefy_depth})"
+        if samples.without_target and shallow < len(unknown):
+            why += f"; {samples.without_target} samples without a data.target value were left out"
+        raise UserError(
+            f"data.val_samples: {len(unknown)} of the {len(val_ids)} ids in {cfg.val_samples} are not among "
+            f"the {len(samples.ids)} samples of the data ({shown_ids(unknown)}){why}; list only samples of "
+            "the data"
+        )
+    val_idx = sorted(position[sid] for sid in val_ids)
+    listed = set(val_idx)
+    return [i for i in range(len(samples.ids)) if i not in listed], val_idx
+
+
 def make_loaders(
     dataset: SampleDataset,
     collate: Collate,
@@ -113,21 +135,25 @@ def make_loaders(
     batch_size: int,
     seed: int,
     loader: DictConfig,
+    val_samples: str | None = None,
 ) -> tuple[DataLoader, DataLoader]:
     """Train loader (seeded shuffle) and val loader; both drop the last partial batch (UniFrac: pairs).
+    `val_samples`: the data.val_samples file the split came from (None: data.val_fraction's), for the errors.
 
     The shuffle has a generator of its own (`loader.sampler.generator`, one permutation per pass),
     apart from the DataLoader's, from which torch draws worker seeds at each new iterator: so the
     batch order of a seed is the same with or without workers, persistent or not."""
+    fewer_val, more_val = " or data.val_fraction", "raise data.val_fraction"
+    if val_samples is not None:  # the user's split: its file is the fix
+        fewer_val = f", list fewer samples in data.val_samples={val_samples}"
+        more_val = f"list more samples in data.val_samples={val_samples}"
     if len(train_idx) < batch_size:
         raise UserError(
             f"only {len(train_idx)} training samples, fewer than trainer.batch_size={batch_size}; "
-            "lower trainer.batch_size or data.val_fraction, or give more samples"
+            f"lower trainer.batch_size{fewer_val}, or give more samples"
         )
     if len(val_idx) < 2:
-        raise UserError(
-            f"only {len(val_idx)} validation samples (UniFrac needs >= 2 per batch); raise data.val_fraction"
-        )
+        raise UserError(f"only {len(val_idx)} validation samples (UniFrac needs >= 2 per batch); {more_val}")
     kwargs = {
         "collate_fn": collate,
         "drop_last": True,
@@ -152,7 +178,7 @@ def make_loaders(
     if val_batch < max(2, world):
         raise UserError(
             f"only {len(val_idx)} validation samples for {world} ranks (UniFrac needs >= 2 per batch); "
-            "raise data.val_fraction"
+            + more_val
         )
     val = DataLoader(Subset(dataset, val_idx), batch_size=val_batch, shuffle=False, **kwargs)
     return train, val
@@ -229,6 +255,7 @@ class Data:
     sample_ids: list[str]  # index = the batch's `sample_idx`
     dataset: SampleDataset
     collate: Collate
+    val_samples: str | None = None  # data.val_samples: the file that lists the validation samples, or None
 
 
 def rebatch(data: Data, batch_size: int, seed: int, loader: DictConfig) -> None:
@@ -241,7 +268,16 @@ def rebatch(data: Data, batch_size: int, seed: int, loader: DictConfig) -> None:
         batch_size=batch_size,
         seed=seed,
         loader=loader,
+        val_samples=data.val_samples,
     )
+
+
+def write_split(run_dir: Path, data: Data) -> None:
+    """train_samples.txt and val_samples.txt in `run_dir`: the split's sample ids, one per line, as the
+    original AAM writes its val_samples.txt (data.val_samples=<run dir>/val_samples.txt reads it back)."""
+    for name, split in (("train", data.train_loader), ("val", data.val_loader)):
+        ids = [data.sample_ids[i] for i in split.dataset.indices]
+        write_atomic(run_dir / f"{name}_samples.txt", "".join(f"{sid}\n" for sid in ids))
 
 
 def build_data(
@@ -257,7 +293,8 @@ def build_data(
     """data config -> loaders: read (or simulate), rarefy, UniFrac (cached), tokenize, split.
 
     `cfg` is the `data` node, `loader` the `dataloader` node. `data.seed` drives rarefaction and the
-    split (the same data for every run of a sweep); `seed`, the run's, drives the batch order.
+    split (the same data for every run of a sweep), unless data.val_samples lists the validation samples;
+    `seed`, the run's, drives the batch order.
     `batch_size` is the global batch of one forward pass; `rank` of `world_size` encodes its slice.
     `pad_to`: the `S` of a batch: "max" pads every batch to data.max_asvs (fixed shapes, as the original
     AAM), None each batch to its longest sample (`aamperf.phases.aam_ops.collate_pad_to`), "bucket" to
@@ -291,11 +328,20 @@ def build_data(
         )
     unifrac = None if unifrac is None else torch.from_numpy(unifrac).float()
 
-    train_idx, val_idx = split_indices(len(sample_ids), cfg.val_fraction, cfg.seed)
+    val_samples = cfg.get("val_samples")
+    if val_samples is None:
+        train_idx, val_idx = split_indices(len(sample_ids), cfg.val_fraction, cfg.seed)
+    else:  # the same file, the same split on every rank
+        train_idx, val_idx = split_listed(samples, read_val_samples(val_samples), cfg)
+        log.info(
+            "validation: the %d samples of data.val_samples=%s (data.val_fraction not used); training: the "
+            "other %d", len(val_idx), val_samples, len(train_idx),
+        )  # fmt: skip
     collate = Collate(samples.tokens, unifrac, pad_to, rank, world_size, bucket_cap, samples.branch_lengths)
     train_loader, val_loader = make_loaders(
-        dataset, collate, train_idx, val_idx, batch_size=batch_size, seed=seed, loader=loader
-    )
+        dataset, collate, train_idx, val_idx, batch_size=batch_size, seed=seed, loader=loader,
+        val_samples=val_samples,
+    )  # fmt: skip
     spec = None if target is None else fit_target(cfg, files["metadata"], dataset, train_idx, val_idx)
     target = dataset.target  # a classification's: class indices among the training samples' classes
     categorical = None
@@ -330,6 +376,7 @@ def build_data(
         sample_ids=sample_ids,
         dataset=dataset,
         collate=collate,
+        val_samples=val_samples,
     )
 
 

@@ -1,5 +1,6 @@
 """Read the user's files (BIOM, Newick, UniFrac matrix, FASTA, metadata) with errors that name the option."""
 
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,11 +25,16 @@ UNIFRAC_SUFFIXES = (".npy", ".h5", ".hdf5", ".csv", ".tsv", ".txt")
 
 def check_data(cfg: DictConfig) -> list[str]:
     """Every problem of `data.*` that the config and the file system decide (the files are there and
-    can be opened; none is read), each naming its fix. What needs a file's content is found as
-    build_data reads it."""
+    can be opened; none is read but data.val_samples' short list of ids), each naming its fix. What
+    needs the data's content is found as build_data reads it."""
     d, problems = cfg.data, []
     if not 0 < d.val_fraction < 1:
         problems.append(f"data.val_fraction={d.val_fraction} must be between 0 and 1 (e.g. 0.2)")
+    if d.get("val_samples") is not None:
+        try:
+            read_val_samples(d.val_samples)
+        except UserError as exc:
+            problems.append(str(exc))
     if d.rarefy_depth < 1:
         problems.append(f"data.rarefy_depth={d.rarefy_depth} must be >= 1 (the reads kept per sample)")
     return problems + (check_simulated(cfg) if d.source == "simulated" else check_biom(d))
@@ -36,12 +42,12 @@ def check_data(cfg: DictConfig) -> list[str]:
 
 def check_simulated(cfg: DictConfig) -> list[str]:
     """No user file, sizes >= 1, and enough samples for a validation batch and a training batch
-    (rarefaction may drop a few more as the run starts)."""
+    (rarefaction may drop a few more as the run starts; data.val_samples' are counted then)."""
     d, t = cfg.data, cfg.trainer
     ignored = [name for name in BIOM_FILES if d[name] is not None]
     problems = [f"data.{name} is set but data.source=simulated ignores it; add data=biom" for name in ignored]
     problems += [f"data.{name}={d[name]} must be >= 1" for name in SIMULATED_SIZES if d[name] < 1]
-    if problems or not 0 < d.val_fraction < 1:
+    if problems or not 0 < d.val_fraction < 1 or d.get("val_samples") is not None:
         return problems
     n_val = round(d.n_samples * d.val_fraction)
     if n_val < 2:
@@ -97,6 +103,33 @@ def existing_file(value: str | Path, option: str) -> Path:
     except OSError as exc:
         raise UserError(f"{option}: cannot open {value} ({exc.strerror}); give a file you can read") from exc
     return path
+
+
+def read_val_samples(value: str) -> list[str]:
+    """data.val_samples: the sample ids of a text file, one per line (blank lines skipped), in its order.
+    UserError for a file that is missing, lists no id or lists one twice. The ids are only compared with
+    the data's (bytes that are not UTF-8 read as U+FFFD): nothing in the file is run or unpickled."""
+    path = existing_file(value, "data.val_samples")
+    text = path.read_bytes().decode("utf-8-sig", errors="replace")
+    ids = [line.strip() for line in text.splitlines() if line.strip()]
+    if not ids:
+        raise UserError(
+            f"data.val_samples: {value} lists no sample id; give the validation sample ids, one per line"
+        )
+    repeated = [sid for sid, n in Counter(ids).items() if n > 1]
+    if repeated:
+        raise UserError(
+            f"data.val_samples: {value} lists {shown_ids(repeated)} more than once; list each validation "
+            "sample once"
+        )
+    return ids
+
+
+def shown_ids(ids: list[str], most: int = 3) -> str:
+    """The first `most` of `ids` for a one-line message: quoted (control characters escaped), each cut
+    at 40 characters, then how many more."""
+    quoted = [repr(sid if len(sid) <= 40 else sid[:40] + "...") for sid in ids[:most]]
+    return ", ".join(quoted) + (f" and {len(ids) - most} more" if len(ids) > most else "")
 
 
 def unifrac_ids_file(path: Path) -> Path | None:
