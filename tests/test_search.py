@@ -44,7 +44,7 @@ def test_the_reference_has_each_value_the_search_fixes():
     assert reference_overrides(params, task) == fixed
 
 
-@pytest.mark.slow  # about 20 s on a 2-core AVX2-only EPYC
+@pytest.mark.slow  # 30.2 s on a 2-core AMD EPYC with AVX-512 (2026-11-27)
 def test_a_narrowed_search_runs_its_reference_and_trials_with_the_fixed_values(launch):
     proc, sweep_dir = launch(
         "hparams_search=fastest",
