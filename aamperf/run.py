@@ -8,6 +8,7 @@ import torch
 from omegaconf import DictConfig
 
 from aamperf.checks import check_config
+from aamperf.data.dataset import write_split
 from aamperf.distributed import adopt_slurm_env, close_world, peer_lost
 from aamperf.errors import RunAborted, UserError
 from aamperf.interrupts import Interrupts, RunInterrupted, StopSignal
@@ -73,6 +74,8 @@ def train(
     try:
         check_config(cfg)
         job = build_job(cfg, summary, run_dir)
+        if main:  # the split, as the original AAM writes it (data.val_samples=<run dir>/val_samples.txt)
+            write_split(run_dir, job.data)
         graphs = compiled_graphs()
         with SystemMonitor(job.device, cfg.metrics.monitor_interval_s) as monitor:
             result = fit(
