@@ -76,7 +76,7 @@ def test_two_ranks_train_like_one_process_with_the_whole_batch(launch, strategy)
     for key in ("val_target_mae", "val_target_rmse", "val_target_r2"):
         assert [r[key] for r in two if key in r] == pytest.approx([r[key] for r in one if key in r], rel=1e-4)
     files = [".hydra", "metrics.jsonl", "model.pt", "summary.json", "train.log", "train_rank1.log"]
-    files += ["val_predictions.tsv"]
+    files += ["val_predictions.tsv", "train_samples.txt", "val_samples.txt"]  # the split, written by rank 0
     # the kept model: the whole model (FSDP2: gathered from the shards), under its plain names, trained
     # like the one process's
     mine, theirs = (torch.load(d / "model.pt", weights_only=True)["weights"] for d in (run_dir, one_dir))
