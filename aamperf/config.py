@@ -309,8 +309,9 @@ class FinetuneConfig:
     # the parts that keep their pretrained weights (requires_grad off, left out of the optimizer, dropout
     # off): encoder: all that makes the sample embedding; asv_encoder: the nucleotide level only
     freeze: Freeze = Freeze.none
-    # auto | true | false: train the heads on each sample's embedding computed once (a frozen encoder's,
-    # aamperf/trainer/cached.py); auto: where it gives the same losses (freeze=encoder, no nucleotide part)
+    # auto | true | false: train the heads on each sample's embedding computed once (a frozen encoder's, and
+    # its per-ASV states for model.target_head=transformer: aamperf/trainer/cached.py); auto: where it gives
+    # the same losses (freeze=encoder, no nucleotide part) and the states fit in memory
     cache_embeddings: Any = "auto"
 
 

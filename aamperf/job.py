@@ -33,7 +33,7 @@ from aamperf.phases.compile import trial_context
 from aamperf.probe import Probe, measured, measuring, timed
 from aamperf.rng import forked_rng, seed_everything
 from aamperf.targets import learn_target
-from aamperf.trainer.cached import head_flops, use_cached_embeddings
+from aamperf.trainer.cached import head_flops, refusal, use_cached_embeddings
 from aamperf.trainer.checkpoints import steps_left
 from aamperf.trainer.stream import BatchStream
 
@@ -96,9 +96,11 @@ def build_job(cfg: DictConfig, summary: dict[str, Any], run_dir: Path | None = N
     if cfg.compile.mode == "auto" and peak:
         hint = counted if counted is not None else min(analytic_flops(model, host_batches))
         least_step_s = hint / peak if hint > 0 else None
+    heads_only = refusal(cfg, model, loss_fn, data, device, world.world_size) is None  # cached embeddings
     plan = apply_phases(
-        model, cfg, device, warmup, setup.records, world, micro_batch, steps, precision or None, least_step_s
-    )
+        model, cfg, device, warmup, setup.records, world, micro_batch, steps, precision or None, least_step_s,
+        heads_only,
+    )  # fmt: skip
     if "step_trial" in precision and precision["chose"] == "fp32":  # the peak of the dtype it runs
         peak, summary["peak_flops_calibration"] = measure_peak(cfg, device, micro_batch)
     for group, decision in decisions.items():  # each `auto` beside what its phase then did
@@ -125,7 +127,7 @@ def build_job(cfg: DictConfig, summary: dict[str, Any], run_dir: Path | None = N
             )  # fmt: skip
     # stage 2 with a frozen encoder: every sample embedded once, the steps train the heads on them
     if use_cached_embeddings(cfg, plan, model, data, loss_fn, device, world.world_size, summary):
-        flops = head_flops(model, data.train_loader.batch_size)
+        flops = head_flops(model, host_batches)
     model_flops, hardware_flops = (f * tc.grad_accum_steps for f in flops)
     summary.update(
         auto_s=round(measuring.seconds, 3),

@@ -21,15 +21,39 @@ LOSSES = ("loss", "loss_unifrac", "loss_target", "target_mae", "val_loss", "val_
 
 @pytest.mark.parametrize(
     ("unifrac", "conditioning"),
-    [("matrix", []), ("per batch", []), ("matrix", ["data.categorical=[environment]"])],
-    ids=["unifrac matrix", "unifrac per batch", "categorical"],
+    [
+        ("matrix", []),
+        ("per batch", []),
+        ("matrix", ["data.categorical=[environment]"]),
+        ("matrix", ["model.target_head=transformer"]),
+        ("matrix", ["model.target_head=transformer", "data.categorical=[environment]"]),
+        (
+            "matrix",
+            [
+                "model.target_head=transformer",
+                "model.categorical_fusion=add",
+                "aam_ops=packed",
+                "data.categorical=[environment]",
+            ],
+        ),
+    ],
+    ids=[
+        "unifrac matrix",
+        "unifrac per batch",
+        "categorical",
+        "transformer head",
+        "transformer head, categorical",
+        "transformer head, packed, add",
+    ],
 )
 def test_cached_embeddings_give_the_frozen_paths_losses_at_every_step(
     make_cfg, pretrained, tmp_path, monkeypatch, unifrac, conditioning
 ):
     """Batch UniFrac of the cached samples: one matrix computed once, or (where it would take more than
     UNIFRAC_MATRIX_BYTES) each batch's from its branch sets, as the frozen path computes it; a target head
-    conditioned on a categorical column reads the samples' categories beside their cached embeddings."""
+    conditioned on a categorical column reads the samples' categories beside their cached embeddings; the
+    transformer target head reads the cached per-ASV states (padded to the batch's most real ASVs, where the
+    frozen path pads to the batch's width, or packs them)."""
     if unifrac == "per batch":
         monkeypatch.setattr(cached_module, "UNIFRAC_MATRIX_BYTES", 0)
     runs = {}
@@ -131,3 +155,21 @@ def test_the_loss_hides_bases_only_where_it_learns_them(make_cfg, nucleotide_wei
     else:
         assert (seen[0] == MASK).sum() > 0 and "nucleotide" in parts
         assert torch.equal(seen[0].masked_fill(seen[0] == MASK, 0), tokens.masked_fill(seen[0] == MASK, 0))
+
+
+def test_compile_auto_does_not_try_the_whole_model_where_the_heads_train_alone(
+    make_cfg, pretrained, tmp_path
+):
+    """A trial would time steps of the encoder the cached run never takes: compile=auto decides without one
+    (no probe, no compiled graph); where the encoder runs each step it still tries."""
+    cfg = make_cfg(f"init.from_run={pretrained}", *FROZEN, "trainer.max_steps=2", "compile=auto")
+    summary = train(cfg, tmp_path / "cached")
+    record = summary["phases"]["compile"]
+    assert summary["finetune"]["cached_embeddings"]["applied"] is True
+    assert record["status"] == "skipped" and record["auto"]["chose"] == "disabled"
+    assert record["auto"]["reason"].startswith("the steps train the heads alone, on cached embeddings")
+    assert "trial_s" not in record["auto"]
+    every_step = make_cfg(f"init.from_run={pretrained}", *FROZEN, "trainer.max_steps=2", "compile=auto",
+                          "finetune.cache_embeddings=false")  # fmt: skip
+    summary = train(every_step, tmp_path / "every step")
+    assert "heads alone" not in summary["phases"]["compile"]["auto"]["reason"]

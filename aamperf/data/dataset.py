@@ -64,10 +64,7 @@ class Collate:
             items = items[self.rank * share : (self.rank + 1) * share]
             rows = rows[self.rank * share : (self.rank + 1) * share]
         lengths = torch.tensor([len(item["asv_idx"]) for item in items])
-        width = int(lengths.max()) if self.pad_to is None else self.pad_to
-        if self.pad_to is None and self.bucket_cap is not None:
-            width = min(bucket_size(width), self.bucket_cap)
-        assert int(lengths.max()) <= width, "a sample has more ASVs than pad_to"
+        width = self.width(lengths)
         batch_pos = torch.repeat_interleave(torch.arange(len(items)), lengths)
         asv_pos = torch.cat([torch.arange(n) for n in lengths.tolist()])
         asv_idx = torch.cat([item["asv_idx"] for item in items])
@@ -96,6 +93,15 @@ class Collate:
         if "categorical" in items[0]:  # this rank's rows, as the target's
             batch["categorical"] = torch.stack([item["categorical"] for item in items])
         return batch
+
+    def width(self, lengths: torch.Tensor) -> int:
+        """The ASV slots of a batch whose samples have `lengths` ASVs each: `pad_to`, or the longest (rounded
+        up to `bucket_size` under `bucket_cap`)."""
+        width = int(lengths.max()) if self.pad_to is None else self.pad_to
+        if self.pad_to is None and self.bucket_cap is not None:
+            width = min(bucket_size(width), self.bucket_cap)
+        assert int(lengths.max()) <= width, "a sample has more ASVs than pad_to"
+        return width
 
 
 def split_indices(n_samples: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:

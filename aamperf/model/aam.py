@@ -13,6 +13,10 @@ from aamperf.tokens import PAD, TOKENS_PER_ASV, VOCAB_SIZE
 
 ASV_ROWS = ("all", "real", "unique")  # which ASV rows the ASV encoder runs on (`AAM.asv_rows`)
 FUSIONS = ("concat", "add")  # how categorical embeddings join the sample embedding (`AAM.condition`)
+# what the target head reads (`AAM.target_head_kind`): "linear" the sample embedding; "transformer" the sample
+# encoder's per-ASV states, through a transformer of its own and an attention pooling (the original's
+# target_encoder + target_pooling, aam/models/sequence_predictor.py), then a Linear
+TARGET_HEADS = ("linear", "transformer")
 # AAM's integer arguments and the least each may be (0 layers: a stack that passes its input through)
 LEAST = {
     "embedding_dim": 1,
@@ -25,6 +29,7 @@ LEAST = {
     "vocab_size": 1,
     "seq_len": 1,
     "target_dim": 0,  # 0: no target head
+    "target_layers": 0,  # the transformer target head's layers (0: attention pooling and a Linear alone)
 }
 
 
@@ -39,6 +44,8 @@ def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
     dim, heads = args["embedding_dim"], args["num_heads"]
     if not problems and dim % heads:
         problems.append(f"{prefix}embedding_dim={dim} is not divisible by {prefix}num_heads={heads}")
+    if args["target_head"] not in TARGET_HEADS:
+        problems.append(f"{prefix}target_head={args['target_head']} must be one of {', '.join(TARGET_HEADS)}")
     if args["categorical_fusion"] not in FUSIONS:
         problems.append(
             f"{prefix}categorical_fusion={args['categorical_fusion']} must be one of {', '.join(FUSIONS)}"
@@ -75,6 +82,13 @@ class AAM(nn.Module):
       (data.categorical: categories per column), `categorical` [B, columns] long (0: unseen or missing) is
       fused into the embedding the target head reads (`condition`), in either call.
 
+    `target_head` picks what the target head reads: "linear" (the default) a Linear on the sample embedding;
+    "transformer" (the original AAM's) a fresh transformer of `target_layers` layers over the sample encoder's
+    per-ASV states (categorical columns fused into each ASV's), an attention pooling, then the Linear. Its
+    outputs add `asv_states` [B, S, D] (those states, 0 on padding ASVs) and `asv_real` [B, S] bool, which
+    a cache of a frozen encoder keeps: forward(sample_embedding=, asv_states=, asv_real=) runs the heads on
+    them.
+
     Set by `aamperf/phases/aam_ops.py`, none changing the outputs (up to fp32 rounding):
     `pack_samples`: the sample level runs on each sample's real ASVs packed along one axis
     (`aamperf/model/packed.py`: variable-length attention) instead of the batch padded to its width;
@@ -107,6 +121,8 @@ class AAM(nn.Module):
         count_embedding: bool = True,
         categorical_sizes: Sequence[int] = (),
         categorical_fusion: str = "concat",
+        target_head: str = "linear",
+        target_layers: int = 1,
     ):
         problems = argument_problems({k: v for k, v in locals().items() if k not in ("self", "__class__")})
         if problems:
@@ -132,6 +148,12 @@ class AAM(nn.Module):
         self.encoder_transformer = Transformer(dim, num_heads, encoder_layers, ffn_mult, dropout)
         self.sample_pool = AttentionPooling(dim)
         self.target_head = nn.Linear(dim, target_dim) if target_dim > 0 else None
+        # target_head=transformer: the head's own stack and pooling over the per-ASV states
+        self.target_head_kind = target_head
+        self.target_encoder = self.target_pool = None
+        if target_dim > 0 and target_head == "transformer":
+            self.target_encoder = Transformer(dim, num_heads, target_layers, ffn_mult, dropout)
+            self.target_pool = AttentionPooling(dim)
         # categorical conditioning of the target head: a table per column, row 0 (unseen / missing) zero
         self.categorical_fusion = categorical_fusion
         self.categorical_embeddings = nn.ModuleList(
@@ -167,9 +189,17 @@ class AAM(nn.Module):
         asv_ids: Tensor | None = None,
         sample_embedding: Tensor | None = None,
         categorical: Tensor | None = None,
+        asv_states: Tensor | None = None,
+        asv_real: Tensor | None = None,
     ) -> dict[str, Tensor]:
         if sample_embedding is not None:  # a frozen encoder's, computed once (aamperf/trainer/cached.py)
-            return self.heads(sample_embedding, categorical)
+            if self.target_encoder is not None and (asv_states is None or asv_real is None):
+                raise ValueError(
+                    "model.target_head=transformer reads the per-ASV states: pass asv_states=[B, S, D] and "
+                    "asv_real=[B, S] with sample_embedding (a cache of the model's own outputs)"
+                )
+            states = None if self.target_encoder is None else self.packed(asv_states, asv_real)
+            return self.heads(sample_embedding, categorical, states)
         batch, n_asvs, length = tokens.shape
         if n_asvs > self.max_asvs or length > self.seq_len:
             raise ValueError(
@@ -197,14 +227,44 @@ class AAM(nn.Module):
         h = self.encoder_transformer(h, packing)
         sample = self.sample_pool(h, packing)
         out = {"sample_embedding": sample, "asv_embedding": asv, "nuc_logits": nuc_logits}
-        return {**out, **self.heads(sample, categorical)}
+        if self.target_encoder is not None:  # the states the target head reads, padded, for a cache
+            if self.pack_samples:
+                padded = h.new_zeros(batch * n_asvs, h.size(-1)).index_copy(0, rows, h)
+                out.update(asv_states=padded.view(batch, n_asvs, -1), asv_real=real_asv)
+            else:
+                out.update(asv_states=h * real_asv[..., None].to(h.dtype), asv_real=real_asv)
+        return {**out, **self.heads(sample, categorical, (h, packing))}
 
-    def heads(self, sample_embedding: Tensor, categorical: Tensor | None = None) -> dict[str, Tensor]:
+    def packed(self, asv_states: Tensor, asv_real: Tensor) -> tuple[Tensor, Tensor | Packing]:
+        """Per-ASV states [B, S, D] and which are real [B, S] as the sample level lays them out: packed
+        ([T, D] and their Packing) under `pack_samples`, else as given."""
+        if not self.pack_samples:
+            return asv_states, asv_real
+        batch, n_asvs = asv_real.shape
+        rows = asv_real.reshape(-1).nonzero().squeeze(1)  # host sync, as forward's
+        return asv_states.reshape(batch * n_asvs, -1)[rows], Packing.from_slots(rows, batch, n_asvs)
+
+    def heads(
+        self, sample_embedding: Tensor, categorical: Tensor | None = None,
+        states: tuple[Tensor, Tensor | Packing] | None = None,
+    ) -> dict[str, Tensor]:  # fmt: skip
         """The outputs of sample embeddings [B, D]: themselves, and the target head's where there is one (on
-        the embeddings conditioned on the samples' `categorical` [B, columns], `condition`)."""
+        the embeddings conditioned on the samples' `categorical` [B, columns], `condition`). The transformer
+        head reads `states`: the per-ASV states and which are real ([B, S, D] and [B, S] bool, or [T, D] and
+        their Packing)."""
         out = {"sample_embedding": sample_embedding}
-        if self.target_head is not None:
+        if self.target_head is None:
+            return out
+        if self.target_encoder is None:
             out["target"] = self.target_head(self.condition(sample_embedding, categorical))
+            return out
+        h, real = states
+        if isinstance(real, Packing):  # each packed ASV's sample's categories
+            conditioned = self.condition(h, None if categorical is None else categorical[real.segment])
+        else:
+            conditioned = self.condition(h, None if categorical is None else categorical[:, None, :])
+        pooled = self.target_pool(self.target_encoder(conditioned, real), real)
+        out["target"] = self.target_head(pooled)
         return out
 
     def condition(self, sample_embedding: Tensor, categorical: Tensor | None) -> Tensor:
@@ -212,7 +272,9 @@ class AAM(nn.Module):
         column's embedding of the samples' categories `categorical` [B, columns] (index 0: unseen or
         missing, a zero vector): `concat` [sample, columns...] -> Linear -> D, or `add` their sum. Only the
         target head reads them, as in the original AAM (its `_fuse_categorical` feeds the target pathway
-        alone): the embedding UniFrac and predict's embeddings.tsv see stays the encoder's."""
+        alone): the embedding UniFrac and predict's embeddings.tsv see stays the encoder's. The transformer
+        head fuses each ASV's state the same way: [..., D] states with [..., columns] categories that
+        broadcast to them ([B, 1, columns] padded, [T, columns] packed)."""
         if not len(self.categorical_embeddings):
             return sample_embedding
         if categorical is None:
@@ -220,9 +282,10 @@ class AAM(nn.Module):
                 f"the model is conditioned on {len(self.categorical_embeddings)} categorical columns: pass "
                 "categorical=[B, columns] (the batch's `categorical`, data.categorical)"
             )
-        columns = [table(categorical[:, i]) for i, table in enumerate(self.categorical_embeddings)]
+        columns = [table(categorical[..., i]) for i, table in enumerate(self.categorical_embeddings)]
         if self.categorical_projection is not None:
-            fused = torch.cat([sample_embedding, *(c.to(sample_embedding.dtype) for c in columns)], dim=-1)
+            columns = [c.to(sample_embedding.dtype).expand(*sample_embedding.shape[:-1], -1) for c in columns]
+            fused = torch.cat([sample_embedding, *columns], dim=-1)
             return self.categorical_projection(fused)
         return sample_embedding + sum(columns)
 
@@ -318,14 +381,9 @@ class AAM(nn.Module):
         forward of each recomputed layer: the ASV encoder and nucleotide head on `encoded_rows` rows of
         seq_len positions, the count embedding on `count_rows` slots, the sample encoder over samples of
         `widths` positions each."""
-        dim, f, length = self.embedding_dim, self.ffn_mult, self.seq_len
+        dim, length = self.embedding_dim, self.seq_len
         asv_layers, sample_layers, encoder_layers = self.layers
-
-        def layer(tokens: int, squares: int) -> int:
-            proj = 2 * tokens * dim * (3 * dim + dim + 2 * f * dim)  # qkv, out, FFN up + down
-            attn = 2 * 2 * squares * dim  # q k^T and weights @ v, all heads: positions^2 per sequence
-            return proj + attn
-
+        layer = self._layer_flops
         asv_layer = layer(encoded_rows * length, encoded_rows * length * length)
         sample_layer = layer(sum(widths), sum(w * w for w in widths))
         forward = (
@@ -335,18 +393,36 @@ class AAM(nn.Module):
             + (2 * count_rows * dim if self.count_embedding is not None else 0)  # Linear(1, D)
             + (sample_layers + encoder_layers) * sample_layer
             + 2 * 2 * sum(widths) * dim  # sample pooling
-            + 2 * len(widths) * dim * self.target_dim  # target head (0 when absent)
-            + self.conditioning_flops(len(widths))
+            + self.target_head_flops(widths)
         )
         recompute = recomputed[0] * asv_layer + (recomputed[1] + recomputed[2]) * sample_layer
         return 3.0 * forward + recompute
 
-    def conditioning_flops(self, batch_size: int) -> int:
-        """Forward FLOPs of the categorical conditioning: concat's Linear((1 + columns) x D, D) where the
-        target head reads it (lookups and add's sums are no matmuls)."""
-        if self.categorical_projection is None or self.target_head is None:
+    def _layer_flops(self, tokens: int, squares: int) -> int:
+        """Forward FLOPs of one transformer layer over `tokens` positions, `squares` = sum of each sequence's
+        positions^2."""
+        dim, f = self.embedding_dim, self.ffn_mult
+        proj = 2 * tokens * dim * (3 * dim + dim + 2 * f * dim)  # qkv, out, FFN up + down
+        attn = 2 * 2 * squares * dim  # q k^T and weights @ v, all heads: positions^2 per sequence
+        return proj + attn
+
+    def target_head_flops(self, widths: list[int]) -> int:
+        """Forward FLOPs of the target head (0 when absent) on samples of `widths` real ASVs each: its Linear,
+        the categorical conditioning (concat's Linear((1 + columns) x D, D); lookups and add's sums are no
+        matmuls) on each sample's embedding, or for the transformer head on each ASV's state, and that head's
+        layers and pooling."""
+        if self.target_head is None:
             return 0
-        return 2 * batch_size * self.categorical_projection.in_features * self.embedding_dim
+        dim, samples = self.embedding_dim, len(widths)
+        linear = 2 * samples * dim * self.target_dim
+        conditioned = samples if self.target_encoder is None else sum(widths)
+        condition = 0
+        if self.categorical_projection is not None:
+            condition = 2 * conditioned * self.categorical_projection.in_features * dim
+        if self.target_encoder is None:
+            return linear + condition
+        layers = len(self.target_encoder.blocks) * self._layer_flops(sum(widths), sum(w * w for w in widths))
+        return linear + condition + layers + 2 * 2 * sum(widths) * dim  # + the target pooling
 
     def flops_per_step(
         self,

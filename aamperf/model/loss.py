@@ -221,8 +221,9 @@ class AAMLoss(nn.Module):
         samples' categories (data.categorical) go as `categorical=` only where the batch has them: a model
         without the keyword serves data without them."""
         conditions = {"categorical": batch["categorical"]} if "categorical" in batch else {}
-        if "sample_embedding" in batch:
-            return model(sample_embedding=batch["sample_embedding"], **conditions), None
+        if "sample_embedding" in batch:  # and the per-ASV states, where the target head reads them
+            cached = {k: batch[k] for k in ("sample_embedding", "asv_states", "asv_real") if k in batch}
+            return model(**cached, **conditions), None
         tokens, asv_ids, hidden = batch["tokens"], batch["asv_ids"], self.hidden_bases(batch, step)
         shown = tokens if hidden is None else tokens.masked_fill(hidden, MASK)
         return model(shown, batch["counts"], asv_ids=asv_ids, **conditions), hidden

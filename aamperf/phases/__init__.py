@@ -34,6 +34,7 @@ from aamperf.phases.dropout import apply_dropout
 from aamperf.phases.memory import apply_checkpointing, apply_cuda_memory, check_memory
 from aamperf.phases.optimizer import build_optimizer
 from aamperf.phases.precision import DTYPES, apply_precision, check_precision, confirm_precision, step_times
+from aamperf.phases.record import skipped
 from aamperf.phases.system import apply_channels_last, apply_system
 from aamperf.probe import Probe, compile_block
 
@@ -92,12 +93,15 @@ def apply_phases(
     steps: int | None = None,
     precision: dict | None = None,
     least_step_s: float | None = None,
+    heads_only: bool = False,
 ) -> Plan:
     """Transform `model` in the fixed order; `warmup(model, autocast, scaler, i)` runs one forward + backward
     of the run's i-th batch (i < TRIAL_BATCHES); `steps`: those the run will train (compile=auto's stake;
     default trainer.max_steps); `precision`: precision=auto's decision, where it was auto (a GPU's is
     confirmed by timing steps, and changed in place where fp32 is faster); `least_step_s`: a step's FLOPs
-    at the device's peak, where known (compile=auto tells a run too short to compile by it)."""
+    at the device's peak, where known (compile=auto tells a run too short to compile by it); `heads_only`:
+    the steps will train the heads on cached embeddings (aamperf/trainer/cached.py), which compile=auto does
+    not compile: a trial would time the whole model's steps, which the run never takes."""
     autocast, scaler, records["precision"] = apply_precision(cfg.precision, device)
     records["attention"] = apply_attention(model, cfg.attention, device)
     records["dropout"] = apply_dropout(model, cfg.dropout, device)  # after attention: reaches its dropout too
@@ -108,7 +112,13 @@ def apply_phases(
         if confirm_low_precision(model, cfg, device, warmup, precision, micro_batch):  # turned to fp32
             autocast, scaler, records["precision"] = apply_precision(cfg.precision, device)
     step = partial(warmup, model, autocast, scaler)
-    if cfg.compile.mode == "auto":
+    if cfg.compile.mode == "auto" and heads_only:
+        reason = (
+            "the steps train the heads alone, on cached embeddings (finetune.cache_embeddings): a trial "
+            "would time the whole model's steps, which the run never takes"
+        )
+        records["compile"] = skipped(f"compile=auto: {reason}", auto={"chose": "disabled", "reason": reason})
+    elif cfg.compile.mode == "auto":
         steps = cfg.trainer.max_steps if steps is None else steps
         records["compile"] = decide_compile(model, cfg, step, world, micro_batch, device, steps, least_step_s)
     else:

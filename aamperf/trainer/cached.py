@@ -9,17 +9,23 @@ on the cached embeddings: the same loss (AAMLoss's parts on the model's `sample_
 outputs, `AAM.heads`), the same batches in the same order (the run's own sampler, batched as its loader
 batches: the schedule, checkpoints and resume see the stream they always saw), validation on the same
 samples; a step costs the heads' forward and backward instead of the encoder's too. The UniFrac part on
-frozen embeddings trains nothing (a constant), reported as before.
+frozen embeddings trains nothing (a constant), reported as before. The transformer target head
+(model.target_head=transformer) reads each sample's per-ASV states: those are cached too, its real ASVs' only
+(`StateCache`), where they fit in half the device's free memory.
 """
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import psutil
 import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Subset
 
 from aamperf.data.branches import batch_matrix, batch_unifrac
+from aamperf.data.dataset import Collate
 from aamperf.device import new_cuda_graph_step, sync, to_device
 from aamperf.errors import UserError
 from aamperf.model.aam import AAM
@@ -30,6 +36,36 @@ from aamperf.phases import Plan
 # multiplying the batch's branch sets (which, beside the heads' step, is most of it: 79 ms of a batch of 8
 # of the default data on a loaded 2-core CPU). Past it, each batch's is computed as the run computes it.
 UNIFRAC_MATRIX_BYTES = 64 * 2**20
+# The per-ASV states a transformer target head reads are cached where they take at most this share of the
+# device's free memory (the GPU's, or the host's available RAM): the rest is the run's own.
+STATES_SHARE = 0.5
+
+
+@dataclass
+class StateCache:
+    """A frozen encoder's outputs for every sample, computed once: `embeddings` [n_samples, D] (zeros for a
+    sample not embedded), and where the target head reads them the real ASVs' states `states` [T, D], sample
+    i's in rows offsets[i]:offsets[i + 1] (`offsets` [n_samples + 1] long, on the host)."""
+
+    embeddings: torch.Tensor
+    states: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+
+    @property
+    def bytes(self) -> int:
+        tensors = [t for t in (self.embeddings, self.states) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def padded_states(self, idx: torch.Tensor, collate: Collate) -> tuple[torch.Tensor, torch.Tensor]:
+        """The samples `idx`'s states [B, S, D] (S: the slots `collate` gives their batch, the frozen path's
+        width: its dropout draws the same shapes; 0 past a sample's real ASVs) and which are real [B, S]."""
+        starts, ends = self.offsets[idx], self.offsets[idx + 1]
+        lengths = ends - starts
+        padded = self.states.new_zeros(len(idx), collate.width(lengths), self.states.size(1))
+        for row, (a, b) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
+            padded[row, : b - a] = self.states[a:b]
+        real = torch.arange(padded.size(1))[None, :] < lengths[:, None]
+        return padded, real.to(padded.device)
 
 
 def why_not(cfg: DictConfig, model: torch.nn.Module, loss_fn: Any, world_size: int) -> str | None:
@@ -57,6 +93,38 @@ def why_not(cfg: DictConfig, model: torch.nn.Module, loss_fn: Any, world_size: i
     return None
 
 
+def states_too_big(model: AAM, data, device: torch.device) -> str | None:
+    """Why the per-ASV states of every sample (the transformer target head's input) are not cached: more
+    than STATES_SHARE of the device's free memory, as the override that changes it; None where they fit or
+    the head reads none."""
+    if model.target_encoder is None:
+        return None
+    asvs = np.minimum(np.diff(np.asarray(data.dataset.rows.ptr)), data.dataset.max_asvs)
+    need = int(asvs.sum()) * model.embedding_dim * 4  # fp32: the most a state takes
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = psutil.virtual_memory().available
+    if need <= STATES_SHARE * free:
+        return None
+    return (
+        f"the per-ASV states of {len(asvs)} samples ({int(asvs.sum())} ASVs) take {need / 2**30:.1f} GiB, "
+        f"over {STATES_SHARE:.0%} of the {device.type}'s free {free / 2**30:.1f} GiB "
+        "(model.target_head=linear caches one embedding per sample)"
+    )
+
+
+def refusal(
+    cfg: DictConfig, model: torch.nn.Module, loss_fn: Any, data, device: torch.device, world_size: int
+) -> str | None:
+    """Why this run's steps will not train on cached embeddings (the override that changes it), or None
+    where they will: `use_cached_embeddings`'s decision, known before the phases (compile=auto skips its
+    trial of the whole model's steps)."""
+    if cfg.finetune.cache_embeddings is False:
+        return "finetune.cache_embeddings=false"
+    return why_not(cfg, model, loss_fn, world_size) or states_too_big(model, data, device)
+
+
 def use_cached_embeddings(
     cfg: DictConfig, plan: Plan, model: torch.nn.Module, data, loss_fn: Any, device: torch.device,
     world_size: int, summary: dict[str, Any],
@@ -67,7 +135,7 @@ def use_cached_embeddings(
     asked = cfg.finetune.cache_embeddings
     if not (asked == "auto" or isinstance(asked, bool)):
         raise UserError(f"finetune.cache_embeddings={asked} must be auto, true or false")
-    reason = "finetune.cache_embeddings=false" if asked is False else why_not(cfg, model, loss_fn, world_size)
+    reason = refusal(cfg, model, loss_fn, data, device, world_size)
     if asked is True and reason:
         raise UserError(
             f"finetune.cache_embeddings=true cannot apply: {reason}; or finetune.cache_embeddings=auto"
@@ -78,7 +146,7 @@ def use_cached_embeddings(
         return False
     started = time.perf_counter()
     train_idx, val_idx = (list(loader.dataset.indices) for loader in (data.train_loader, data.val_loader))
-    embeddings = embed_samples(plan, loss_fn, data, sorted(train_idx + val_idx), device)
+    cache = embed_samples(plan, loss_fn, data, sorted(train_idx + val_idx), device)
     unifrac = data.collate.unifrac  # precomputed: the run's matrix
     if unifrac is None and len(data.dataset) ** 2 * 4 <= UNIFRAC_MATRIX_BYTES:
         unifrac = unifrac_matrix(data)
@@ -87,12 +155,13 @@ def use_cached_embeddings(
         "applied": True,
         "samples_embedded": len(train_idx) + len(val_idx),
         "embed_s": round(time.perf_counter() - started, 3),  # the embeddings, and batch UniFrac's matrix
-        "bytes": embeddings.numel() * embeddings.element_size(),
+        "bytes": cache.bytes,
+        "cached": "sample embeddings" if cache.states is None else "sample embeddings and per-ASV states",
         "unifrac": "matrix" if unifrac is not None else "per batch",
         # dataloader.* is not used: a batch is a few lookups into the cache, made in the main process
         "loader": "main process, batches of cached embeddings",
     }
-    data.train_loader, data.val_loader = cached_loaders(data, embeddings, unifrac)
+    data.train_loader, data.val_loader = cached_loaders(data, cache, unifrac)
     return True
 
 
@@ -105,25 +174,37 @@ def unifrac_matrix(data) -> torch.Tensor:
 
 
 @torch.no_grad()
-def embed_samples(plan: Plan, loss_fn: Any, data, indices: list[int], device: torch.device) -> torch.Tensor:
-    """[n_samples, D] every sample's embedding as a step computes it (the loss's model input, the run's
-    autocast, eval mode), in rows `indices` (zeros elsewhere), on `device`; batched as the run batches."""
+def embed_samples(plan: Plan, loss_fn: Any, data, indices: list[int], device: torch.device) -> StateCache:
+    """Every sample's embedding as a step computes it (the loss's model input, the run's autocast, eval mode),
+    in rows `indices` (zeros elsewhere), on `device`, batched as the run batches; and the real ASVs' states
+    where the model outputs them (`asv_states`: the transformer target head's input)."""
+    # a generator of its own: iterating a loader draws a seed from the one it has, else from the global one,
+    # and the trained heads' dropout would then draw other masks than the frozen path's
     loader = DataLoader(
-        Subset(data.dataset, indices), batch_size=data.train_loader.batch_size, collate_fn=data.collate
-    )
-    model, cache = plan.model, None
+        Subset(data.dataset, indices), batch_size=data.train_loader.batch_size, collate_fn=data.collate,
+        generator=torch.Generator(),
+    )  # fmt: skip
+    model, embeddings, states = plan.model, None, {}
     model.eval()
     for batch in loader:
         new_cuda_graph_step(device)
         batch = to_device(batch, device)
         with plan.autocast():
-            embedding = loss_fn.outputs(model, batch, 0)[0]["sample_embedding"]
-        if cache is None:
-            cache = embedding.new_zeros(len(data.dataset), embedding.size(1))
-        # a copy: a CUDA graph's output is overwritten by its next replay
-        cache[batch["sample_idx"]] = embedding
+            out = loss_fn.outputs(model, batch, 0)[0]
+        embedding = out["sample_embedding"]
+        if embeddings is None:
+            embeddings = embedding.new_zeros(len(data.dataset), embedding.size(1))
+        # copies: a CUDA graph's outputs are overwritten by its next replay
+        embeddings[batch["sample_idx"]] = embedding
+        if "asv_states" in out:
+            rows = zip(batch["sample_idx"].tolist(), out["asv_states"], out["asv_real"], strict=True)
+            states.update((i, state[real].clone()) for i, state, real in rows)
     model.train()
-    return cache
+    if not states:
+        return StateCache(embeddings)
+    lengths = torch.tensor([len(states[i]) if i in states else 0 for i in range(len(data.dataset))])
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    return StateCache(embeddings, torch.cat([states[i] for i in sorted(states)]), offsets)
 
 
 class CachedCollate:
@@ -133,18 +214,20 @@ class CachedCollate:
     (the samples' real bases, as the step meter counts them whichever path trains on them). Nothing is
     tokenized or padded."""
 
-    def __init__(self, embeddings: torch.Tensor, data, unifrac: torch.Tensor | None):
-        self.embeddings, self.dataset, self.collate = embeddings, data.dataset, data.collate
+    def __init__(self, cache: StateCache, data, unifrac: torch.Tensor | None):
+        self.cache, self.dataset, self.collate = cache, data.dataset, data.collate
         self.unifrac = unifrac  # [n_samples, n_samples], or None: each batch's from its branch sets
 
     def __call__(self, items: list[int]) -> dict[str, Any]:
         idx = torch.tensor(items)
         batch = {
             "sample_idx": idx,
-            "sample_embedding": self.embeddings[idx.to(self.embeddings.device)],
+            "sample_embedding": self.cache.embeddings[idx.to(self.cache.embeddings.device)],
             "n_samples": len(items),
             "n_tokens": int(self.dataset.n_tokens[items].sum()),
         }
+        if self.cache.states is not None:  # the transformer target head's input
+            batch["asv_states"], batch["asv_real"] = self.cache.padded_states(idx, self.collate)
         if self.unifrac is not None:
             batch["unifrac"] = self.unifrac[idx][:, idx]
         else:  # batch UniFrac: computed by to_device from the branch sets, as Collate's batches are
@@ -159,13 +242,11 @@ class CachedCollate:
         return batch
 
 
-def cached_loaders(
-    data, embeddings: torch.Tensor, unifrac: torch.Tensor | None
-) -> tuple[DataLoader, DataLoader]:
+def cached_loaders(data, cache: StateCache, unifrac: torch.Tensor | None) -> tuple[DataLoader, DataLoader]:
     """The run's train and val loaders over the cached embeddings: the same samples in the same batches,
     the train loader drawing from the run's own sampler (its generator: the batch order, and where a
     checkpoint left it). In the main process: a batch is a few index lookups."""
-    collate = CachedCollate(embeddings, data, unifrac)
+    collate = CachedCollate(cache, data, unifrac)
     train, val = data.train_loader, data.val_loader
 
     def loader(indices: list[int], batch_size: int, **order: Any) -> DataLoader:
@@ -174,14 +255,19 @@ def cached_loaders(
         return DataLoader(samples, batch_size=batch_size, collate_fn=collate, drop_last=True, **order)
 
     return (
-        loader(list(train.dataset.indices), train.batch_size, sampler=train.sampler),
-        loader(list(val.dataset.indices), val.batch_size, shuffle=False),
+        # the run's generators too: a loader without one draws each pass's seed from the global generator
+        loader(
+            list(train.dataset.indices), train.batch_size, sampler=train.sampler, generator=train.generator
+        ),
+        loader(list(val.dataset.indices), val.batch_size, shuffle=False, generator=val.generator),
     )
 
 
-def head_flops(model: AAM, batch_size: int) -> tuple[float, float]:
-    """(model, hardware) FLOPs of a step on cached embeddings: the heads' matmuls (the target head's, and
-    the categorical conditioning's), forward and backward counted as 3 forwards as `AAM.flops_per_step`
-    counts them (it leaves UniFrac's B^2 D out too)."""
-    forward = 2 * batch_size * model.embedding_dim * model.target_dim + model.conditioning_flops(batch_size)
+def head_flops(model: AAM, host_batches: list[dict[str, Any]]) -> tuple[float, float]:
+    """(model, hardware) FLOPs of a step on cached embeddings, the mean over `host_batches` (the run's
+    batches of tokens, whose real ASVs the transformer head reads): the target head's matmuls
+    (`AAM.target_head_flops`), forward and backward counted as 3 forwards as `AAM.flops_per_step` counts
+    them (it leaves UniFrac's B^2 D out too)."""
+    per_batch = [model.target_head_flops(AAM.real_asvs_per_sample(b["tokens"])) for b in host_batches]
+    forward = sum(per_batch) / len(per_batch)
     return 3.0 * forward, 3.0 * forward

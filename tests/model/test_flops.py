@@ -51,6 +51,15 @@ SIZES = [
         "target_dim": 0,
         "count_embedding": False,
     },
+    {  # the original AAM's target head: its own transformer and pooling over the per-ASV states
+        "embedding_dim": 32,
+        "num_heads": 2,
+        "asv_layers": 1,
+        "sample_layers": 1,
+        "encoder_layers": 1,
+        "target_head": "transformer",
+        "target_layers": 2,
+    },
 ]
 
 

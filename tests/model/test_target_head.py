@@ -1,0 +1,76 @@
+"""The transformer target head (model.target_head=transformer, the original AAM's): a fresh transformer
+and attention pooling over the sample encoder's per-ASV states. Its outputs from the tokens, from cached
+states, padded and packed, are one; the option is checked before a run and fine-tuned into fresh."""
+
+import pytest
+import torch
+from conftest import weights_of
+from hydra.utils import instantiate
+from test_packed import assert_same, batch, model, run
+
+from aamperf.checks import check_config
+from aamperf.errors import UserError
+from aamperf.finetune import load_pretrained
+from aamperf.model import AAM
+from aamperf.rng import seed_everything
+
+
+def transformer_head(**kwargs) -> AAM:
+    return model(**{"target_head": "transformer", "target_layers": 2, **kwargs})
+
+
+def test_the_head_reads_the_per_asv_states_and_is_the_same_from_them():
+    data = batch(full_length=False)
+    net = transformer_head().eval()
+    out = net(data["tokens"], data["counts"], asv_ids=data["asv_ids"])
+    real = out["asv_real"]
+    assert out["asv_states"].shape == (4, data["tokens"].size(1), 32)
+    assert out["asv_states"][~real].abs().max() == 0 and out["asv_states"][real].abs().max() > 0.1
+    cached = net(sample_embedding=out["sample_embedding"], asv_states=out["asv_states"], asv_real=real)
+    torch.testing.assert_close(cached["target"], out["target"], atol=1e-6, rtol=1e-6)
+    # the states it reads are not only the pooled embedding's: moving one sample's ASV states moves its target
+    moved = out["asv_states"].clone()
+    moved[0, 0] = torch.randn(
+        32, generator=torch.Generator().manual_seed(0)
+    )  # not a shift: LayerNorm drops those
+    again = net(sample_embedding=out["sample_embedding"], asv_states=moved, asv_real=real)["target"]
+    assert not torch.allclose(again[0], out["target"][0]) and torch.allclose(again[1:], out["target"][1:])
+    with pytest.raises(ValueError, match="model.target_head=transformer reads the per-ASV states"):
+        net(sample_embedding=out["sample_embedding"])
+
+
+def test_packed_the_head_gives_the_padded_outputs_and_gradients():
+    data = batch(full_length=False)
+    net = transformer_head()
+    padded = run(net, data)
+    net.pack_samples = True
+    assert_same(run(net, data), padded)
+    net.eval()  # and from cached states, packed by the model as the sample level is
+    out = net(data["tokens"], data["counts"], asv_ids=data["asv_ids"])
+    cached = net(
+        sample_embedding=out["sample_embedding"], asv_states=out["asv_states"], asv_real=out["asv_real"]
+    )
+    torch.testing.assert_close(cached["target"], out["target"], atol=1e-6, rtol=1e-6)
+
+
+def test_an_unknown_head_is_refused_with_the_choices(make_cfg):
+    with pytest.raises(ValueError, match="target_head=mlp must be one of linear, transformer"):
+        transformer_head(target_head="mlp")
+    with pytest.raises(UserError, match="model.target_head=mlp must be one of linear, transformer"):
+        check_config(make_cfg("model.target_head=mlp"))
+    with pytest.raises(UserError, match=r"model.target_layers=-1 must be an integer >= 0"):
+        check_config(make_cfg("model.target_layers=-1"))
+
+
+def test_a_linear_pretraining_fine_tunes_into_a_fresh_transformer_head(make_cfg, pretrained):
+    """The pretrained run (target_head=linear) holds no target transformer: it starts fresh, the encoder
+    loaded whole."""
+    cfg = make_cfg(f"init.from_run={pretrained}", "data.target=target", "model.target_head=transformer")
+    seed_everything(cfg.seed)
+    net, summary, saved = instantiate(cfg.model), {}, weights_of(pretrained)
+    load_pretrained(net, cfg, summary)
+    ours = net.state_dict()
+    heads = [n for n in ours if n.split(".")[0] in ("target_head", "target_encoder", "target_pool")]
+    assert summary["finetune"]["fresh"] == heads and any(n.startswith("target_encoder.") for n in heads)
+    assert all(torch.equal(ours[n], saved[n]) for n in saved if n not in heads)
+    assert summary["finetune"]["tensors_loaded"] == len([n for n in saved if n not in heads])
