@@ -40,9 +40,11 @@ def original_record(epoch_s: float, val: dict, matrix: list | None = None) -> di
     }
 
 
-def aamperf_summary(step_s: float, val: dict, kind: str, cached: bool = False) -> dict:
+def aamperf_summary(step_s: float, val: dict, kind: str, cached: bool = False, given: bool = False) -> dict:
+    """given: validated on the original's samples (run.sh's data.val_samples)"""
     embeddings = {"applied": True, "embed_s": 4.0} if cached else {"applied": False}
     return {
+        "config": {"data": {"val_samples": "/out/runs/x/aam/val_samples.txt" if given else None}},
         "step_time_median_s": step_s,
         "steps": 30,
         "val": {"val_samples": 16, **val},
@@ -69,8 +71,8 @@ def test_ratios_are_paired_by_seed_and_the_frozen_verdict_reads_every_seed(tmp_p
         write_run(tmp_path, f"target-frozen-original_seed{seed}", orig_wall,
                   original=original_record(orig_epoch, {"r2": 0.1, "mae": 0.3}))  # fmt: skip
         figures = {"val_target_r2": 0.2, "val_target_mae": 0.25}
-        write_run(tmp_path, f"target-frozen-ultra_seed{seed}", ultra_wall,
-                  **aamperf_summary(0.01, figures, "regression", cached=True))  # fmt: skip
+        write_run(tmp_path, f"target-frozen-ultra-transformer_seed{seed}", ultra_wall,
+                  **aamperf_summary(0.01, figures, "regression", cached=True, given=True))  # fmt: skip
     matrix = [[3, 1], [2, 2]]  # the original's: accuracy 5/8, macro-F1 of the two classes' F1
     write_run(tmp_path, "environment-unfrozen-original_seed0", 300,
               original=original_record(30.0, {"accuracy": 0.625, "f1": 0.6}, matrix))  # fmt: skip
@@ -81,13 +83,22 @@ def test_ratios_are_paired_by_seed_and_the_frozen_verdict_reads_every_seed(tmp_p
     frozen = {r["program"]: r for r in groups["target", "frozen"]["rows"]}
     assert groups["target", "frozen"]["kind"] == "regression"
     assert frozen["original"]["epoch_s"] == [20.0, 40.0]  # the median training epoch
-    assert frozen["ultra"]["epoch_s"] == pytest.approx([0.1, 0.1])  # median step x 10 steps an epoch
-    assert frozen["ultra"]["epoch_speedup"] == pytest.approx([200.0, 400.0])  # each to its own seed's
-    assert frozen["ultra"]["wall_speedup"] == pytest.approx([25.0, 10.0])
-    assert frozen["ultra"]["first_vs_original"] == pytest.approx([0.1, 0.1])
-    assert frozen["ultra"]["rf_first"] == [0.3, 0.3] and frozen["ultra"]["cached_embed_s"] == [4.0, 4.0]
+    assert frozen["ultra-transformer"]["epoch_s"] == pytest.approx(
+        [0.1, 0.1]
+    )  # median step x 10 steps an epoch
+    assert frozen["ultra-transformer"]["epoch_speedup"] == pytest.approx(
+        [200.0, 400.0]
+    )  # each to its own seed's
+    assert frozen["ultra-transformer"]["wall_speedup"] == pytest.approx([25.0, 10.0])
+    assert frozen["ultra-transformer"]["first_vs_original"] == pytest.approx([0.1, 0.1])
+    assert frozen["ultra-transformer"]["rf_first"] == [0.3, 0.3] and frozen["ultra-transformer"][
+        "cached_embed_s"
+    ] == [4.0, 4.0]
     assert frozen["original"]["val_samples"] == [16]  # 20 held out, the last partial batch of 8 dropped
-    verdict = summarize.verdict(groups["target", "frozen"], frozen["ultra"])
+    assert (
+        frozen["ultra-transformer"]["val_split"] == ["original's"] and frozen["original"]["val_split"] == []
+    )
+    verdict = summarize.verdict(groups["target", "frozen"], frozen["ultra-transformer"])
     assert verdict == "< 20x end to end; R^2 >= original's (every seed)"  # seed 1: 10x
 
     unfrozen = {r["program"]: r for r in groups["environment", "unfrozen"]["rows"]}
@@ -98,5 +109,7 @@ def test_ratios_are_paired_by_seed_and_the_frozen_verdict_reads_every_seed(tmp_p
     table = summarize.to_markdown(result)
     assert "Device: AMD EPYC; cores 2; flags: avx512_bf16" in table and "seed 0: exit 124" in table
     assert (
-        "| target (regression) | frozen | ultra | 3 | 0.1 [0.1, 0.1] (+ 4 [4, 4] s embedding once) |" in table
+        "| target (regression) | frozen | ultra-transformer | 3 "
+        "| 0.1 [0.1, 0.1] (+ 4 [4, 4] s embedding once) |" in table
     )
+    assert "| 16 (original's) |" in table

@@ -7,7 +7,10 @@
 # env: EPOCHS=5 (fine-tuning epochs, both programs; the original's survey runs 50), PRETRAIN_EPOCHS=5,
 #   SEEDS="0 1" (fine-tuning seeds; each pretraining runs once, seed 0), LEVELS="baseline ultra" (aamperf's
 #   fine-tunes), PRETRAIN_LEVEL=baseline (aamperf's pretraining), TARGETS="target environment",
-#   FREEZES="encoder none", TIME_LIMIT_S (no run begins after it, each is stopped at it),
+#   FREEZES="encoder none", TARGET_HEADS="transformer" (aamperf's model.target_head: transformer, the original's;
+#   linear), SAME_SPLIT=1 (aamperf validates on the original's validation samples of the same seed; 0: its own
+#   split), REUSE_ORIGINAL (1: the original's fine-tunes that finished in OUT_DIR are kept, not run again),
+#   TIME_LIMIT_S (no run begins after it, each is stopped at it),
 #   WHEELS=.whl (the original's wheel: experiments/gpu_scale/wheels.sh)
 # Exit: 0 every run finished; 1 one failed or was cut off (the table says which); 2 the original missing.
 set -euo pipefail
@@ -16,6 +19,7 @@ HERE=experiments/finetune
 out=${1:-outputs/finetune/$(date +%Y-%m-%d_%H-%M-%S)}
 SEEDS=${SEEDS:-0 1} LEVELS=${LEVELS:-baseline ultra} PRETRAIN_LEVEL=${PRETRAIN_LEVEL:-baseline}
 TARGETS=${TARGETS:-target environment} FREEZES=${FREEZES:-encoder none} WHEELS=${WHEELS:-.whl}
+TARGET_HEADS=${TARGET_HEADS:-transformer} SAME_SPLIT=${SAME_SPLIT:-1}
 venv=/tmp/finetune/aam
 
 if [[ -n ${DRY:-} ]]; then  # every path of the real run, at toy sizes
@@ -120,16 +124,24 @@ for seed in $SEEDS; do
       esac
       name=${target}-${frozen}
       d=$(run_dir "$name-original_seed$seed")
-      if [[ $(cat "$pre_orig/exit_code") == 0 ]]; then
+      if [[ -n ${REUSE_ORIGINAL:-} && $(cat "$d/exit_code" 2>/dev/null) == 0 ]]; then
+        echo "${d##*/}: kept (REUSE_ORIGINAL)"
+      elif [[ $(cat "$pre_orig/exit_code") == 0 ]]; then
         launch "$name-original_seed$seed" $original $HERE/time_aam.py "$d/record.json" train -- "${ORIG[@]}" \
           "${ORIG_FT[@]}" "${orig_target[@]}" "${orig_freeze[@]}" --pretrained-encoder "$pre_orig/aam/pretrained_encoder.pt" \
           --seed "$seed" --output-dir "$d/aam"
       fi
+      # the original's validation samples of this seed (its split follows --seed), where its run wrote them
+      split=()
+      if ((SAME_SPLIT)) && [[ -f $d/aam/val_samples.txt ]]; then split=("data.val_samples=$d/aam/val_samples.txt"); fi
       for level in $LEVELS; do
-        [[ $(cat "$pre_ap/exit_code") == 0 ]] || continue
-        launch "$name-$level""_seed$seed" $aamperf -m aamperf.train optim=$level "${AP[@]}" "${AP_FT[@]}" \
-          "data.target=$target" "${ap_freeze[@]}" "init.from_run=$pre_ap" seed="$seed" \
-          "hydra.run.dir=$(run_dir "$name-$level""_seed$seed")"
+        for head in $TARGET_HEADS; do
+          [[ $(cat "$pre_ap/exit_code") == 0 ]] || continue
+          program=$level && [[ $head == linear ]] || program=$level-$head  # runs/<target>-<frozen>-<program>_seed<seed>
+          launch "$name-$program""_seed$seed" $aamperf -m aamperf.train optim=$level "${AP[@]}" "${AP_FT[@]}" \
+            "data.target=$target" "${ap_freeze[@]}" "init.from_run=$pre_ap" seed="$seed" "${split[@]}" \
+            model.target_head=$head model.target_layers=$LAYERS "hydra.run.dir=$(run_dir "$name-$program""_seed$seed")"
+        done
       done
     done
   done

@@ -9,7 +9,9 @@ median step x the steps of an epoch (settings.txt: training samples / batch, the
 Ratios are the original's time / this one's for the same target, freeze and seed (paired; higher is
 faster), then the median over seeds [min, max]. The figures: a regression's validation R^2 and MAE
 (target units), a classification's accuracy and macro-F1 (the original's from its confusion matrix:
-its own `f1` is support-weighted), each program on its own validation split.
+its own `f1` is support-weighted). aamperf validates on the original's validation samples of the same seed
+where run.sh gave them (data.val_samples: "original's" in the table; the same samples scored, the same
+trained on), else on its own split ("own").
 Usage: python summarize.py OUT_DIR   (writes OUT_DIR/table.json, prints the markdown table)
 """
 
@@ -79,6 +81,7 @@ def read_aamperf(run: Path, row: dict[str, Any], per_epoch: int) -> None:
         rf=s.get("rf_baseline"),
         cached_embed_s=cached.get("embed_s") if cached.get("applied") else None,
         target_type=(s.get("target") or {}).get("type"),
+        val_split="original's" if ((s.get("config") or {}).get("data") or {}).get("val_samples") else "own",
     )
 
 
@@ -156,6 +159,7 @@ def summarize_group(group: dict[str, dict[str, dict]], target_kind: str) -> list
                 "rf_first": [x[first[1]] for x in rf if first[1] in x],
                 "rf_second": [x[second[1]] for x in rf if second[1] in x],
                 "val_samples": sorted({r["val_samples"] for r in done.values() if r.get("val_samples")}),
+                "val_split": sorted({r["val_split"] for r in done.values() if r.get("val_split")}),
             }
         )
     return rows
@@ -214,7 +218,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         "",
         "| target | encoder | program | epochs | s per epoch | x original per epoch | end to end s "
         "| x original end to end | figure 1 | figure 2 | vs original (figure 1) "
-        "| random forest (aamperf's split) | val samples | verdict | seeds done |",
+        "| random forest (aamperf's val samples) | val samples | verdict | seeds done |",
         "|---" * 15 + "|",
     ]
     for group in result["groups"]:
@@ -238,7 +242,8 @@ def to_markdown(result: dict[str, Any]) -> str:
                 f"{name2} {spread(r['second'], '.3f')}",
                 spread(r["first_vs_original"], "+.3f"),
                 rf if r["rf_first"] else "",
-                "/".join(map(str, r["val_samples"])) or "n/a",
+                ("/".join(map(str, r["val_samples"])) or "n/a")
+                + (f" ({'/'.join(r['val_split'])})" if r["val_split"] else ""),
                 verdict(group, r),
                 " ".join(r["seeds_done"]) + (f" (failed: {failed})" if failed else ""),
             ]
@@ -255,9 +260,10 @@ def to_markdown(result: dict[str, Any]) -> str:
         "Median over seeds [min, max]; x original = the original's time / this one's, same target, encoder"
         " and seed (higher is faster); vs original = this figure minus the original's, same seed. Per epoch:"
         " the original's median training epoch (validation excluded), aamperf's median step x steps per"
-        " epoch (a frozen encoder's embeddings, where cached, computed once: in end to end). Each program"
-        " validates on its own split of the same samples (the original's follows --seed); the random forest"
-        " is aamperf's metrics.rf_baseline on aamperf's split.",
+        " epoch (a frozen encoder's embeddings, where cached, computed once: in end to end). The original"
+        " validates on its split of the samples (it follows --seed); aamperf on the same samples where val"
+        " samples says original's (data.val_samples), else on its own split; the random forest is aamperf's"
+        " metrics.rf_baseline on aamperf's validation samples.",
     ]
     return "\n".join(lines)
 
