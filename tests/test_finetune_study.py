@@ -113,3 +113,17 @@ def test_ratios_are_paired_by_seed_and_the_frozen_verdict_reads_every_seed(tmp_p
         "| 0.1 [0.1, 0.1] (+ 4 [4, 4] s embedding once) |" in table
     )
     assert "| 16 (original's) |" in table
+
+
+@pytest.mark.parametrize(
+    ("differences", "said"),
+    [
+        ([0.10, -0.02, 0.05, 0.08], "R^2 equal or better (mean +0.053 ["),
+        ([-0.20, -0.30, -0.25], "R^2 worse (mean -0.250 ["),
+        ([0.30, -0.40, 0.20], "R^2 undecided (mean +0.033 ["),
+        ([0.10, -0.01], "R^2 < original's (some seed)"),  # too few seeds for an interval: each seed's sign
+        ([0.10, 0.01], "R^2 >= original's (every seed)"),
+    ],
+)
+def test_quality_is_decided_by_the_paired_interval_from_three_seeds_on(differences, said):
+    assert summarize.quality(differences, "R^2").startswith(said)
