@@ -7,12 +7,14 @@ import torch
 from conftest import weights_of
 from hydra.utils import instantiate
 from test_packed import assert_same, batch, model, run
+from test_predict_targets import model_outputs, predicted_here
 
 from aamperf.checks import check_config
 from aamperf.errors import UserError
 from aamperf.finetune import load_pretrained
 from aamperf.model import AAM
 from aamperf.rng import seed_everything
+from aamperf.run import train
 
 
 def transformer_head(**kwargs) -> AAM:
@@ -74,3 +76,19 @@ def test_a_linear_pretraining_fine_tunes_into_a_fresh_transformer_head(make_cfg,
     assert summary["finetune"]["fresh"] == heads and any(n.startswith("target_encoder.") for n in heads)
     assert all(torch.equal(ours[n], saved[n]) for n in saved if n not in heads)
     assert summary["finetune"]["tensors_loaded"] == len([n for n in saved if n not in heads])
+
+
+def test_a_frozen_fine_tune_with_the_head_trains_on_cached_states_and_predicts_its_outputs(
+    make_cfg, pretrained, tmp_path
+):
+    frozen = ["finetune.freeze=encoder", "loss.unifrac_weight=0", "loss.nucleotide_weight=0"]
+    cfg = make_cfg(
+        f"init.from_run={pretrained}", "data.target=target", *frozen, "model.target_head=transformer"
+    )
+    summary = train(cfg, tmp_path / "run")
+    assert summary["finetune"]["cached_embeddings"]["cached"] == "sample embeddings and per-ASV states"
+    table, _ = predicted_here(tmp_path / "run", tmp_path / "out")
+    ids, outputs, payload = model_outputs(tmp_path / "run")  # the saved model on the tokens, by hand
+    own = outputs.squeeze(1) * payload["target"]["scale"] + payload["target"]["shift"]
+    assert list(table.index) == ids
+    torch.testing.assert_close(torch.tensor(table["predicted"].to_numpy()), own, rtol=1e-5, atol=1e-7)
