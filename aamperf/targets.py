@@ -104,7 +104,8 @@ def fit_classes(column: str, codes: Tensor, names: list[str], train: Tensor, val
     if unseen:
         raise UserError(
             f"data.target={column}: validation samples of class {names[unseen[0]]!r}, which no training "
-            "sample has; add samples of it, or change data.seed / data.val_fraction (the split)"
+            "sample has; add samples of it, or change the split (data.seed / data.val_fraction, or the ids "
+            "of data.val_samples)"
         )
     index = torch.full((len(names),), -1, dtype=torch.long)
     index[seen] = torch.arange(len(seen))

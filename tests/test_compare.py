@@ -138,6 +138,17 @@ def test_unpaired_seeds_are_left_out(sweep):
     assert rows["optim=ultra"]["verdict"].startswith("undecided: 1 seed(s) paired")
 
 
+def test_runs_validated_on_other_samples_do_not_pair(sweep):
+    """data.val_samples names the validation samples: runs of another list are not on the same split."""
+    for seed in (1, 2):
+        summary = sweep / f"ultra{seed}" / "summary.json"
+        record = json.loads(summary.read_text())
+        record["config"]["data"]["val_samples"] = f"/data/split{seed}.txt"
+        summary.write_text(json.dumps(record))
+    rows = {r["config"]: r for r in compare(find_runs([sweep]))["rows"]}
+    assert rows["optim=ultra"]["paired_seeds"] == [0]
+
+
 def test_more_seeds_decide_what_few_could_not(tmp_path):
     """The 'seeds needed' estimate is a promise a test can check: give the undecided configuration
     that many seeds drawn like the first three and the verdict is decided."""

@@ -305,8 +305,11 @@ def test_a_class_with_one_sample_and_a_class_unseen_in_training_are_refused_in_o
     ):
         train(make_cfg(*metadata_with(make_cfg, tmp_path, {**sites, val_ids[0]: "soil"})), tmp_path / "one")
     unseen = {**sites, val_ids[0]: "soil", val_ids[1]: "soil"}
-    with pytest.raises(UserError, match=r"^data\.target=site: validation samples of class 'soil', which no"):
+    with pytest.raises(
+        UserError, match=r"^data\.target=site: validation samples of class 'soil', which no"
+    ) as caught:
         train(make_cfg(*metadata_with(make_cfg, tmp_path, unseen)), tmp_path / "unseen")
+    assert str(caught.value).endswith("(data.seed / data.val_fraction, or the ids of data.val_samples)")
 
 
 def test_a_numeric_column_is_a_classification_when_asked(make_cfg, tmp_path):

@@ -33,10 +33,11 @@ class Run:
         return self.summary.get("seed")
 
     @property
-    def pair_key(self) -> tuple[Any, Any]:
-        """(data.seed, seed): runs pair when they trained on the same data from the same seed."""
+    def pair_key(self) -> tuple[Any, Any, Any]:
+        """(data.seed, data.val_samples, seed): runs pair when they trained on the same data, split alike,
+        from the same seed."""
         data = (self.summary.get("config") or {}).get("data") or {}
-        return data.get("seed"), self.seed
+        return data.get("seed"), data.get("val_samples"), self.seed
 
     @cached_property
     def metrics(self) -> list[dict[str, Any]]:
