@@ -6,6 +6,7 @@ import difflib
 import errno
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -155,6 +156,12 @@ def hydra_error_message(exc: CompactHydraException) -> str:
         if choice is not None:
             return not_a_choice(cause.full_key, cause.value, choice)
         return f"{cause.full_key}={cause.value}: {expected_type(cause)}{str(cause.msg).splitlines()[0]}"
+    swept = re.fullmatch(r"Sweeping over Hydra's configuration is not supported : '(.*)'", str(exc))
+    if swept:  # `-m hydra.run.dir=a,b`: Hydra sweeps jobs, not its own settings
+        return (
+            f"{swept[1]}: a multirun sweeps the job's settings, not Hydra's own (hydra.*); give it one value "
+            "(a multirun's directories: hydra.sweep.dir=... hydra.sweep.subdir=...)"
+        )
     return str(exc)  # Hydra's own words name the fix (e.g. "Either remove + prefix: ...")
 
 

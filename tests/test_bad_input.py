@@ -39,6 +39,10 @@ CONFIG_CASES = {
     "override syntax": (["trainer.lr=="], "cannot parse the override 'trainer.lr==' (extraneous input '='"),
     "a second = in a value": (["hydra.run.dir=out/a=b"], "'hydra.run.dir=out/a=b' (mismatched input '='"),
     "fp16 on CPU": (["precision=fp16"], "use precision=bf16"),
+    "unknown target head": (
+        ["model.target_head=mlp"],
+        "model.target_head=mlp must be one of linear, transformer",
+    ),
     "a probe cache that is a directory": (["probe.cache={inputs}"], "is a directory; give a file in it"),
     "ddp without torchrun": (["distributed=ddp"], "torchrun --nproc_per_node=2 -m aamperf.train"),
     "batch of one": (["trainer.batch_size=1"], "trainer.batch_size=1 must be >= 2"),
@@ -283,6 +287,13 @@ def assert_refused_and_kept(before: dict[str, bytes], after: dict[str, bytes], f
 @pytest.mark.parametrize(("overrides", "fix"), RUN_CASES.values(), ids=RUN_CASES.keys())
 def test_refused_start_keeps_the_earlier_run(overrides, fix, rerun, inputs):
     assert_refused_and_kept(*rerun(overrides, fix), fix.format(**inputs))
+
+
+def test_a_sweep_over_hydras_own_settings_names_the_fix(tmp_path, monkeypatch, capfd):
+    code, _, err = invoke(monkeypatch, capfd, "-m", f"hydra.run.dir={tmp_path / 'a'},{tmp_path / 'b'}")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "a multirun sweeps the job's settings, not Hydra's own (hydra.*)" in err
+    assert not any(tmp_path.iterdir())
 
 
 def test_every_data_problem_is_listed_in_one_line(cache_dir, tmp_path, monkeypatch, capfd):
