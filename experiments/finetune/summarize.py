@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from aamperf.report.paired import MIN_PAIRS, mean_interval
+from aamperf.report.paired import MIN_PAIRS, mean_interval, seeds_needed
 
 ORIGINAL = "original"
 BATCH = 8  # run.sh's batch size, both programs
@@ -215,7 +215,9 @@ def quality(differences: list[float], name: str) -> str:
         return f"{name} equal or better ({shown})"
     if i.hi < -MARGIN:
         return f"{name} worse ({shown})"
-    return f"{name} undecided ({shown})"
+    needed = seeds_needed(i, MARGIN, CONFIDENCE, inside=True)  # at this mean and spread
+    more = f"; about {needed} seeds would decide it" if needed else ""
+    return f"{name} undecided ({shown}{more})"
 
 
 def verdict(group: dict[str, Any], row: dict[str, Any]) -> str:
