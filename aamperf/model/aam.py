@@ -1,12 +1,13 @@
-"""AAM (Attention All Microbes): nucleotides -> ASV vectors -> sample embedding, plus its FLOP count."""
+"""AAM (Attention All Microbes): nucleotides -> ASV vectors -> sample embedding (its FLOP count:
+aamperf/model/aam_flops.py)."""
 
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from aamperf.model.aam_flops import FlopCount
 from aamperf.model.layers import AttentionPooling, Transformer
 from aamperf.model.packed import Packing
 from aamperf.tokens import PAD, TOKENS_PER_ASV, VOCAB_SIZE
@@ -69,7 +70,7 @@ def bucket_size(n: int) -> int:
     return -(-n // step) * step
 
 
-class AAM(nn.Module):
+class AAM(FlopCount, nn.Module):
     """Hierarchical transformer: an ASV encoder over the bases of every ASV, then a sample encoder
     over the ASVs of every sample. Heads: nucleotide logits per position, optional target.
 
@@ -358,99 +359,3 @@ class AAM(nn.Module):
         real = (tokens != PAD).any(dim=-1)
         rows = int(asv_ids[real].unique().numel()) if self.asv_rows == "unique" else int(real.sum())
         return bucket_size(rows) if self.bucket_rows else rows
-
-    @staticmethod
-    def real_asvs_per_sample(tokens: Tensor) -> list[int]:
-        """Real (not padding) ASVs of each sample of a host batch [B, S, L]."""
-        return (tokens != PAD).any(dim=-1).sum(dim=1).tolist()
-
-    def checkpointed_layers(self) -> tuple[int, int, int]:
-        """Transformer layers of the ASV, sample and encoder stacks wrapped for activation checkpointing
-        (`aamperf/phases/memory.py`): each runs its forward twice (memory=ops's only their cheap ops)."""
-        stacks = (self.asv_encoder, self.sample_transformer, self.encoder_transformer)
-
-        def again(block: nn.Module) -> bool:  # its matmuls run again in backward (not memory=ops's)
-            return isinstance(block, CheckpointWrapper) and getattr(block, "recomputes_matmuls", True)
-
-        return tuple(sum(again(b) for b in s.blocks) for s in stacks)
-
-    def _step_flops(
-        self, encoded_rows: int, widths: list[int], count_rows: int, recomputed: tuple[int, int, int]
-    ) -> float:
-        """Matmul FLOPs of forward + backward (3 x forward, 2 FLOPs per multiply-add), plus one more
-        forward of each recomputed layer: the ASV encoder and nucleotide head on `encoded_rows` rows of
-        seq_len positions, the count embedding on `count_rows` slots, the sample encoder over samples of
-        `widths` positions each."""
-        dim, length = self.embedding_dim, self.seq_len
-        asv_layers, sample_layers, encoder_layers = self.layers
-        layer = self._layer_flops
-        asv_layer = layer(encoded_rows * length, encoded_rows * length * length)
-        sample_layer = layer(sum(widths), sum(w * w for w in widths))
-        forward = (
-            asv_layers * asv_layer
-            + 2 * 2 * encoded_rows * length * dim  # ASV pooling: score Linear(D, 1) and the weighted sum
-            + 2 * encoded_rows * length * dim * self.vocab_size  # nucleotide head
-            + (2 * count_rows * dim if self.count_embedding is not None else 0)  # Linear(1, D)
-            + (sample_layers + encoder_layers) * sample_layer
-            + 2 * 2 * sum(widths) * dim  # sample pooling
-            + self.target_head_flops(widths)
-        )
-        recompute = recomputed[0] * asv_layer + (recomputed[1] + recomputed[2]) * sample_layer
-        return 3.0 * forward + recompute
-
-    def _layer_flops(self, tokens: int, squares: int) -> int:
-        """Forward FLOPs of one transformer layer over `tokens` positions, `squares` = sum of each sequence's
-        positions^2."""
-        dim, f = self.embedding_dim, self.ffn_mult
-        proj = 2 * tokens * dim * (3 * dim + dim + 2 * f * dim)  # qkv, out, FFN up + down
-        attn = 2 * 2 * squares * dim  # q k^T and weights @ v, all heads: positions^2 per sequence
-        return proj + attn
-
-    def target_head_flops(self, widths: list[int]) -> int:
-        """Forward FLOPs of the target head (0 when absent) on samples of `widths` real ASVs each: its Linear,
-        the categorical conditioning (concat's Linear((1 + columns) x D, D); lookups and add's sums are no
-        matmuls) on each sample's embedding, or for the transformer head on each ASV's state, and that head's
-        layers and pooling."""
-        if self.target_head is None:
-            return 0
-        dim, samples = self.embedding_dim, len(widths)
-        linear = 2 * samples * dim * self.target_dim
-        conditioned = samples if self.target_encoder is None else sum(widths)
-        condition = 0
-        if self.categorical_projection is not None:
-            condition = 2 * conditioned * self.categorical_projection.in_features * dim
-        if self.target_encoder is None:
-            return linear + condition
-        layers = len(self.target_encoder.blocks) * self._layer_flops(sum(widths), sum(w * w for w in widths))
-        return linear + condition + layers + 2 * 2 * sum(widths) * dim  # + the target pooling
-
-    def flops_per_step(
-        self,
-        batch_size: int,
-        n_asvs: int,
-        encoded_rows: int | None = None,
-        recomputed: tuple[int, int, int] = (0, 0, 0),
-    ) -> float:
-        """Hardware FLOPs: the matmuls this code executes in one training step on a [batch_size, n_asvs,
-        seq_len] batch. `encoded_rows`: the rows the ASV encoder and nucleotide head run on
-        (`count_encoded_rows`; default all batch_size * n_asvs); the sample encoder runs over the padded
-        width n_asvs; `recomputed`: checkpointed layers per stack (`checkpointed_layers`)."""
-        rows = batch_size * n_asvs
-        encoded = rows if encoded_rows is None else encoded_rows
-        return self._step_flops(encoded, [n_asvs] * batch_size, rows, recomputed)
-
-    def model_flops_per_step(self, asvs_per_sample: list[int]) -> float:
-        """Model FLOPs: the model's math on the real ASVs of a batch (`real_asvs_per_sample`), the same
-        whatever the configuration: every real ASV slot encoded (a repeated ASV counts once per slot),
-        each sample's encoder over its own ASVs only, no padding, no recomputation."""
-        return self._step_flops(sum(asvs_per_sample), list(asvs_per_sample), sum(asvs_per_sample), (0, 0, 0))
-
-    def batch_flops(self, tokens: Tensor, asv_ids: Tensor | None = None) -> tuple[float, float]:
-        """(model, hardware) FLOPs of one training step on this host batch, as the model is now set up."""
-        batch, n_asvs = tokens.shape[:2]
-        real = self.real_asvs_per_sample(tokens)
-        model = self.model_flops_per_step(real)
-        encoded = self.count_encoded_rows(tokens, asv_ids)
-        if self.pack_samples:  # the sample level over each sample's real ASVs, as the model FLOPs count it
-            return model, self._step_flops(encoded, real, sum(real), self.checkpointed_layers())
-        return model, self.flops_per_step(batch, n_asvs, encoded, self.checkpointed_layers())
