@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
         report(argv)
 
 
-def report(argv: list[str] | None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """compare's command line (the docs' commands are checked against it: tests/test_docs.py)."""
     parser = argparse.ArgumentParser(prog="python -m aamperf.compare", description=__doc__.splitlines()[0])
     parser.add_argument("dirs", nargs="+", type=Path, help="run or multirun directories")
     parser.add_argument("--baseline", default="optim=baseline", help="override string of the baseline runs")
@@ -55,7 +56,11 @@ def report(argv: list[str] | None) -> None:
     parser.add_argument(
         "--wandb-report", action="store_true", help="build a W&B report for the sweep's group (online only)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def report(argv: list[str] | None) -> None:
+    args = build_parser().parse_args(argv)
     missing = [d for d in args.dirs if not d.is_dir()]
     try:
         if missing:
