@@ -85,6 +85,14 @@ def reference_overrides(params: dict[str, Any], task: list[str]) -> list[str]:
     ]
 
 
+def searched_keys(params: dict[str, Any], task: list[str]) -> list[str]:
+    """The keys the search varies: those of `params` (hydra.sweeper.params) and of the command line's sweeps
+    (`'trainer.batch_size=choice(8,16)'`: the Optuna sweeper searches those too), but Hydra's own."""
+    parsed = OverridesParser.create().parse_overrides(list(task))
+    swept = [o.key_or_group for o in parsed if o.is_sweep_override() and not o.is_hydra_override()]
+    return list(dict.fromkeys([*params, *swept]))
+
+
 def level_yaml(overrides: list[str], searched: list[str], note: str) -> str:
     """An optim level file from a trial's overrides: groups become `override /group: option`."""
     chosen = [o for o in overrides if o.split("=", 1)[0] in searched]
@@ -191,7 +199,12 @@ class FastestSearch(CompareReport):
                 "(or copy this file to conf/optim/)",
             ]
         )
-        write_atomic(out, level_yaml(best.overrides, list(config.hydra.sweeper.params), note))
+        params = config.hydra.sweeper.get("params")
+        searched = searched_keys(
+            OmegaConf.to_container(params, resolve=False) if params else {},
+            OmegaConf.to_container(config.hydra.overrides.task, resolve=False),
+        )
+        write_atomic(out, level_yaml(best.overrides, searched, note))
         print(
             f"search: best trial {best.path.name}: {s['samples_per_s']:.3g} samples/s{speedup}; "
             f"written to {out}"

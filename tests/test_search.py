@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from aamperf.config import register_configs
 from aamperf.report import find_runs
-from aamperf.search import objective, reference_overrides
+from aamperf.search import level_yaml, objective, reference_overrides, searched_keys
 
 
 def test_a_trial_that_loses_quality_scores_zero(tmp_path):
@@ -42,6 +42,27 @@ def test_the_reference_has_each_value_the_search_fixes():
     ]
     fixed = ["memory=none", "model=aam_tiny", "trainer.batch_size=16", "compile=disabled"]
     assert reference_overrides(params, task) == fixed
+
+
+def test_the_level_written_holds_every_searched_key_the_command_line_ones_too():
+    """A sweep on the command line (`'trainer.batch_size=choice(8,16)'`) is searched as the sweeper's params
+    are: the best trial's value goes in optim/fastest.yaml; a plain value and Hydra's own settings do not."""
+    params = {"compile": "choice(disabled,default)"}
+    task = [
+        "hparams_search=fastest",
+        "trainer.batch_size=choice(8,16)",
+        "trainer.max_steps=5",
+        "hydra.job.chdir=false",
+    ]
+    keys = searched_keys(params, task)
+    assert keys == ["compile", "hparams_search", "trainer.batch_size"] or keys == [
+        "compile",
+        "trainer.batch_size",
+    ]
+    level = yaml.safe_load(
+        level_yaml(["compile=default", "trainer.batch_size=16", "trainer.max_steps=5"], keys, "n")
+    )
+    assert level["trainer"] == {"batch_size": 16} and level["defaults"] == [{"override /compile": "default"}]
 
 
 @pytest.mark.slow  # 30.2 s on a 2-core AMD EPYC with AVX-512 (2026-11-27)
