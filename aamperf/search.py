@@ -200,9 +200,10 @@ class FastestSearch(CompareReport):
             ]
         )
         params = config.hydra.sweeper.get("params")
+        task = OmegaConf.select(config, "hydra.overrides.task", default=None)  # the command line's
         searched = searched_keys(
             OmegaConf.to_container(params, resolve=False) if params else {},
-            OmegaConf.to_container(config.hydra.overrides.task, resolve=False),
+            OmegaConf.to_container(task, resolve=False) if task else [],
         )
         write_atomic(out, level_yaml(best.overrides, searched, note))
         print(
