@@ -85,10 +85,10 @@ class AAM(FlopCount, nn.Module):
 
     `target_head` picks what the target head reads: "linear" (the default) a Linear on the sample embedding;
     "transformer" (the original AAM's) a fresh transformer of `target_layers` layers over the sample encoder's
-    per-ASV states (categorical columns fused into each ASV's), an attention pooling, then the Linear. Its
-    outputs add `asv_states` [B, S, D] (those states, 0 on padding ASVs) and `asv_real` [B, S] bool, which
-    a cache of a frozen encoder keeps: forward(sample_embedding=, asv_states=, asv_real=) runs the heads on
-    them.
+    per-ASV states (categorical columns fused into each ASV's), an attention pooling, then the Linear. With
+    `keep_states` set (by the cache of a frozen encoder, while it embeds), the outputs add `asv_states`
+    [B, S, D] (those states, 0 on padding ASVs) and `asv_real` [B, S] bool: forward(sample_embedding=,
+    asv_states=, asv_real=) runs the heads on them. A training step does not copy them.
 
     Set by `aamperf/phases/aam_ops.py`, none changing the outputs (up to fp32 rounding):
     `pack_samples`: the sample level runs on each sample's real ASVs packed along one axis
@@ -155,6 +155,7 @@ class AAM(FlopCount, nn.Module):
         if target_dim > 0 and target_head == "transformer":
             self.target_encoder = Transformer(dim, num_heads, target_layers, ffn_mult, dropout)
             self.target_pool = AttentionPooling(dim)
+        self.keep_states = False  # output the per-ASV states too (aamperf/trainer/cached.py, embedding)
         # categorical conditioning of the target head: a table per column, row 0 (unseen / missing) zero
         self.categorical_fusion = categorical_fusion
         self.categorical_embeddings = nn.ModuleList(
@@ -228,7 +229,7 @@ class AAM(FlopCount, nn.Module):
         h = self.encoder_transformer(h, packing)
         sample = self.sample_pool(h, packing)
         out = {"sample_embedding": sample, "asv_embedding": asv, "nuc_logits": nuc_logits}
-        if self.target_encoder is not None:  # the states the target head reads, padded, for a cache
+        if self.keep_states and self.target_encoder is not None:  # the head's input, padded, for a cache
             if self.pack_samples:
                 padded = h.new_zeros(batch * n_asvs, h.size(-1)).index_copy(0, rows, h)
                 out.update(asv_states=padded.view(batch, n_asvs, -1), asv_real=real_asv)

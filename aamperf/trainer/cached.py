@@ -146,7 +146,11 @@ def use_cached_embeddings(
         return False
     started = time.perf_counter()
     train_idx, val_idx = (list(loader.dataset.indices) for loader in (data.train_loader, data.val_loader))
-    cache = embed_samples(plan, loss_fn, data, sorted(train_idx + val_idx), device)
+    model.keep_states = True  # the transformer head's input, beside the embeddings (only while embedding)
+    try:
+        cache = embed_samples(plan, loss_fn, data, sorted(train_idx + val_idx), device)
+    finally:
+        model.keep_states = False
     unifrac = data.collate.unifrac  # precomputed: the run's matrix
     if unifrac is None and len(data.dataset) ** 2 * 4 <= UNIFRAC_MATRIX_BYTES:
         unifrac = unifrac_matrix(data)

@@ -24,6 +24,8 @@ def transformer_head(**kwargs) -> AAM:
 def test_the_head_reads_the_per_asv_states_and_is_the_same_from_them():
     data = batch(full_length=False)
     net = transformer_head().eval()
+    assert "asv_states" not in net(data["tokens"], data["counts"], asv_ids=data["asv_ids"])  # a step: none
+    net.keep_states = True  # as the cache of a frozen encoder sets it while embedding
     out = net(data["tokens"], data["counts"], asv_ids=data["asv_ids"])
     real = out["asv_real"]
     assert out["asv_states"].shape == (4, data["tokens"].size(1), 32)
@@ -48,6 +50,7 @@ def test_packed_the_head_gives_the_padded_outputs_and_gradients():
     net.pack_samples = True
     assert_same(run(net, data), padded)
     net.eval()  # and from cached states, packed by the model as the sample level is
+    net.keep_states = True
     out = net(data["tokens"], data["counts"], asv_ids=data["asv_ids"])
     cached = net(
         sample_embedding=out["sample_embedding"], asv_states=out["asv_states"], asv_real=out["asv_real"]
