@@ -62,10 +62,15 @@ class StateCache:
         starts, ends = self.offsets[idx], self.offsets[idx + 1]
         lengths = ends - starts
         padded = self.states.new_zeros(len(idx), collate.width(lengths), self.states.size(1))
-        for row, (a, b) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
-            padded[row, : b - a] = self.states[a:b]
+        # each real ASV's (sample, slot) and row of `states`, on the host: one gather, one scatter on device
+        sample = torch.repeat_interleave(torch.arange(len(idx)), lengths)
+        first = torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)  # its sample's first, in order
+        slot = torch.arange(int(lengths.sum())) - first
+        rows = torch.repeat_interleave(starts, lengths) + slot
+        device = padded.device
+        padded[sample.to(device), slot.to(device)] = self.states[rows.to(device)]
         real = torch.arange(padded.size(1))[None, :] < lengths[:, None]
-        return padded, real.to(padded.device)
+        return padded, real.to(device)
 
 
 def why_not(cfg: DictConfig, model: torch.nn.Module, loss_fn: Any, world_size: int) -> str | None:
