@@ -14,7 +14,7 @@ from aamperf.tokens import PAD, TOKENS_PER_ASV, VOCAB_SIZE
 
 ASV_ROWS = ("all", "real", "unique")  # which ASV rows the ASV encoder runs on (`AAM.asv_rows`)
 FUSIONS = ("concat", "add")  # how categorical embeddings join the sample embedding (`AAM.condition`)
-# what the target head reads (`AAM.target_head_kind`): "linear" the sample embedding; "transformer" the sample
+# what the target head reads (`AAM(target_head=...)`): "linear" the sample embedding; "transformer" the sample
 # encoder's per-ASV states, through a transformer of its own and an attention pooling (the original's
 # target_encoder + target_pooling, aam/models/sequence_predictor.py), then a Linear
 TARGET_HEADS = ("linear", "transformer")
@@ -150,7 +150,6 @@ class AAM(FlopCount, nn.Module):
         self.sample_pool = AttentionPooling(dim)
         self.target_head = nn.Linear(dim, target_dim) if target_dim > 0 else None
         # target_head=transformer: the head's own stack and pooling over the per-ASV states
-        self.target_head_kind = target_head
         self.target_encoder = self.target_pool = None
         if target_dim > 0 and target_head == "transformer":
             self.target_encoder = Transformer(dim, num_heads, target_layers, ffn_mult, dropout)
