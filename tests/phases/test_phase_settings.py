@@ -1,10 +1,14 @@
 """The phases that change settings rather than numbers: optimizer, system, loader, memory guard."""
 
+import json
 import os
 import resource
+import subprocess
+import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from aamperf.phases.dataloader import resolve_dataloader
 from aamperf.phases.memory import apply_cuda_memory
@@ -54,28 +58,51 @@ def test_tuned_system_sets_threads_and_records_cpu_only_skips(make_cfg):
         torch.set_num_threads(before)
 
 
-def page_faults_of_a_second_block(nbytes: int = 64 << 20) -> int:
-    """Minor page faults while filling a block of `nbytes`, allocated right after one just freed."""
-    torch.ones(nbytes // 4)
+# Run in a process of its own: one that trained with reuse earlier in this pytest may keep a freed hole
+# of >= 64 MiB in its heap, which malloc hands out again (pages faulted in) whatever its thresholds say
+# (a page-fault count of 0 with glibc's thresholds, seen in a whole-suite run).
+MALLOC_CHILD = """
+import json, resource, sys
+import torch
+from omegaconf import OmegaConf
+from aamperf.phases.system import apply_system
+
+def faults_of_a_second_block(nbytes=64 << 20):
+    # a freed block twice the size: the second fits in it with memalign's slack (one of the same size
+    # would not, and the heap would grow around it)
+    torch.ones(nbytes // 2)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     torch.ones(nbytes // 4)
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+default, tuned = (OmegaConf.create(text) for text in sys.argv[1:3])
+cpu, out = torch.device("cpu"), {}
+apply_system(default, cpu)
+out["default"] = faults_of_a_second_block()
+out["tuned_record"] = apply_system(tuned, cpu)["malloc"]
+faults_of_a_second_block()  # the heap grows to hold it once
+out["tuned"] = faults_of_a_second_block()
+out["later_record"] = apply_system(default, cpu)["malloc"]  # an in-process sweep's next job, defaults
+out["later"] = faults_of_a_second_block()
+print(json.dumps(out))
+"""
 
 
 @pytest.mark.skipif(glibc_version() is None, reason="mallopt's thresholds are glibc's")
 def test_tuned_system_reuses_freed_memory_and_a_later_default_job_gives_it_back(make_cfg):
     pages = (64 << 20) // resource.getpagesize()
-    apply_system(make_cfg().system, CPU)  # as a process starts (an earlier test's run may have had reuse)
-    assert page_faults_of_a_second_block() > pages / 2  # glibc unmaps a freed 64 MiB block: faulted in again
-    try:
-        records = apply_system(make_cfg("system=tuned").system, CPU)
-        assert records["malloc"]["status"] == "applied" and records["malloc"]["libc"].startswith("glibc")
-        page_faults_of_a_second_block()  # the heap grows to hold it once
-        assert page_faults_of_a_second_block() < pages / 20  # the freed block's pages, reused
-    finally:
-        records = apply_system(make_cfg().system, CPU)  # an in-process sweep's next job, system defaults
-    assert records["malloc"]["status"] == "skipped" and "set again" in records["malloc"]["reason"]
-    assert page_faults_of_a_second_block() > pages / 2
+    default, tuned = (OmegaConf.to_yaml(make_cfg(*o).system, resolve=True) for o in ((), ("system=tuned",)))
+    child = subprocess.run(
+        [sys.executable, "-c", MALLOC_CHILD, default, tuned], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0, child.stderr
+    found = json.loads(child.stdout.splitlines()[-1])
+    assert found["default"] > pages / 2, found  # glibc unmaps a freed 64 MiB block: faulted in again
+    assert found["tuned_record"]["status"] == "applied", found
+    assert found["tuned_record"]["libc"].startswith("glibc")
+    assert found["tuned"] < pages / 20, found  # the freed block's pages, reused
+    assert found["later_record"]["status"] == "skipped" and "set again" in found["later_record"]["reason"]
+    assert found["later"] > pages / 2, found
 
 
 def test_cpu_cores_pin_the_process_and_size_the_thread_pool(make_cfg):
