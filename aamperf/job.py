@@ -234,7 +234,8 @@ def loader_step_s(cfg, plan, step, device: torch.device, batch_size: int) -> tup
     """dataloader=auto's step seconds where nothing else gave them, and where they came from: the first
     rank's cached figure (the loader trial's context: this model, its phases, data and loader, the ranks),
     or a warm step timed now by every rank and kept where the first rank's machine was quiet while it ran
-    (the default run's timing cost each run 0.7-0.9 s of its 32 s of training, 2-core AVX2 EPYC)."""
+    ("measured"; "measured_under_load": busy, not kept) (the default run's timing cost each run 0.7-0.9 s
+    of its 32 s of training, 2-core AVX2 EPYC)."""
     probe = Probe(device, cfg.probe.cache, cfg.probe.refresh)
     context = {"context": loader_context(cfg, batch_size)}
     cached = from_main(probe.cached("loader_step", context))
@@ -244,7 +245,9 @@ def loader_step_s(cfg, plan, step, device: torch.device, batch_size: int) -> tup
     step_s = warm_step_s(step, plan, device)
     load = watch.stop()
     measured("loader_step", started)
-    if plan.is_main and LoadWatch.verdict(load, use_loadavg=False) is None:
+    if LoadWatch.verdict(load, use_loadavg=False) is not None:
+        return step_s, "measured_under_load"  # this run's figure, not kept for the next
+    if plan.is_main:
         probe.keep("loader_step", context, {"step_s": step_s, **load})
     return step_s, "measured"
 

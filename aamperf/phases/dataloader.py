@@ -179,14 +179,17 @@ def decide_workers(
     `requested` the dataloader node as asked for (its persistent_workers and prefetch_factor),
     `notes` those of `resolve_dataloader`; `floor`: `step_s` is `step_floor_s`, not a timed step;
     `trial`: `time_pipelines`' figures, where `trial_steps` asked for them; `steps`: the run's;
-    `step_source`: "measured" or "cache" where the loader timed the step itself (`job.loader_step_s`)."""
+    `step_source`: "measured", "measured_under_load" or "cache" where the loader timed the step itself
+    (`job.loader_step_s`)."""
     share = batch_s / step_s
     step = (
         f"at most {share:.2%} of a step here, which takes at least {step_s * 1e3:.0f} ms (its FLOPs at "
         "the calibrated peak)"
         if floor
         else f"{share:.1%} of a {step_s * 1e3:.0f} ms step here"
-        + (" (timed by an earlier run)" if step_source == "cache" else "")
+        + {"cache": " (timed by an earlier run)", "measured_under_load": " (timed under load: not kept)"}.get(
+            step_source or "", ""
+        )
     )
     made = f"making a batch takes {batch_s * 1e3:.1f} ms, {step}"
     if share < MIN_BATCH_SHARE:

@@ -655,13 +655,18 @@ def test_the_loaders_timed_step_is_kept_for_the_next_run_of_the_same_configurati
     given = ("dataloader=auto", "precision=fp32", "attention=math", "metrics.peak_flops=1e18")
     run = (*given, "trainer.max_steps=2", f"probe.cache={cache}")
     first = train(make_cfg(*run), tmp_path / "first")["phases"]["dataloader"]["auto"]
+    if first["step_source"] == "measured_under_load":  # other processes used the cores: nothing kept
+        assert "(timed under load: not kept)" in first["reason"] and "|loader_step|" not in (
+            cache.read_text() if cache.exists() else ""
+        ), first
+        pytest.skip("other processes were busy while the step was timed: a quiet timing is needed to be kept")
     assert first["step_source"] == "measured" and first["step_s"] > 0, first
     assert any("|loader_step|" in key for key in json.loads(cache.read_text())), "a quiet timing is kept"
     again = train(make_cfg(*run, "seed=1"), tmp_path / "again")["phases"]["dataloader"]["auto"]
     assert again["step_source"] == "cache" and again["step_s"] == first["step_s"], again
     assert "(timed by an earlier run)" in again["reason"]
     other = train(make_cfg(*run, "trainer.batch_size=2"), tmp_path / "other")["phases"]["dataloader"]["auto"]
-    assert other["step_source"] == "measured", other
+    assert other["step_source"] in ("measured", "measured_under_load"), other  # timed, not read
 
 
 @pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
