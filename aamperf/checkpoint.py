@@ -18,7 +18,7 @@ import os
 import pickle
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -220,16 +220,27 @@ def _cleaned_up(tmp: Path | None, root: Path, step: int) -> Iterator[None]:
         raise
 
 
-# What a resume may not change: the model, its data and objective, the draw, and the batch (the data
-# position in the checkpoint counts its batches). Everything else applies as given (the optimizer's
+# What a resume may not change: the model, its data and objective, the draw, the batch (the data
+# position in the checkpoint counts its batches), and what a fine-tune starts from and trains (the
+# optimizer holds the unfrozen parameters only). Everything else applies as given (the optimizer's
 # hyper-parameters too: `use_run_hyperparameters`), and summary.json `resume_changes` lists it.
-RESUME_FIXED = ("model", "data", "loss", "seed", "trainer.batch_size", "trainer.grad_accum_steps")
+RESUME_FIXED = (
+    *("model", "data", "loss", "seed", "trainer.batch_size", "trainer.grad_accum_steps"),
+    *("init", "finetune.freeze"),
+)
 RESUME_IGNORED = ("trainer.resume", "data.cache_dir", "probe", "trainer.progress")
+# keys a checkpoint of an earlier version does not hold, and the value its run had
+BEFORE_THE_KEY = {"finetune.freeze": "none"}
 
 
 def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, list]:
     """{dotted key: [value at the checkpoint, value now]} for every key whose value differs."""
-    return config_diff(saved, now, RESUME_IGNORED)
+    changes = config_diff(saved, now, RESUME_IGNORED)
+    return {
+        k: v
+        for k, v in changes.items()
+        if not (v[0] is None and k in BEFORE_THE_KEY and BEFORE_THE_KEY[k] == v[1])
+    }
 
 
 def check_resume(path: Path, changes: dict[str, list]) -> None:
@@ -237,8 +248,8 @@ def check_resume(path: Path, changes: dict[str, list]) -> None:
     if fixed:
         shown = ", ".join(f"{k}={new} (checkpoint: {old})" for k, (old, new) in list(fixed.items())[:3])
         raise UserError(
-            f"cannot resume from {path} with {shown}: a resume keeps the model, data, loss, seed and batch; "
-            "set them back, or start a new run directory"
+            f"cannot resume from {path} with {shown}: a resume keeps the model, data, loss, seed, batch, "
+            "init.from_run and finetune.freeze; set them back, or start a new run directory"
         )
 
 
@@ -268,11 +279,18 @@ def read(path: Path) -> dict[str, Any]:
         raise Damaged(f"cannot resume from {path}: {one_line(exc)[:300]}") from exc
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    check: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG states from `path`; return the rest of the state.
     `Damaged` where it cannot be read (nothing restored then), a UserError where it is not a checkpoint
-    of this model and run."""
+    of this model and run. `check(payload)` runs first, on what was read (a refusal restores nothing)."""
     payload = read(path)
+    if check is not None:
+        check(payload)
     try:
         if path.is_dir():  # sharded (FSDP2)
             import torch.distributed.checkpoint as dcp

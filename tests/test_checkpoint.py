@@ -81,7 +81,9 @@ def test_a_kill_during_a_save_leaves_the_last_good_checkpoint(make_cfg, tmp_path
 def test_a_checkpoint_of_another_model_is_refused_with_the_fix(make_cfg, tmp_path):
     train(make_cfg("trainer.max_steps=2", "trainer.checkpoint_every=2"), tmp_path)
     before = (tmp_path / "metrics.jsonl").read_text()
-    with pytest.raises(UserError, match="cannot resume from .*step_00000002.pt.*trainer.resume=disabled"):
+    # the saved config tells first, before any weight is restored: the key, both values, the fix
+    fix = r"cannot resume from .*step_00000002.pt with model.embedding_dim=24 \(checkpoint: \d+\).*set them"
+    with pytest.raises(UserError, match=fix):
         train(make_cfg("trainer.max_steps=4", "trainer.resume=auto", "model.embedding_dim=24"), tmp_path)
     assert (tmp_path / "metrics.jsonl").read_text() == before  # nothing written before is lost
 

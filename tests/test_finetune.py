@@ -9,6 +9,7 @@ from conftest import read_summary, weights_of
 from hydra.utils import instantiate
 from test_file_payloads import payloads
 
+from aamperf.checkpoint import config_changes
 from aamperf.errors import UserError
 from aamperf.finetune import ASV_LEVEL, FROZEN, SAMPLE_LEVEL, freeze, load_pretrained
 from aamperf.rng import seed_everything
@@ -186,6 +187,22 @@ def test_a_resumed_fine_tune_goes_on_from_its_checkpoint(make_cfg, pretrained, t
     assert summary["status"] == "completed" and summary["resumed_from_step"] == 1
     resumed = weights_of(tmp_path)
     assert all(torch.equal(resumed[name], whole[name]) for name in whole)
+    # what trains is part of the run: a resume that would freeze the encoder now is refused in one line
+    (tmp_path / "checkpoints" / "step_00000002.pt").unlink()
+    frozen = make_cfg(f"init.from_run={pretrained}", *FINETUNE, *resumable, "finetune.freeze=encoder")
+    with pytest.raises(
+        UserError, match=r"^cannot resume from .* with finetune\.freeze=encoder \(checkpoint: none\)"
+    ):
+        train(frozen, tmp_path)
+    assert torch.equal(weights_of(tmp_path)[name := next(iter(whole))], resumed[name])  # nothing written
+
+
+def test_a_checkpoint_from_before_fine_tuning_resumes_as_unfrozen():
+    """A checkpoint of a version without finetune.freeze trained everything: the same as `none`."""
+    assert config_changes({"seed": 0}, {"seed": 0, "finetune": {"freeze": "none"}}) == {}
+    assert list(config_changes({"seed": 0}, {"seed": 0, "finetune": {"freeze": "encoder"}})) == [
+        "finetune.freeze"
+    ]
 
 
 def test_a_plug_in_model_fine_tunes_by_name_and_shape(make_cfg, tmp_path):

@@ -3,6 +3,7 @@ resume from the newest one (`trainer.resume=auto`). How the files are written an
 aamperf/checkpoint.py."""
 
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +57,6 @@ class Checkpoints:
             return 0
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         path, loaded = self._newest_readable(saved)
-        self.changes = checkpoint.config_changes(loaded.get("config", self.config), self.config)
-        checkpoint.check_resume(path, self.changes)
         checkpoint.use_run_hyperparameters(self.optimizer, fresh)
         for name, obj in self.state.items():
             obj.load_state_dict(loaded[name])
@@ -81,7 +80,7 @@ class Checkpoints:
         damaged: list[tuple[Path, checkpoint.Damaged]] = []
         for path in reversed(saved):
             try:
-                loaded = checkpoint.load(path, self.model, self.optimizer)
+                loaded = checkpoint.load(path, self.model, self.optimizer, check=partial(self._check, path))
             except checkpoint.Damaged as exc:
                 damaged.append((path, exc))
                 continue
@@ -96,6 +95,12 @@ class Checkpoints:
             aside, reason = checkpoint.set_aside(bad), one_line(exc.__cause__)[:300]
             log.warning("%s cannot be read (%s): kept as %s; going on from %s", bad, reason, aside.name, path)
         return path, loaded
+
+    def _check(self, path: Path, payload: dict[str, Any]) -> None:
+        """Refuse a resume that changes what it may not (`checkpoint.check_resume`), before any weight
+        is restored; keep the changes it applies."""
+        self.changes = checkpoint.config_changes(payload.get("config", self.config), self.config)
+        checkpoint.check_resume(path, self.changes)
 
     def due(self, step: int) -> bool:
         return bool(self.tc.checkpoint_every) and step % self.tc.checkpoint_every == 0
