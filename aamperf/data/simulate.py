@@ -131,10 +131,37 @@ def evolve(tree: "TreeNode", rng: np.random.Generator) -> dict[int, np.ndarray]:
     return seqs
 
 
+@dataclass
+class World:
+    """What every sample of a simulated data set is drawn from: the tree (tips named by their sequences, in
+    postorder), each tip's trait, and each environment's weight on each ASV."""
+
+    tree: "TreeNode"
+    names: list[str]
+    tip_trait: np.ndarray
+    weights: np.ndarray  # [n_envs, n_asvs]: preference x prevalence
+
+
 def simulate(params: SimParams) -> tuple[biom.Table, "TreeNode", list[tuple[str, str, float]]]:
     """The whole data set in memory: table (ids = sequences), tree (tips = sequences), metadata rows."""
     rng = np.random.default_rng(params.seed)
-    n_asvs, n_samples = params.n_asvs, params.n_samples
+    world = simulate_world(params, rng)
+    table, rows = draw_samples(world, params, params.n_samples, rng, "S")
+    return table, world.tree, rows
+
+
+def simulate_heldout(
+    params: SimParams, n_samples: int, seed: int
+) -> tuple[biom.Table, list[tuple[str, str, float]]]:
+    """`n_samples` more samples of the data set `params` describes (ids T0001, ...): its world, new draws
+    (a generator of its own, seeded by `seed`), for scoring models trained on it on samples none saw."""
+    world = simulate_world(params, np.random.default_rng(params.seed))
+    return draw_samples(world, params, n_samples, np.random.default_rng([params.seed, seed]), "T")
+
+
+def simulate_world(params: SimParams, rng: np.random.Generator) -> World:
+    """The tree, its sequences, the trait and the environments' preferences, drawn from `rng`."""
+    n_asvs = params.n_asvs
     tree = random_tree(n_asvs, rng)
     seqs = evolve(tree, rng)
     tips = list(tree.tips())  # postorder: members of a clade are neighbours in this order
@@ -162,9 +189,15 @@ def simulate(params: SimParams) -> tuple[biom.Table, "TreeNode", list[tuple[str,
         dist = np.minimum(dist, n_asvs - dist)
         env_pref[env] = np.exp(-0.5 * (dist / (0.05 * n_asvs)) ** 2).sum(0) + 0.05
     prevalence = rng.lognormal(0.0, 1.0, size=n_asvs)  # some ASVs are common everywhere
+    return World(tree, names, tip_trait, env_pref * prevalence)
 
+
+def draw_samples(
+    world: World, params: SimParams, n_samples: int, rng: np.random.Generator, prefix: str
+) -> tuple[biom.Table, list[tuple[str, str, float]]]:
+    """`n_samples` samples of `world` drawn from `rng`: their table (ids = sequences) and metadata rows."""
+    n_asvs, weights = params.n_asvs, world.weights
     # the same arithmetic the per-sample loop did, once per environment (bit-identical arrays)
-    weights = env_pref * prevalence
     p_present = [w / w.sum() for w in weights]
     envs = rng.integers(0, params.n_envs, size=n_samples)
     present_of, counts_of = [], []  # per sample: ASV rows and their counts (>0), a sparse column
@@ -181,14 +214,14 @@ def simulate(params: SimParams) -> tuple[biom.Table, "TreeNode", list[tuple[str,
         (np.concatenate(counts_of), np.concatenate(present_of), indptr), shape=(n_asvs, n_samples)
     )
     del present_of, counts_of
-    score = composition_score(counts, tip_trait)
+    score = composition_score(counts, world.tip_trait)
     target = score + rng.normal(0.0, 0.1 * score.std() + 1e-6, size=n_samples)
 
     width = max(4, len(str(n_samples)))
-    sample_ids = [f"S{i + 1:0{width}d}" for i in range(n_samples)]
-    table = biom.Table(counts, observation_ids=names, sample_ids=sample_ids)
+    sample_ids = [f"{prefix}{i + 1:0{width}d}" for i in range(n_samples)]
+    table = biom.Table(counts, observation_ids=world.names, sample_ids=sample_ids)
     rows = [(sid, f"env{envs[s]}", float(target[s])) for s, sid in enumerate(sample_ids)]
-    return table, tree, rows
+    return table, rows
 
 
 def composition_score(counts: sparse.csc_matrix, tip_trait: np.ndarray) -> np.ndarray:

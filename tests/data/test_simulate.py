@@ -7,7 +7,14 @@ import pytest
 from scipy import sparse
 from skbio import TreeNode
 
-from aamperf.data.simulate import SimParams, composition_score, ensure_simulated, simulate
+from aamperf.data.simulate import (
+    SimParams,
+    composition_score,
+    ensure_simulated,
+    simulate,
+    simulate_heldout,
+    simulate_world,
+)
 from aamperf.data.tables import read_table, read_target
 from aamperf.data.unifrac import compute_unifrac
 
@@ -127,3 +134,24 @@ def test_composition_score_is_the_dense_sum_bit_for_bit(n_samples):
     tip_trait = rng.normal(size=97)
     expected = tip_trait @ (dense / dense.sum(0, keepdims=True))
     assert np.array_equal(composition_score(sparse.csc_matrix(dense), tip_trait), expected)
+
+
+def test_held_out_samples_come_from_the_same_world_and_are_new():
+    """simulate_heldout: the data set's ASVs (the same sequences in the same order) and environments, other
+    samples (ids T...), the same ones for the same seed; the data set itself is not changed by them."""
+    table, _, rows = simulate(SMALL)
+    heldout, heldout_rows = simulate_heldout(SMALL, 30, seed=1)
+    assert list(heldout.ids("observation")) == list(table.ids("observation"))
+    assert [r[0] for r in heldout_rows] == list(heldout.ids()) == [f"T{i:04d}" for i in range(1, 31)]
+    assert {r[1] for r in heldout_rows} <= {r[1] for r in rows}
+    assert not np.allclose([r[2] for r in heldout_rows[:10]], [r[2] for r in rows[:10]])
+    again, again_rows = simulate_heldout(SMALL, 30, seed=1)
+    assert again == heldout and again_rows == heldout_rows
+    assert simulate_heldout(SMALL, 30, seed=2)[0] != heldout
+    # the target is the same function of the counts: its correlation with the composition score holds
+    score = composition_score(heldout.matrix_data.tocsc(), trait_of_tips(SMALL))
+    assert np.corrcoef(score, [r[2] for r in heldout_rows])[0, 1] > 0.9
+
+
+def trait_of_tips(params: SimParams) -> np.ndarray:
+    return simulate_world(params, np.random.default_rng(params.seed)).tip_trait
