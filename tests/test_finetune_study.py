@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sklearn.metrics import confusion_matrix, f1_score
+from sklearn.metrics import confusion_matrix, f1_score, r2_score
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "experiments/finetune/summarize.py"
@@ -106,6 +106,7 @@ def test_ratios_are_paired_by_seed_and_the_frozen_verdict_reads_every_seed(tmp_p
     assert unfrozen["original"]["first"] == [0.625]
     assert unfrozen["original"]["second"] == pytest.approx([(6 / 9 + 4 / 7) / 2])  # not its weighted f1
     assert unfrozen["baseline"]["seeds_done"] == [] and unfrozen["baseline"]["failed"] == {"0": 124}
+    assert frozen["ultra-transformer"]["heldout_r2"] == []  # none scored: no held-out verdict
     table = summarize.to_markdown(result)
     assert "Device: AMD EPYC; cores 2; flags: avx512_bf16" in table and "seed 0: exit 124" in table
     assert (
@@ -127,3 +128,44 @@ def test_ratios_are_paired_by_seed_and_the_frozen_verdict_reads_every_seed(tmp_p
 )
 def test_quality_is_decided_by_the_paired_interval_from_three_seeds_on(differences, said):
     assert summarize.quality(differences, "R^2").startswith(said)
+
+
+def write_predictions(path: Path, observed: list[float], predicted: list[float]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [f"T{i}\t{p!r}\t{o!r}" for i, (o, p) in enumerate(zip(observed, predicted, strict=True))]
+    path.write_text("\n".join(["sample_id\tpredicted\tobserved", *rows]) + "\n")
+
+
+def test_held_out_figures_are_scikit_learns_paired_by_seed_with_a_verdict_of_their_own(tmp_path):
+    """score_heldout.sh's predictions (the original's heldout_predictions.tsv, aamperf's heldout/targets.tsv):
+    R^2 over the held-out samples by one formula for both, paired by seed, decided as figure 1."""
+    (tmp_path / "machine.txt").write_text("AMD EPYC\n")
+    (tmp_path / "settings.txt").write_text("per_epoch=10 epochs=3 pretrain_epochs=1 samples=100\n")
+    rng = np.random.default_rng(0)
+    observed = rng.normal(size=50).tolist()
+    expected = {"original": [], "ultra-transformer": []}
+    for seed in "012":
+        for program, noise in (("original", 0.6), ("ultra-transformer", 0.5)):
+            name = f"target-frozen-{program}_seed{seed}"
+            predicted = (np.array(observed) + rng.normal(scale=noise, size=50)).tolist()
+            if program == "original":
+                write_run(tmp_path, name, 100.0, original=original_record(20.0, {"r2": 0.1, "mae": 0.3}))
+                write_predictions(tmp_path / "runs" / name / "heldout_predictions.tsv", observed, predicted)
+            else:
+                figures = {"val_target_r2": 0.1, "val_target_mae": 0.3}
+                write_run(tmp_path, name, 2.0, **aamperf_summary(0.01, figures, "regression", given=True))
+                write_predictions(tmp_path / "runs" / name / "heldout" / "targets.tsv", observed, predicted)
+            expected[program].append(r2_score(observed, predicted))
+    group = summarize.summarize(tmp_path)["groups"][0]
+    rows = {r["program"]: r for r in group["rows"]}
+    assert rows["original"]["heldout_r2"] == pytest.approx(expected["original"])
+    ultra = rows["ultra-transformer"]
+    assert ultra["heldout_samples"] == [50]
+    differences = np.subtract(expected["ultra-transformer"], expected["original"])
+    assert ultra["heldout_r2_vs_original"] == pytest.approx(differences.tolist())
+    said = summarize.quality(differences.tolist(), "held-out R^2")
+    assert (
+        summarize.verdict(group, ultra)
+        == f">= 20x end to end; R^2 equal or better (mean +0.000 [+0.000, +0.000], 3 seeds); {said}"
+    )
+    assert "(50 samples)" in summarize.to_markdown(summarize.summarize(tmp_path))

@@ -11,15 +11,20 @@ faster), then the median over seeds [min, max]. The figures: a regression's vali
 (target units), a classification's accuracy and macro-F1 (the original's from its confusion matrix:
 its own `f1` is support-weighted). aamperf validates on the original's validation samples of the same seed
 where run.sh gave them (data.val_samples: "original's" in the table; the same samples scored, the same
-trained on), else on its own split ("own").
+trained on), else on its own split ("own"). Held-out (regressions, where score_heldout.sh scored them): R^2
+and MAE over the samples of heldout.py, which no run trained or validated on, the same formula for both
+programs (scikit-learn's) from each one's predictions in the target's units; paired and decided like figure 1.
 Usage: python summarize.py OUT_DIR   (writes OUT_DIR/table.json, prints the markdown table)
 """
 
+import csv
 import json
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
+
+from sklearn.metrics import mean_absolute_error, r2_score
 
 from aamperf.report.paired import MIN_PAIRS, mean_interval, seeds_needed
 
@@ -49,6 +54,20 @@ def macro_f1(matrix: list[list[int]]) -> float:
     return sum(scores) / len(scores) if scores else float("nan")
 
 
+def heldout_figures(predictions: Path) -> dict[str, Any] | None:
+    """R^2 and MAE of a run's predictions of the held-out samples (columns predicted, observed), or None."""
+    if not predictions.is_file():
+        return None
+    with predictions.open() as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    observed, predicted = ([float(r[k]) for r in rows] for k in ("observed", "predicted"))
+    return {
+        "r2": r2_score(observed, predicted),
+        "mae": mean_absolute_error(observed, predicted),
+        "n": len(rows),
+    }
+
+
 def read_settings(out: Path) -> dict[str, int]:
     """run.sh's settings.txt: per_epoch=<steps of an epoch>, epochs=<fine-tuning epochs>, ..."""
     pairs = (line.split("=", 1) for line in (out / "settings.txt").read_text().split())
@@ -70,6 +89,7 @@ def read_original(run: Path, row: dict[str, Any]) -> None:
         val=last,
         val_samples=held_out and held_out // BATCH * BATCH,
         val_loss=last.get("total_loss"),
+        heldout=heldout_figures(run / "heldout_predictions.tsv"),
     )
 
 
@@ -88,6 +108,7 @@ def read_aamperf(run: Path, row: dict[str, Any], per_epoch: int) -> None:
         cached_embed_s=cached.get("embed_s") if cached.get("applied") else None,
         target_type=(s.get("target") or {}).get("type"),
         val_split="original's" if ((s.get("config") or {}).get("data") or {}).get("val_samples") else "own",
+        heldout=heldout_figures(run / "heldout" / "targets.tsv"),
     )
 
 
@@ -166,6 +187,13 @@ def summarize_group(group: dict[str, dict[str, dict]], target_kind: str) -> list
                 "rf_second": [x[second[1]] for x in rf if second[1] in x],
                 "val_samples": sorted({r["val_samples"] for r in done.values() if r.get("val_samples")}),
                 "val_split": sorted({r["val_split"] for r in done.values() if r.get("val_split")}),
+                "heldout_r2": [r["heldout"]["r2"] for r in done.values() if r.get("heldout")],
+                "heldout_r2_vs_original": [
+                    r["heldout"]["r2"] - o["heldout"]["r2"]
+                    for r, o in paired.values()
+                    if r.get("heldout") and o.get("heldout")
+                ],
+                "heldout_samples": sorted({r["heldout"]["n"] for r in done.values() if r.get("heldout")}),
             }
         )
     return rows
@@ -227,7 +255,8 @@ def verdict(group: dict[str, Any], row: dict[str, Any]) -> str:
     fast = min(row["wall_speedup"]) >= FROZEN_BAR
     speed = f"{'>=' if fast else '<'} {FROZEN_BAR:.0f}x end to end" if group["frozen"] == "frozen" else ""
     metric = quality(row["first_vs_original"], FIGURES[group["kind"]][0][0])
-    return "; ".join(x for x in (speed, metric) if x)
+    heldout = quality(row["heldout_r2_vs_original"], "held-out R^2") if row["heldout_r2_vs_original"] else ""
+    return "; ".join(x for x in (speed, metric, heldout) if x)
 
 
 def to_markdown(result: dict[str, Any]) -> str:
@@ -238,8 +267,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         "",
         "| target | encoder | program | epochs | s per epoch | x original per epoch | end to end s "
         "| x original end to end | figure 1 | figure 2 | vs original (figure 1) "
-        "| random forest (aamperf's val samples) | val samples | verdict | seeds done |",
-        "|---" * 15 + "|",
+        "| random forest (aamperf's val samples) | val samples | held-out R^2 | vs original (held-out) "
+        "| verdict | seeds done |",
+        "|---" * 17 + "|",
     ]
     for group in result["groups"]:
         (name1, _, _), (name2, _, _) = FIGURES[group["kind"]]
@@ -264,6 +294,10 @@ def to_markdown(result: dict[str, Any]) -> str:
                 rf if r["rf_first"] else "",
                 ("/".join(map(str, r["val_samples"])) or "n/a")
                 + (f" ({'/'.join(r['val_split'])})" if r["val_split"] else ""),
+                spread(r["heldout_r2"], ".3f") + "".join(f" ({n} samples)" for n in r["heldout_samples"][:1])
+                if r["heldout_r2"]
+                else "",
+                spread(r["heldout_r2_vs_original"], "+.3f") if r["heldout_r2_vs_original"] else "",
                 verdict(group, r),
                 " ".join(r["seeds_done"]) + (f" (failed: {failed})" if failed else ""),
             ]
@@ -286,7 +320,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         " epoch (a frozen encoder's embeddings, where cached, computed once: in end to end). The original"
         " validates on its split of the samples (it follows --seed); aamperf on the same samples where val"
         " samples says original's (data.val_samples), else on its own split; the random forest is aamperf's"
-        " metrics.rf_baseline on aamperf's validation samples.",
+        " metrics.rf_baseline on aamperf's validation samples. Held-out: R^2 over samples of the same"
+        " simulated data set that no run trained or validated on (heldout.py), paired and decided as"
+        " figure 1.",
     ]
     return "\n".join(lines)
 

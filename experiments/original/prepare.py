@@ -33,21 +33,26 @@ def rarefy(table: biom.Table, depth: int, seed: int) -> biom.Table:
     return biom.Table(np.stack(columns, axis=1), table.ids(axis="observation"), ids)
 
 
-out = Path(sys.argv[1])
-n_samples, n_asvs, richness, depth = map(int, sys.argv[2:6])
-sim_depth = int(sys.argv[6]) if len(sys.argv) > 6 else 5000
-params = SimParams(n_samples, n_asvs, 4, richness, sim_depth, 0)
-files = ensure_simulated(params, Path.home() / ".cache/aamperf")
-table = rarefy(read_table(files["table"]), depth, seed=0)
-table = table.filter(lambda values, _id, _md: values.sum() > 0, axis="observation", inplace=False)
-matrix = compute_unifrac(table, read_tree(files["tree"]))
-out.mkdir(parents=True, exist_ok=True)
-with open(out / "table.biom", "w") as f:
-    table.to_json("experiments/original/prepare.py", direct_io=f)
-np.save(out / "unifrac.npy", matrix)
-(out / "unifrac.ids.txt").write_text("\n".join(table.ids()) + "\n")
-richness = (table.matrix_data > 0).sum(axis=0).A1
-print(
-    f"{out}: {table.shape[1]} samples x {table.shape[0]} ASVs at {depth} reads; "
-    f"ASVs per sample median {int(np.median(richness))}, min {richness.min()}, max {richness.max()}"
-)
+def main() -> None:
+    out = Path(sys.argv[1])
+    n_samples, n_asvs, richness, depth = map(int, sys.argv[2:6])
+    sim_depth = int(sys.argv[6]) if len(sys.argv) > 6 else 5000
+    params = SimParams(n_samples, n_asvs, 4, richness, sim_depth, 0)
+    files = ensure_simulated(params, Path.home() / ".cache/aamperf")
+    table = rarefy(read_table(files["table"]), depth, seed=0)
+    table = table.filter(lambda values, _id, _md: values.sum() > 0, axis="observation", inplace=False)
+    matrix = compute_unifrac(table, read_tree(files["tree"]))
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "table.biom", "w") as f:
+        table.to_json("experiments/original/prepare.py", direct_io=f)
+    np.save(out / "unifrac.npy", matrix)
+    (out / "unifrac.ids.txt").write_text("\n".join(table.ids()) + "\n")
+    richness = (table.matrix_data > 0).sum(axis=0).A1
+    print(
+        f"{out}: {table.shape[1]} samples x {table.shape[0]} ASVs at {depth} reads; "
+        f"ASVs per sample median {int(np.median(richness))}, min {richness.min()}, max {richness.max()}"
+    )
+
+
+if __name__ == "__main__":
+    main()
