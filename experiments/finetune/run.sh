@@ -10,7 +10,9 @@
 #   FREEZES="encoder none", TARGET_HEADS="transformer" (aamperf's model.target_head: transformer, the original's;
 #   linear), SAME_SPLIT=1 (aamperf validates on the original's validation samples of the same seed; 0: its own
 #   split), REUSE_ORIGINAL (1: the original's fine-tunes that finished in OUT_DIR are kept, not run again),
-#   TIME_LIMIT_S (no run begins after it, each is stopped at it),
+#   TIME_LIMIT_S (no run begins after it, each is stopped at it), HELDOUT=200 (DRY: 24; samples of the same simulated
+#   data set no run trains or validates on, heldout.py; each finished regression is scored on them after
+#   the runs, score_heldout.sh; 0: none),
 #   WHEELS=.whl (the original's wheel: experiments/gpu_scale/wheels.sh)
 # Exit: 0 every run finished; 1 one failed or was cut off (the table says which); 2 the original missing.
 set -euo pipefail
@@ -23,11 +25,11 @@ TARGET_HEADS=${TARGET_HEADS:-transformer} SAME_SPLIT=${SAME_SPLIT:-1}
 venv=/tmp/finetune/aam
 
 if [[ -n ${DRY:-} ]]; then  # every path of the real run, at toy sizes
-  EPOCHS=${EPOCHS:-2} PRETRAIN_EPOCHS=${PRETRAIN_EPOCHS:-1}
+  EPOCHS=${EPOCHS:-2} PRETRAIN_EPOCHS=${PRETRAIN_EPOCHS:-1} HELDOUT=${HELDOUT:-24}
   data=(48 300 30 500 1000)  # samples, ASVs, mean richness, rarefaction depth, reads simulated
   D=32 HEADS=2 LAYERS=1 ASVS=64
 else  # experiments/original's data and model: its measured step times size EPOCHS (README.md)
-  EPOCHS=${EPOCHS:-5} PRETRAIN_EPOCHS=${PRETRAIN_EPOCHS:-5}
+  EPOCHS=${EPOCHS:-5} PRETRAIN_EPOCHS=${PRETRAIN_EPOCHS:-5} HELDOUT=${HELDOUT:-200}
   data=(100 1000 70 1000 5000)
   D=128 HEADS=4 LAYERS=2 ASVS=128
 fi
@@ -54,6 +56,7 @@ $original -c 'import aam.cli.train' || { echo "error: the original does not impo
 cat "$out/machine.txt"
 
 [[ -f $out/data/metadata.tsv ]] || $aamperf $HERE/prepare.py "$out/data" "${data[@]}"
+((HELDOUT == 0)) || [[ -f $out/data/heldout/metadata.tsv ]] || $aamperf $HERE/heldout.py "$out/data" "$HELDOUT" "${data[@]}"
 n=$(wc -l <"$out/data/unifrac.ids.txt")
 # the original keeps ceil(0.2 n) for validation and drops each epoch's last partial batch: aamperf takes as
 # many steps of 8 per epoch (its validation: round(0.2 n) samples, all of them, once at the end)
@@ -146,5 +149,6 @@ for seed in $SEEDS; do
     done
   done
 done
+$HERE/score_heldout.sh "$out"
 $aamperf $HERE/summarize.py "$out" | tee "$out/table.md"
 exit $status

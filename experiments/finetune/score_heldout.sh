@@ -3,15 +3,18 @@
 # the original's with score_aam.py in its venv (RUN/heldout_predictions.tsv), aamperf's with
 # `python -m aamperf.predict` (RUN/heldout/targets.tsv). Not timed: after the runs, outside their clocks.
 # A run already scored, a classification, or one that did not finish is passed over.
-#   experiments/finetune/score_heldout.sh OUT_DIR
+#   experiments/finetune/score_heldout.sh OUT_DIR [RUN_PATTERN ...]   (default: every run, *_seed*)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=$(cd "$1" && pwd) heldout=$1/data/heldout
 original=/tmp/finetune/aam/bin/python aamperf=.venv/bin/python
 [[ -f $heldout/metadata.tsv ]] || { echo "no held-out samples in $heldout (run.sh HELDOUT=N writes them)"; exit 0; }
 heldout=$(cd "$heldout" && pwd)
-for run in "$out"/runs/*_seed*/; do
+patterns=("${@:2}")
+((${#patterns[@]})) || patterns=("*_seed*")
+for pattern in "${patterns[@]}"; do for run in "$out"/runs/$pattern/; do
   run=${run%/}
+  [[ -d $run ]] || continue
   [[ $(cat "$run/exit_code" 2>/dev/null) == 0 ]] || continue
   if [[ -f $run/record.json ]]; then  # the original's
     [[ -f $run/heldout_predictions.tsv ]] && continue
@@ -28,4 +31,4 @@ sys.exit(1 if c.get('is_classifier') else 0)" "$run/aam/final_model.pt" || conti
       progress=false "hydra.run.dir=$run/heldout" >"$run/heldout.log" 2>&1 ||
       { echo "  failed: $run/heldout.log"; tail -2 "$run/heldout.log"; }
   fi
-done
+done; done
