@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sklearn.metrics import confusion_matrix, f1_score, r2_score
+from sklearn.metrics import confusion_matrix, f1_score, mean_absolute_error, r2_score
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "experiments/finetune/summarize.py"
@@ -143,7 +143,7 @@ def test_held_out_figures_are_scikit_learns_paired_by_seed_with_a_verdict_of_the
     (tmp_path / "settings.txt").write_text("per_epoch=10 epochs=3 pretrain_epochs=1 samples=100\n")
     rng = np.random.default_rng(0)
     observed = rng.normal(size=50).tolist()
-    expected = {"original": [], "ultra-transformer": []}
+    expected, maes = {"original": [], "ultra-transformer": []}, {}
     for seed in "012":
         for program, noise in (("original", 0.6), ("ultra-transformer", 0.5)):
             name = f"target-frozen-{program}_seed{seed}"
@@ -156,11 +156,17 @@ def test_held_out_figures_are_scikit_learns_paired_by_seed_with_a_verdict_of_the
                 write_run(tmp_path, name, 2.0, **aamperf_summary(0.01, figures, "regression", given=True))
                 write_predictions(tmp_path / "runs" / name / "heldout" / "targets.tsv", observed, predicted)
             expected[program].append(r2_score(observed, predicted))
+            maes.setdefault(program, []).append(mean_absolute_error(observed, predicted))
     group = summarize.summarize(tmp_path)["groups"][0]
     rows = {r["program"]: r for r in group["rows"]}
     assert rows["original"]["heldout_r2"] == pytest.approx(expected["original"])
     ultra = rows["ultra-transformer"]
-    assert ultra["heldout_samples"] == [50]
+    assert ultra["heldout_samples"] == [50] and ultra["heldout_mae"] == pytest.approx(
+        maes["ultra-transformer"]
+    )
+    assert ultra["heldout_mae_vs_original"] == pytest.approx(
+        np.subtract(maes["ultra-transformer"], maes["original"])
+    )
     differences = np.subtract(expected["ultra-transformer"], expected["original"])
     assert ultra["heldout_r2_vs_original"] == pytest.approx(differences.tolist())
     said = summarize.quality(differences.tolist(), "held-out R^2")

@@ -187,12 +187,18 @@ def summarize_group(group: dict[str, dict[str, dict]], target_kind: str) -> list
                 "rf_second": [x[second[1]] for x in rf if second[1] in x],
                 "val_samples": sorted({r["val_samples"] for r in done.values() if r.get("val_samples")}),
                 "val_split": sorted({r["val_split"] for r in done.values() if r.get("val_split")}),
-                "heldout_r2": [r["heldout"]["r2"] for r in done.values() if r.get("heldout")],
-                "heldout_r2_vs_original": [
-                    r["heldout"]["r2"] - o["heldout"]["r2"]
-                    for r, o in paired.values()
-                    if r.get("heldout") and o.get("heldout")
-                ],
+                **{
+                    f"heldout_{k}": [r["heldout"][k] for r in done.values() if r.get("heldout")]
+                    for k in ("r2", "mae")
+                },
+                **{
+                    f"heldout_{k}_vs_original": [
+                        r["heldout"][k] - o["heldout"][k]
+                        for r, o in paired.values()
+                        if r.get("heldout") and o.get("heldout")
+                    ]
+                    for k in ("r2", "mae")
+                },
                 "heldout_samples": sorted({r["heldout"]["n"] for r in done.values() if r.get("heldout")}),
             }
         )
@@ -267,7 +273,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         "",
         "| target | encoder | program | epochs | s per epoch | x original per epoch | end to end s "
         "| x original end to end | figure 1 | figure 2 | vs original (figure 1) "
-        "| random forest (aamperf's val samples) | val samples | held-out R^2 | vs original (held-out) "
+        "| random forest (aamperf's val samples) | val samples | held-out | vs original (held-out) "
         "| verdict | seeds done |",
         "|---" * 17 + "|",
     ]
@@ -294,10 +300,14 @@ def to_markdown(result: dict[str, Any]) -> str:
                 rf if r["rf_first"] else "",
                 ("/".join(map(str, r["val_samples"])) or "n/a")
                 + (f" ({'/'.join(r['val_split'])})" if r["val_split"] else ""),
-                spread(r["heldout_r2"], ".3f") + "".join(f" ({n} samples)" for n in r["heldout_samples"][:1])
+                f"R^2 {spread(r['heldout_r2'], '.3f')}, MAE {spread(r['heldout_mae'], '.4f')}"
+                + "".join(f" ({n} samples)" for n in r["heldout_samples"][:1])
                 if r["heldout_r2"]
                 else "",
-                spread(r["heldout_r2_vs_original"], "+.3f") if r["heldout_r2_vs_original"] else "",
+                f"R^2 {spread(r['heldout_r2_vs_original'], '+.3f')}, "
+                f"MAE {spread(r['heldout_mae_vs_original'], '+.4f')}"
+                if r["heldout_r2_vs_original"]
+                else "",
                 verdict(group, r),
                 " ".join(r["seeds_done"]) + (f" (failed: {failed})" if failed else ""),
             ]
