@@ -25,8 +25,8 @@ params = SimParams(n_samples, n_asvs, 4, richness, sim_depth, 0)  # prepare.py's
 table, rows = simulate_heldout(params, n_heldout, HELDOUT_SEED)
 table = rarefy(table, depth, seed=0)
 table = table.filter(lambda values, _id, _md: values.sum() > 0, axis="observation", inplace=False)
-header = (out / "metadata.tsv").read_text().splitlines()[0]
-classes = sorted({line.split("\t")[1] for line in (out / "metadata.tsv").read_text().splitlines()[1:]})
+header, *data_rows = (out / "metadata.tsv").read_text().splitlines()
+classes = sorted({line.split("\t")[1] for line in data_rows})
 kept = {sample_id: (env, target) for sample_id, env, target in rows}
 lines = [header] + [
     f"{sid}\t{kept[sid][0]}\t{kept[sid][1]!r}\t{classes.index(kept[sid][0])}" for sid in table.ids()

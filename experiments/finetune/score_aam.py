@@ -10,7 +10,8 @@ batches the samples with the original's own ASVDataset and collate_fn (abundance
 with the original's GlobalNormalizer fitted as `aam train` fits it: on the targets of its training samples
 (`train_samples.txt`).
 Usage: python score_aam.py RUN_DIR DATA_DIR  (RUN_DIR: the run's directory, its `aam/` the original's output)
-Writes RUN_DIR/heldout_predictions.tsv: sample_id, predicted (the target's units), observed.
+Writes RUN_DIR/heldout_predictions.tsv: sample_id, predicted (the target's units), observed; exit 3 for a
+classification or a model with categorical columns (not scored).
 """
 
 import sys
@@ -25,11 +26,13 @@ from aam.data.normalization import GlobalNormalizer
 from aam.models.sequence_predictor import SequencePredictor
 from torch.utils.data import DataLoader
 
+NOT_A_REGRESSION = 3  # the exit code score_heldout.sh passes over
 run, data = Path(sys.argv[1]), Path(sys.argv[2])
 checkpoint = torch.load(run / "aam" / "final_model.pt", map_location="cpu", weights_only=True)
 config = checkpoint["config"]
-if config.get("is_classifier") or config.get("categorical_cardinalities"):
-    sys.exit("error: score_aam.py scores a regression without categorical columns")
+if config.get("is_classifier") or config.get("categorical_encoder"):
+    print("score_aam.py: not scored: it scores a regression without categorical columns", file=sys.stderr)
+    sys.exit(NOT_A_REGRESSION)
 layers, heads = config["attention_layers"], config["attention_heads"]
 stacks = ("asv", "sample", "encoder", "count", "target")
 model = SequencePredictor(
