@@ -32,6 +32,7 @@ else
   D=128 HEADS=4 LAYERS=4 ASVS=1024  # aam_base: the original's CLI defaults
 fi
 mkdir -p "$out/runs"
+out=$(cd "$out" && pwd)  # absolute: the runs read their data from it
 start=$SECONDS
 
 # Two venvs over the base interpreter's packages (the GPU image's python3 and its torch; here aamperf's
@@ -79,8 +80,8 @@ ORIG=(--table "$out/data/table.biom" --unifrac-matrix "$out/data/unifrac.npy" --
       --attention-layers $LAYERS --token-limit $ASVS --warmup-steps 10 --device $device)
 FAST=(--mixed-precision bf16 --compile-model --tf32 --attn-implementation "$ORIG_ATTN" --no-gradient-checkpointing)
 AP=(model=aam_base model.embedding_dim=$D model.num_heads=$HEADS model.max_asvs=$ASVS model.asv_layers=$LAYERS
-    model.sample_layers=$LAYERS model.encoder_layers=$LAYERS data=biom "data.table=$PWD/$out/data/table.biom"
-    "data.unifrac=$PWD/$out/data/unifrac.npy" "data.rarefy_depth=${data[3]}" trainer.warmup_steps=10
+    model.sample_layers=$LAYERS model.encoder_layers=$LAYERS data=biom "data.table=$out/data/table.biom"
+    "data.unifrac=$out/data/unifrac.npy" "data.rarefy_depth=${data[3]}" trainer.warmup_steps=10
     trainer.grad_clip=0 trainer.min_lr_ratio=0 trainer.progress=false device=$device)
 
 status=0 first=1
