@@ -56,8 +56,9 @@ class MemorySnapshot:
         if self.device.type == "cuda":
             # Python frames only: C++ stacks cost each allocation an unwind, and memory_viz names the
             # Python lines. With the default stacks="all", torch 2.11+cu130 on an H200 failed inside
-            # checkpointing's recompute in backward (SystemError from dropout, 2026-11-27); whether "python"
-            # avoids that is unchecked on a GPU so far (tests/gpu/test_cuda_runs.py's snapshot test)
+            # checkpointing's recompute in backward (SystemError from dropout, 2026-11-27), and with
+            # stacks="python" too on another H200 the same day: tests/gpu/test_cuda_runs.py's snapshot test
+            # fails there (experiments/gpu_scale/README.md, "Left for the next GPU session")
             torch.cuda.memory._record_memory_history(stacks="python", max_entries=HISTORY_ENTRIES)
             self._recording = True
         else:
