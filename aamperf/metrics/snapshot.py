@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 # steps recorded, after warm-up and any profiled ones: a step's allocations and frees, the next one's reuse
 SNAPSHOT_STEPS = 2
 HISTORY_ENTRIES = 100_000  # CUDA allocator events kept, the oldest dropped beyond: a few steps of AAM's
+# what the CUDA allocator's history records with each event (torch.cuda.memory._record_memory_history)
+RECORDING = {"context": "all", "stacks": "python"}
 
 
 def timeline_columns() -> list[str]:
@@ -59,7 +61,7 @@ class MemorySnapshot:
             # checkpointing's recompute in backward (SystemError from dropout, 2026-11-27), and with
             # stacks="python" too on another H200 the same day: tests/gpu/test_cuda_runs.py's snapshot test
             # fails there (experiments/gpu_scale/README.md, "Left for the next GPU session")
-            torch.cuda.memory._record_memory_history(stacks="python", max_entries=HISTORY_ENTRIES)
+            torch.cuda.memory._record_memory_history(**RECORDING, max_entries=HISTORY_ENTRIES)
             self._recording = True
         else:
             self._prof = profile(

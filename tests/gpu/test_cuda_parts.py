@@ -11,6 +11,7 @@ from aamperf.device import resolve_device
 from aamperf.errors import UserError
 from aamperf.metrics.flops import matmul_dtype
 from aamperf.metrics.monitor import _GPU, SystemMonitor
+from aamperf.metrics.snapshot import RECORDING
 from aamperf.model.layers import MathAttention, key_padding_mask
 from aamperf.phases.attention import SDPAttention, check_attention
 from aamperf.phases.memory import apply_cuda_memory
@@ -148,6 +149,25 @@ def test_sdpa_on_cuda_drops_attention_in_training_with_the_kernels_own_dropout()
 
 
 # ---- the allocator's settings -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "recording",
+    [RECORDING, {"context": "all", "stacks": "cpp"}, {"context": "state", "stacks": "python"}],
+    ids=["aamperf", "cpp-stacks", "no-stacks"],
+)
+def test_a_snapshot_recording_survives_a_recompute_with_dropout_in_backward(recording):
+    """metrics.memory_snapshot's recording (the first case; the others: what to switch to if it fails) over
+    a checkpointed block with dropout: a run's snapshot failed in such a recompute (torch 2.11, an H200)."""
+    block = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Dropout(0.1)).to(CUDA)
+    x = torch.randn(64, 151, 128, device=CUDA, requires_grad=True)
+    torch.cuda.memory._record_memory_history(**recording, max_entries=10_000)
+    try:
+        torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum().backward()
+        traces = torch.cuda.memory._snapshot()["device_traces"]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    assert x.grad is not None and any(e["action"] == "alloc" for device in traces for e in device)
 
 
 def segment_of(tensor: torch.Tensor) -> dict:
