@@ -130,6 +130,12 @@ def test_quality_is_decided_by_the_paired_interval_from_three_seeds_on(differenc
     assert summarize.quality(differences, "R^2").startswith(said)
 
 
+def test_an_undecided_mean_near_the_margin_says_how_near_beside_the_seeds_it_would_take():
+    said = summarize.quality([-0.02, -0.07, -0.045], "R^2")  # mean -0.045 against the -0.05 margin
+    assert said.startswith("R^2 undecided (mean -0.045 [")
+    assert "the mean +0.005 from the margin: about " in said
+
+
 def write_predictions(path: Path, observed: list[float], predicted: list[float]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [f"T{i}\t{p!r}\t{o!r}" for i, (o, p) in enumerate(zip(observed, predicted, strict=True))]
