@@ -187,6 +187,17 @@ def on_tmpfs(size: int, mount: Path, copy: Path) -> list[str]:
     return ["unshare", "-rm" if os.geteuid() else "-m", "sh", "-c", script, "sh"]
 
 
+def skip_where_others_busy(limit: float = 0.2, watch_s: float = 0.5) -> None:
+    """Skip, with the reason, a test whose timing or load reading another program on the cores would
+    decide: their load watched for `watch_s` first (the test's own process and children left out)."""
+    from aamperf.metrics.flops import LoadWatch
+
+    watch = LoadWatch()
+    time.sleep(watch_s)
+    if (others := watch.stop()["other_cores_busy"]) > limit:
+        pytest.skip(f"other processes kept {others:.2f} cores busy before the test: it needs a quiet machine")
+
+
 @contextlib.contextmanager
 def holding(code: str) -> Iterator[None]:
     """Another program beside the test, holding the memory `code` takes (RAM or a GPU's), until the block

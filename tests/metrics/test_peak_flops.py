@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from conftest import skip_where_others_busy
 
 from aamperf.metrics import count_flops, null_reason, peak_flops
 from aamperf.metrics import flops as flops_module
@@ -167,10 +168,7 @@ def test_a_paused_load_watch_leaves_out_what_ran_meanwhile():
     """A spinner busy only while the watch is paused (a compile's C++ compiler) is not load; one busy
     while it watches is."""
     spawn = multiprocessing.get_context("spawn")
-    before = LoadWatch()
-    time.sleep(0.5)
-    if (others := before.stop()["other_cores_busy"]) > 0.2:  # another program's load would count as well
-        pytest.skip(f"other processes kept {others:.2f} cores busy before the test: it needs a quiet machine")
+    skip_where_others_busy()  # another program's load would count as well
     watch = LoadWatch()
     _spin(0.6)
     watch.pause()
