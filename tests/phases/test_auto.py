@@ -396,14 +396,15 @@ def test_compile_auto_skips_a_trial_that_cannot_pay(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("least_step_s", "eager_step_s", "by_import"),
-    [(1e-6, None, True), (10.0, None, False), (1e-6, 10.0, False)],
+    ("least_step_s", "eager_step_s", "import_s", "by_import"),
+    # the short run's import is long enough that its tiny steps, timed, stay under it on a busy machine too
+    [(1e-6, None, 60.0, True), (10.0, None, 5.0, False), (1e-6, 10.0, 5.0, False)],
     ids=["short-run", "flops-too-many", "steps-too-slow"],
 )
 def test_compile_auto_on_a_device_that_compiled_nothing_weighs_the_run_against_the_compilers_import(
-    tmp_path, monkeypatch, least_step_s, eager_step_s, by_import
+    tmp_path, monkeypatch, least_step_s, eager_step_s, import_s, by_import
 ):
-    """3 steps against a 5 s import of the compiler (injected): a run whose steps take less in all stays
+    """3 steps against an import of the compiler (injected): a run whose steps take less in all stays
     eager without a block probe; one whose FLOPs at the peak already outweigh the import times no step and
     goes on to the probe; one whose timed steps outweigh it goes on to the probe too."""
     from aamperf.phases import compile as compile_phase
@@ -411,7 +412,7 @@ def test_compile_auto_on_a_device_that_compiled_nothing_weighs_the_run_against_t
     monkeypatch.setattr(compile_phase, "compiler_imported", lambda: False)  # this process compiled before
     model, cfg, step = tiny_step()
     probe = Probe(CPU, tmp_path / "probe.json")
-    inject(probe, "compiler_import", {}, {"import_s": 5.0})
+    inject(probe, "compiler_import", {}, {"import_s": import_s})
     if eager_step_s is not None:
         inject(probe, "eager_step", {"context": "c"}, {"eager_step_s": eager_step_s})
     probed = []  # the block probe, not cached yet: its answer given here (slower compiled: no trial)
@@ -422,8 +423,8 @@ def test_compile_auto_on_a_device_that_compiled_nothing_weighs_the_run_against_t
     assert record["auto"]["chose"] == "disabled" and model._compiled_call_impl is None
     assert len(probed) == (0 if by_import else 1)
     if by_import:
-        assert "(at least 5.0 s: importing torch's compiler, measured here)" in record["reason"]
-        assert probe.cached("eager_step", {"context": "c"})["eager_step_s"] < 5.0 / 3
+        assert f"(at least {import_s} s: importing torch's compiler, measured here)" in record["reason"]
+        assert probe.cached("eager_step", {"context": "c"})["eager_step_s"] < import_s / 3
     else:
         assert "ran 1.30x its eager time" in record["reason"]  # the block probe decided
     if least_step_s == 10.0:
