@@ -36,6 +36,8 @@ def aamperf_summary(step_s: float, batch: int = 8, auto: bool = False, steps: in
         "model_flops_per_step": 8e12 * batch / 8,  # 1e12 per sample
         "hardware_flops_per_step": 4e12 * batch / 8,  # each distinct ASV once: half
         "peak_flops": 989.5e12,
+        "gpu_util_percent": 40.0,
+        "auto_s": 5.0,
         "config": {"trainer": {"batch_size": "auto" if auto else batch}},
     }
     return {**summary, "batch_finder": {"batch_size": batch}} if auto else summary
@@ -69,6 +71,8 @@ def test_ratios_are_paired_by_seed_and_end_to_end_needs_the_same_samples(tmp_pat
     assert fastest["mfu"] == pytest.approx([80e12 / 989.5e12, 40e12 / 989.5e12])  # aamperf's FLOPs count
     # HFU: what the run executed per sample (half the model's math here), the original's unknown
     assert auto["hfu"] == pytest.approx([160e12 / 989.5e12]) and fastest["hfu"] == []
+    assert rows["ultra"]["gpu_busy_percent"] == [40.0, 40.0] and rows["ultra"]["probes_s"] == [5.0, 5.0]
+    assert fastest["gpu_busy_percent"] == [] and fastest["probes_s"] == []  # aamperf's records alone
     assert fastest["val_loss"] == [2.2, 2.2] and fastest["train_loss"] == [2.3, 2.3]  # the last epoch, step
     assert rows["advanced"]["seeds_done"] == [] and rows["advanced"]["failed"] == {"0": 124}
     table = summarize.to_markdown(summarize.summarize(tmp_path))

@@ -59,6 +59,8 @@ def read_run(run: Path) -> dict[str, Any]:
             flops_per_sample=s["model_flops_per_step"] / batch,
             executed_flops_per_sample=s["hardware_flops_per_step"] / batch,
             peak_flops=s["peak_flops"],
+            gpu_busy=s.get("gpu_util_percent"),  # pynvml's utilization over the run
+            probes_s=s.get("auto_s"),  # the `auto` decisions' measuring: once per machine, then cached
         )
     row["samples_per_s"] = row["batch"] / row["step_s"]
     return row
@@ -131,6 +133,8 @@ def summarize(out: Path) -> dict[str, Any]:
                 "peak_device_bytes": memory,
                 "mfu": mfu,
                 "hfu": hfu,
+                "gpu_busy_percent": [r["gpu_busy"] for r in done.values() if r.get("gpu_busy") is not None],
+                "probes_s": [r["probes_s"] for r in done.values() if r.get("probes_s") is not None],
                 "train_loss": [r["train_loss"] for r in done.values()],
                 "val_loss": [r["val_loss"] for r in done.values() if r["val_loss"] is not None],
             }
@@ -147,9 +151,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         + (f" ({result['peak_flops'] / 1e12:.1f} TFLOP/s)." if result["peak_flops"] else "."),
         "",
         f"| configuration | batch | steps | steady step ms | samples/s | x {REFERENCE} samples/s (paired) "
-        f"| end to end s | x {REFERENCE} end to end | peak GPU memory GiB | MFU % | HFU % "
-        "| train loss at end | val loss at end | seeds done |",
-        "|---" * 14 + "|",
+        f"| end to end s | x {REFERENCE} end to end | probes s | peak GPU memory GiB | MFU % | HFU % "
+        "| GPU busy % | train loss at end | val loss at end | seeds done |",
+        "|---" * 16 + "|",
     ]
     for r in result["rows"]:
         failed = ", ".join(f"seed {s}: exit {c}" for s, c in r["failed"].items())
@@ -162,9 +166,11 @@ def to_markdown(result: dict[str, Any]) -> str:
             spread(r["speedup"], ".2f") + ("x" if r["speedup"] else ""),
             spread(r["wall_s"], ".0f"),
             spread(r["wall_speedup"], ".2f") + ("x" if r["wall_speedup"] else ""),
+            spread(r["probes_s"], ".1f"),
             spread(r["peak_device_bytes"], ".2f", 1 / GIB),
             spread(r["mfu"], ".2f", 100),
             spread(r["hfu"], ".2f", 100),
+            spread(r["gpu_busy_percent"], ".0f"),
             spread(r["train_loss"], ".3f"),
             spread(r["val_loss"], ".3f"),
             " ".join(r["seeds_done"]) + (f" (failed: {failed})" if failed else ""),
@@ -176,7 +182,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         f" to {REFERENCE} of the same seed (higher is faster); end to end only where both ran the same"
         " samples (same batch and steps). MFU: the model's math per sample (each sample's ASVs encoded),"
         " HFU: the FLOPs aamperf's run executed (aam_ops encodes each distinct ASV of a batch once, and"
-        " counts recomputation), both over the same peak; the original's HFU is not known.",
+        " counts recomputation), both over the same peak; the original's HFU is not known. Probes: the"
+        " seconds aamperf's `auto` decisions spent measuring (once per machine, then read from its cache: a"
+        " later run's end to end is that much shorter). GPU busy: pynvml's utilization over the run.",
     ]
     return "\n".join(lines)
 
