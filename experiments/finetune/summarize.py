@@ -250,9 +250,9 @@ def quality(differences: list[float], name: str) -> str:
     if i.hi < -MARGIN:
         return f"{name} worse ({shown})"
     needed = seeds_needed(i, MARGIN, CONFIDENCE, inside=True)  # at this mean and spread
-    # a mean near the margin needs many seeds: say how near, so a large count reads as what it is
-    near = f"; the mean {i.mean + MARGIN:+.3f} from the margin: about {needed} seeds would decide it"
-    more = near if needed else ""
+    more = ""
+    if needed:  # a mean near the margin needs many seeds: say how near, so a large count reads as what it is
+        more = f"; the mean {i.mean + MARGIN:+.3f} from the margin: about {needed} seeds would decide it"
     return f"{name} undecided ({shown}{more})"
 
 
