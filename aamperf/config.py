@@ -34,7 +34,7 @@ CompileMode = choices("CompileMode", "disabled", "default", "reduce-overhead", "
 AttentionImpl = choices("AttentionImpl", "math", "sdpa", "auto")
 SdpaBackend = choices("SdpaBackend", "flash", "efficient", "cudnn", "math")
 DropoutImpl = choices("DropoutImpl", "standard", "fast")
-Checkpointing = choices("Checkpointing", "none", "full", "selective", "ops", "auto")
+Checkpointing = choices("Checkpointing", "none", "full", "selective", "ops", "budget", "auto")
 OptimizerImpl = choices("OptimizerImpl", "for_loop", "foreach", "fused")
 LrSchedule = choices("LrSchedule", "warmup_cosine", "warmup_linear", "constant", "onecycle")
 Resume = choices("Resume", "disabled", "auto")
@@ -145,8 +145,10 @@ class MemoryConfig:
     """Activation checkpointing (`aamperf/phases/memory.py`), the memory guard (`aamperf/guards/`)."""
 
     checkpointing: Checkpointing = Checkpointing.none  # full: every transformer layer; selective: every k-th
-    # ops: every layer, its matmuls' and attention's outputs kept, the other ops recomputed
+    # ops: every layer, its matmuls' and attention's outputs kept, the other ops recomputed; budget: what
+    # torch.compile's partitioner keeps, within activation_budget
     recompute_every: int = 2  # selective (and auto in fp32): recompute layers 0, k, 2k, ...
+    activation_budget: float = 0.5  # budget: the fraction of compile's saved activations kept (0: least)
     warn_fraction: float = 0.90  # of system RAM (CPU) or device memory: gc + cache clearing, warning
     max_fraction: float = 0.97  # ... checkpoint and stop (status aborted) before the system's OOM killer
     cuda_memory_fraction: float | None = None  # cap this process's share of the GPU

@@ -62,6 +62,11 @@ CONFIG_CASES = {
     "more ASVs than model positions": (["data.max_asvs=32"], "raise model.max_asvs"),
     "unknown resume mode": (["trainer.resume=maybe"], "trainer.resume=maybe is not one of disabled, auto"),
     "memory fraction above 1": (["memory.warn_fraction=1.5"], "memory.warn_fraction=1.5 must be in (0, 1]"),
+    "activation budget above 1": (
+        ["memory=budget", "compile=default", "memory.activation_budget=2"],
+        "memory.activation_budget=2.0 must be in (0, 1]",
+    ),
+    "activation budget without compile": (["memory=budget"], "add compile=auto or compile=default"),
     "attention kernel missing on CPU": (["attention=sdpa_efficient"], "use attention=sdpa"),
     "unknown compile mode": (
         ["compile.mode=fastest"],

@@ -31,7 +31,7 @@ from aamperf.phases.compile import (
 from aamperf.phases.dataloader import check_dataloader, resolve_dataloader
 from aamperf.phases.distributed import check_comm_hook, grad_sync, wrap_model
 from aamperf.phases.dropout import apply_dropout
-from aamperf.phases.memory import apply_checkpointing, apply_cuda_memory, check_memory
+from aamperf.phases.memory import apply_checkpointing, apply_cuda_memory, budget_unused, check_memory
 from aamperf.phases.optimizer import build_optimizer
 from aamperf.phases.precision import DTYPES, apply_precision, check_precision, confirm_precision, step_times
 from aamperf.phases.record import skipped
@@ -46,6 +46,16 @@ def check_phases(cfg: DictConfig, device: torch.device) -> None:
     problems = check_precision(cfg.precision, device)
     problems += check_attention(cfg.attention, device, DTYPES.get(cfg.precision.dtype, torch.float32))
     problems += check_memory(cfg.memory) + check_dataloader(cfg.dataloader)
+    if cfg.memory.checkpointing == "budget" and cfg.compile.mode == "disabled":
+        problems.append(
+            "memory=budget is torch.compile's activation memory budget and compile is disabled: add "
+            "compile=auto or compile=default, or take memory=ops (the same trade in eager)"
+        )
+    elif cfg.memory.checkpointing == "budget" and cfg.compile.backend != "inductor":
+        problems.append(
+            f"memory=budget keeps dropout's masks right by a pass of inductor's, and compile.backend="
+            f"{cfg.compile.backend}: set compile.backend=inductor, or take memory=ops"
+        )
     problems += check_comm_hook(cfg.distributed, device) + check_allocator(cfg.system)
     if problems:
         raise UserError("; ".join(problems))
@@ -123,6 +133,7 @@ def apply_phases(
         records["compile"] = decide_compile(model, cfg, step, world, micro_batch, device, steps, least_step_s)
     else:
         records["compile"] = apply_compile(model, cfg.compile, lambda: step(0))
+    records["checkpointing"] = budget_unused(records["checkpointing"], records["compile"])
     param_dtype = DTYPES.get(cfg.precision.dtype, torch.float32)
     model, records["distributed"] = wrap_model(model, cfg, world, device, param_dtype)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -1,10 +1,11 @@
-"""Activation checkpointing per transformer layer or per op, and CUDA allocator settings (the memory guard
-that watches a run is in aamperf/guards/memory.py)."""
+"""Activation checkpointing per transformer layer or per op, or within torch.compile's activation memory
+budget, and CUDA allocator settings (the memory guard that watches a run is in aamperf/guards/memory.py)."""
 
 import logging
 from functools import partial
 
 import torch
+import torch._functorch.config as functorch_config
 from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -14,6 +15,10 @@ from aamperf.model.layers import Block
 from aamperf.phases.record import applied, skipped
 
 log = logging.getLogger(__name__)
+
+# torch's own activation memory budget (1.0: compile's partitioner keeps what it would save, recomputing
+# only what costs nothing to)
+UNBUDGETED = functorch_config.activation_memory_budget
 
 _aten = torch.ops.aten
 # memory=ops keeps the outputs of these (the matmuls and attention kernels: nearly all of a block's FLOPs)
@@ -53,6 +58,9 @@ def check_memory(cfg: DictConfig) -> list[str]:
     problems = []
     if cfg.recompute_every < 1:
         problems.append(f"memory.recompute_every={cfg.recompute_every} must be >= 1")
+    # 0 would save the graph's inputs alone: torch then recomputes the seeds KeepRandomness saves
+    if not 0 < cfg.activation_budget <= 1:
+        problems.append(f"memory.activation_budget={cfg.activation_budget} must be in (0, 1]")
     if not 0 < cfg.warn_fraction <= 1:
         problems.append(f"memory.warn_fraction={cfg.warn_fraction} must be in (0, 1]")
     if not 0 < cfg.max_fraction <= 1:
@@ -64,9 +72,20 @@ def apply_checkpointing(model: nn.Module, cfg: DictConfig) -> dict:
     """Wrap transformer layers so their activations are recomputed in backward instead of kept.
 
     full: every layer; selective: layers 0, k, 2k, ... of each stack (k = memory.recompute_every); ops:
-    every layer, keeping its matmuls' and attention's outputs and recomputing only the other ops.
+    every layer, keeping its matmuls' and attention's outputs and recomputing only the other ops; budget:
+    no wrapper, torch.compile's partitioner keeps at most memory.activation_budget of the bytes it would
+    save for backward (the compile phase, later, builds the graphs it acts in).
     The wrapper keeps state_dict keys unchanged (checkpoints stay loadable either way).
     """
+    budget = cfg.checkpointing == "budget"
+    set_activation_budget(cfg.activation_budget if budget else UNBUDGETED)
+    if budget:
+        return applied(
+            mode="budget",
+            activation_budget=cfg.activation_budget,
+            solver=functorch_config.activation_memory_budget_solver,
+            runtime_estimator=functorch_config.activation_memory_budget_runtime_estimator,
+        )
     if cfg.checkpointing == "none":
         return skipped("memory.checkpointing=none")
     every = cfg.recompute_every if cfg.checkpointing == "selective" else 1
@@ -86,6 +105,36 @@ def apply_checkpointing(model: nn.Module, cfg: DictConfig) -> dict:
         return skipped("the model has no transformer Block to checkpoint")
     details = {"saved_ops": sorted(str(op) for op in SAVED_OPS)} if ops else {}
     return applied(mode=cfg.checkpointing, every=every, layers=wrapped, **details)
+
+
+_randomness_kept = False  # an earlier job of this process set memory=budget's pass
+
+
+def set_activation_budget(fraction: float) -> None:
+    """torch.compile's activation memory budget for the graphs compiled from now on, process-wide: set by
+    every job, so a job of an in-process sweep does not inherit the previous job's. A graph compiled under
+    another budget is dropped: dynamo would reuse it (its guards are on the code and the tensors' types,
+    not on this setting), and a block compiled by an earlier job would keep that job's budget."""
+    global _randomness_kept
+    if fraction < 1 or _randomness_kept:
+        from aamperf.phases.randomness import KEEP_RANDOMNESS  # inductor's modules: imported where used
+
+        torch._inductor.config.joint_custom_post_pass = KEEP_RANDOMNESS if fraction < 1 else None
+        _randomness_kept = fraction < 1
+    if functorch_config.activation_memory_budget != fraction:
+        functorch_config.activation_memory_budget = fraction
+        torch._dynamo.reset()
+
+
+def budget_unused(record: dict, compile_record: dict) -> dict:
+    """memory=budget's record once the compile phase has run: the budget acts in compiled graphs only."""
+    if record.get("mode") != "budget" or compile_record["status"] == "applied":
+        return record
+    why = compile_record["reason"]
+    return skipped(
+        f"memory=budget acts in torch.compile's graphs, and the model runs eager ({why})",
+        **{k: v for k, v in record.items() if k not in ("status", "reason")},
+    )
 
 
 _expandable = False  # an earlier job of this process turned expandable segments on

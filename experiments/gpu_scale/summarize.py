@@ -24,7 +24,7 @@ from aamperf.metrics.gpu_peaks import gpu_peak
 SKIP = 3
 REFERENCE = "original-fastest"
 ORDER = ["original-default", "original-fastest", "baseline", "basic", "advanced", "ultra"]
-ORDER += ["ultra-packed", "ultra-ops", "ultra-full", "ultra-auto"]  # ultra with one change each
+ORDER += ["ultra-packed", "ultra-ops", "ultra-full", "ultra-budget", "ultra-auto"]  # ultra with one change each
 GIB = 2**30
 
 
