@@ -24,7 +24,8 @@ from aamperf.metrics.gpu_peaks import gpu_peak
 SKIP = 3
 REFERENCE = "original-fastest"
 ORDER = ["original-default", "original-fastest", "baseline", "basic", "advanced", "ultra"]
-ORDER += ["ultra-packed", "ultra-ops", "ultra-full", "ultra-budget", "ultra-auto"]  # ultra with one change each
+ORDER += ["ultra-packed", "ultra-ops", "ultra-full", "ultra-budget"]  # ultra with one change each
+ORDER += ["ultra-compiled", "ultra-graphs", "ultra-auto"]
 GIB = 2**30
 
 
