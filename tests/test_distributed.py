@@ -21,10 +21,13 @@ from aamperf.distributed import close_world, every_rank, init_world, join_world,
 from aamperf.interrupts import Interrupts
 from aamperf.launch import KILLED
 from aamperf.phases import apply_phases, setup_phases
+from aamperf.targets import learn_target
 
 # Dropout off: its masks are drawn per rank. Everything else (nucleotide masks, batch order) does
 # not depend on how the global batch is split. 8 validation samples: one val batch of 8 either way.
 SAME_TRAINING = ["model.dropout=0", "data.val_fraction=0.31", "trainer.batch_size=8", "trainer.max_steps=4"]
+# a classification target whose class weights differ: each rank's samples weigh differently in all
+WEIGHTED_CLASSES = ["data.target=environment", "loss.class_weights=[1.0,2.0,0.5,3.0]"]
 
 
 def trained(launch, name, *overrides, launcher=PYTHON):
@@ -231,7 +234,9 @@ def first_step_gradients(config: dict, rank: int, world: int, port: int, out: st
         rank=world_info.rank,
         world_size=world_info.world_size,
     )
-    model, loss_fn = instantiate(cfg.model), instantiate(cfg.loss)
+    loss_fn = instantiate(cfg.loss)
+    learn_target(cfg, loss_fn, data.target, {})  # a run's: the loss told the target, the head sized to it
+    model = instantiate(cfg.model)
     plan = apply_phases(model, cfg, device, lambda *a: None, setup.records, world_info, 4)
     loss, _ = loss_fn(plan.model, to_device(next(iter(data.train_loader)), device), 1)
     loss.backward()
@@ -247,9 +252,11 @@ def _rank_main(rank: int, config: dict, port: int, out: str) -> None:
 
 
 @pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
-def test_ddp_gradients_equal_one_process_parameter_by_parameter(make_cfg, tmp_path):
-    ddp = OmegaConf.to_container(make_cfg(*SAME_TRAINING, "distributed=ddp"), resolve=True)
-    single = OmegaConf.to_container(make_cfg(*SAME_TRAINING), resolve=True)
+@pytest.mark.parametrize("target", [[], WEIGHTED_CLASSES], ids=["pretraining", "weighted-classes"])
+def test_ddp_gradients_equal_one_process_parameter_by_parameter(make_cfg, tmp_path, target):
+    """A weighted cross-entropy too: the global batch's weighted mean, not the mean of the ranks' ones."""
+    ddp = OmegaConf.to_container(make_cfg(*SAME_TRAINING, *target, "distributed=ddp"), resolve=True)
+    single = OmegaConf.to_container(make_cfg(*SAME_TRAINING, *target), resolve=True)
     reference = first_step_gradients(single, 0, 1, 0, None)
     mp.spawn(_rank_main, args=(ddp, free_port(), str(tmp_path / "grads.pt")), nprocs=2, join=True)
     distributed = torch.load(tmp_path / "grads.pt", weights_only=True)
@@ -502,7 +509,9 @@ def _cached_step_on_two_ranks(rank: int, config: dict, port: int, out: str) -> N
     torch.manual_seed(cfg.seed)
     shard = {"rank": rank, "world_size": 2, "loader": setup.loader, "pad_to": setup.pad_to}
     data = build_data(cfg.data, batch_size=4, seed=cfg.seed, **shard)  # one micro-batch, both ranks
-    model, loss_fn = instantiate(cfg.model), instantiate(cfg.loss)
+    loss_fn = instantiate(cfg.loss)
+    learn_target(cfg, loss_fn, data.target, {})
+    model = instantiate(cfg.model)
     plan = apply_phases(model, cfg, device, lambda *a: None, setup.records, world, 4)
     stream = BatchStream(data.train_loader)
     stream.regroup(2)
@@ -513,17 +522,21 @@ def _cached_step_on_two_ranks(rank: int, config: dict, port: int, out: str) -> N
 
 
 @pytest.mark.slow  # two ranks spawned: over 15 s on a 2-core AVX2-only EPYC
-def test_cached_micro_batches_on_two_ranks_give_the_whole_batch_s_gradients(make_cfg, tmp_path):
+@pytest.mark.parametrize("target", [[], WEIGHTED_CLASSES], ids=["pretraining", "weighted-classes"])
+def test_cached_micro_batches_on_two_ranks_give_the_whole_batch_s_gradients(make_cfg, tmp_path, target):
     """Every UniFrac pair of the step's 8 samples, across micro-batches and ranks: the gradients and loss
-    of one process with the whole batch (dropout off: its masks are drawn per rank)."""
-    ddp = OmegaConf.to_container(make_cfg(*SAME_TRAINING, "distributed=ddp"), resolve=True)
-    single = OmegaConf.to_container(make_cfg(*SAME_TRAINING), resolve=True)
+    of one process with the whole batch (dropout off: its masks are drawn per rank); a weighted
+    cross-entropy over the whole batch's weights."""
+    ddp = OmegaConf.to_container(make_cfg(*SAME_TRAINING, *target, "distributed=ddp"), resolve=True)
+    single = OmegaConf.to_container(make_cfg(*SAME_TRAINING, *target), resolve=True)
     reference = first_step_gradients(single, 0, 1, 0, None)
     cfg = OmegaConf.create(single)
     torch.manual_seed(cfg.seed)  # the weights of first_step_gradients' model
     data = build_data(cfg.data, batch_size=8, seed=cfg.seed, loader=cfg.dataloader)
     batch = to_device(next(iter(data.train_loader)), torch.device("cpu"))
-    _, whole_parts = instantiate(cfg.loss)(instantiate(cfg.model), batch, 1)
+    loss_fn = instantiate(cfg.loss)
+    learn_target(cfg, loss_fn, data.target, {})
+    _, whole_parts = loss_fn(instantiate(cfg.model), batch, 1)
     mp.spawn(_cached_step_on_two_ranks, args=(ddp, free_port(), str(tmp_path / "out")), nprocs=2, join=True)
     for rank in (0, 1):
         saved = torch.load(tmp_path / f"out.{rank}", weights_only=True)

@@ -90,7 +90,7 @@ def target_argument_problems(args: dict[str, Any], prefix: str) -> list[str]:
 class StepCounts(NamedTuple):
     hidden: Tensor  # bases hidden in the step's batch, on every rank
     samples: int  # the step's samples on this rank
-    target_weight: Tensor | None = None  # the step's samples' class weights on this rank (weighted CE)
+    target_weight: Tensor  # the step's samples' target weights on every rank (1 each but in a weighted CE)
 
 
 def is_number(value: Any) -> bool:
@@ -256,11 +256,11 @@ class AAMLoss(nn.Module):
         metrics: dict[str, Tensor] = {}  # reported beside the parts, not trained on
         predicted = None
         if "target" in out and batch.get("target") is not None:
-            # equal slices: world x (local sum / global count) is the local mean (a weighted
-            # cross-entropy: the ranks' weighted means, averaged)
+            # world x (local sum / the global batch's weights): a weighted cross-entropy's mean over
+            # the whole batch's weights, not the mean of the ranks' weighted means
             predicted = out["target"]
             total_loss, weight, sums = self.target_sums(predicted, batch["target"])
-            parts["target"] = total_loss / weight
+            parts["target"] = world * total_loss / all_sum(weight)
             metrics.update({name: value / predicted.size(0) for name, value in sums.items()})
             predicted = predicted.detach()
         if not parts:
@@ -288,11 +288,11 @@ class AAMLoss(nn.Module):
         masks = [self.hidden_bases(b, step) for b in batches]
         hidden = sum(m.sum() for m in masks) if self.hides_bases else batches[0]["sample_idx"].new_zeros(())
         samples = sum(b["sample_idx"].size(0) for b in batches)
-        target_weight = None
+        target_weight = torch.tensor(float(samples), device=batches[0]["sample_idx"].device)
         if self.class_weights is not None and batches[0].get("target") is not None:
             weights = self.device_class_weights(batches[0]["target"].float())
             target_weight = sum(weights[b["target"].squeeze(1).long()].sum() for b in batches)
-        return StepCounts(all_sum(hidden.float()), samples, target_weight)
+        return StepCounts(all_sum(hidden.float()), samples, all_sum(target_weight))
 
     def micro_loss(
         self, model: nn.Module, batch: dict, step: int, embedding_grad: Tensor | None, counts: StepCounts
@@ -308,10 +308,9 @@ class AAMLoss(nn.Module):
             total_ce, _ = masked_nucleotide_sums(out["nuc_logits"], batch["tokens"], hidden)
             parts["nucleotide"] = world * total_ce / counts.hidden.clamp(min=1.0)
         metrics: dict[str, Tensor] = {}
-        if "target" in out and batch.get("target") is not None:  # means over the step's samples on this rank
+        if "target" in out and batch.get("target") is not None:  # shares of the step's global mean
             total_loss, _, sums = self.target_sums(out["target"], batch["target"])
-            weight = counts.samples if counts.target_weight is None else counts.target_weight
-            parts["target"] = total_loss / weight
+            parts["target"] = world * total_loss / counts.target_weight
             metrics.update({name: value / counts.samples for name, value in sums.items()})
         backward = sum(self.weights[name] * value for name, value in parts.items())
         if embedding_grad is not None:  # d(weighted UniFrac part)/d(embedding) = weight x the cached gradient
