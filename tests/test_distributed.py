@@ -292,7 +292,9 @@ def _auto_phases_on_two_ranks(rank: int, config: dict, port: int, out: str, how:
     torch.manual_seed(cfg.seed)
     shard = {"rank": rank, "world_size": 2, "loader": setup.loader, "pad_to": setup.pad_to}
     data = build_data(cfg.data, batch_size=8, seed=cfg.seed, **shard)  # the global batch, sliced per rank
-    model, loss_fn = instantiate(cfg.model), instantiate(cfg.loss)
+    loss_fn = instantiate(cfg.loss)
+    learn_target(cfg, loss_fn, data.target, {})  # as first_step_gradients: the data's target trained too
+    model = instantiate(cfg.model)
     batches = [to_device(b, device) for b in itertools.islice(data.train_loader, 4)]  # the first: step 1's
     pays = {"eager_step_s": 1.0, "compiled_step_s": 0.5, "compile_s": 0.1, "graphs": 1, "under_load": None}
     probe = Probe(device, cfg.probe.cache)
