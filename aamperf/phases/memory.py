@@ -131,10 +131,9 @@ def budget_unused(record: dict, compile_record: dict) -> dict:
     if record.get("mode") != "budget" or compile_record["status"] == "applied":
         return record
     why = compile_record["reason"]
-    return skipped(
-        f"memory=budget acts in torch.compile's graphs, and the model runs eager ({why})",
-        **{k: v for k, v in record.items() if k not in ("status", "reason")},
-    )
+    reason = f"memory=budget acts in torch.compile's graphs, and the model runs eager ({why})"
+    log.warning(f"{reason}: every activation kept (memory=full or ops recompute in eager)")
+    return skipped(reason, **{k: v for k, v in record.items() if k not in ("status", "reason")})
 
 
 _expandable = False  # an earlier job of this process turned expandable segments on
