@@ -199,7 +199,7 @@ class AAMLoss(nn.Module):
             summed = F.mse_loss(predicted, standard, reduction="sum")
         own = self.target.inverse(self.point(predicted.detach()))  # the target's own units
         mae = (own - target.squeeze(1)).abs().sum()
-        return summed, predicted.new_tensor(float(target.size(0))), {"target_mae": mae}
+        return summed, predicted.new_full((), float(target.size(0))), {"target_mae": mae}  # a fill, no copy
 
     @property
     def hides_bases(self) -> bool:
@@ -288,7 +288,7 @@ class AAMLoss(nn.Module):
         masks = [self.hidden_bases(b, step) for b in batches]
         hidden = sum(m.sum() for m in masks) if self.hides_bases else batches[0]["sample_idx"].new_zeros(())
         samples = sum(b["sample_idx"].size(0) for b in batches)
-        target_weight = torch.tensor(float(samples), device=batches[0]["sample_idx"].device)
+        target_weight = torch.full((), float(samples), device=batches[0]["sample_idx"].device)  # no host copy
         if self.class_weights is not None and batches[0].get("target") is not None:
             weights = self.device_class_weights(batches[0]["target"].float())
             target_weight = sum(weights[b["target"].squeeze(1).long()].sum() for b in batches)

@@ -45,17 +45,7 @@ def check_phases(cfg: DictConfig, device: torch.device) -> None:
     """Every problem of the phase choices at once, before anything runs."""
     problems = check_precision(cfg.precision, device)
     problems += check_attention(cfg.attention, device, DTYPES.get(cfg.precision.dtype, torch.float32))
-    problems += check_memory(cfg.memory) + check_dataloader(cfg.dataloader)
-    if cfg.memory.checkpointing == "budget" and cfg.compile.mode == "disabled":
-        problems.append(
-            "memory=budget is torch.compile's activation memory budget and compile is disabled: add "
-            "compile=auto or compile=default, or take memory=ops (the same trade in eager)"
-        )
-    elif cfg.memory.checkpointing == "budget" and cfg.compile.backend != "inductor":
-        problems.append(
-            f"memory=budget keeps dropout's masks right by a pass of inductor's, and compile.backend="
-            f"{cfg.compile.backend}: set compile.backend=inductor, or take memory=ops"
-        )
+    problems += check_memory(cfg.memory, cfg.compile) + check_dataloader(cfg.dataloader)
     problems += check_comm_hook(cfg.distributed, device) + check_allocator(cfg.system)
     if problems:
         raise UserError("; ".join(problems))

@@ -54,8 +54,19 @@ def ops_contexts():
     return create_selective_checkpoint_contexts(keep_matmuls)
 
 
-def check_memory(cfg: DictConfig) -> list[str]:
+def check_memory(cfg: DictConfig, compile_cfg: DictConfig) -> list[str]:
+    """`cfg`: the memory group; `compile_cfg`: the compile group, which memory=budget acts through."""
     problems = []
+    if cfg.checkpointing == "budget" and compile_cfg.mode == "disabled":
+        problems.append(
+            "memory=budget is torch.compile's activation memory budget and compile is disabled: add "
+            "compile=auto or compile=default, or take memory=ops (the same trade in eager)"
+        )
+    elif cfg.checkpointing == "budget" and compile_cfg.backend != "inductor":
+        problems.append(
+            f"memory=budget keeps dropout's masks right by a pass of inductor's, and compile.backend="
+            f"{compile_cfg.backend}: set compile.backend=inductor, or take memory=ops"
+        )
     if cfg.recompute_every < 1:
         problems.append(f"memory.recompute_every={cfg.recompute_every} must be >= 1")
     # 0 would save the graph's inputs alone: torch then recomputes the seeds KeepRandomness saves

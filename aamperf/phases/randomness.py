@@ -10,8 +10,9 @@ class KeepRandomness(CustomGraphPass):
     """memory=budget's pass over inductor's joint graph: every op that draws randomness (inductor's seeds for
     dropout's masks; a random op left whole) is saved for backward, never recomputed. Under a budget below 1
     torch's partitioner may recompute them, and a recomputed seed draws a new mask: backward then takes the
-    gradient of another dropout than forward's, silently (pytorch/pytorch#190758, open on torch 2.13; 10^4x
-    off at budget 0.5 here). A recomputed inductor_random draws forward's mask again from the saved seed."""
+    gradient of another dropout than forward's, silently (pytorch/pytorch#190758, open on torch 2.13;
+    tests/phases/test_memory_budget.py fails without this pass). A recomputed inductor_random draws
+    forward's mask again from the saved seed."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         for node in graph.nodes:

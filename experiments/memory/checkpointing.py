@@ -82,7 +82,8 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def main(repeats: int, steps: int, options: tuple[str, ...] = OPTIONS) -> None:
+def main(repeats: int, steps: int, compiled: bool = False) -> None:
+    options = tuple(COMPILED) if compiled else OPTIONS
     rows = {o: [] for o in options}
     n = len(options)
     for r in range(repeats):
@@ -94,7 +95,6 @@ def main(repeats: int, steps: int, options: tuple[str, ...] = OPTIONS) -> None:
 
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; ", end="")
     print(f"{repeats} repeats x {steps} timed steps (median each), medians of the repeats", end="")
-    compiled = options is not OPTIONS
     if compiled:  # saved for backward: the first step's forward
         every = all(x["compiled"] for o in options for x in rows[o])
         print(f"; compile=default (each block), every run compiled: {every}", end="")
@@ -125,5 +125,4 @@ if __name__ == "__main__":
         print(json.dumps(one(sys.argv[2], int(sys.argv[3]))))
     else:
         args = [a for a in sys.argv[1:] if a != "--compiled"]
-        options = tuple(COMPILED) if "--compiled" in sys.argv else OPTIONS
-        main(int(args[0]) if args else 3, int(args[1]) if len(args) > 1 else 3, options)
+        main(int(args[0]) if args else 3, int(args[1]) if len(args) > 1 else 3, "--compiled" in sys.argv)
