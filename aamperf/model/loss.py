@@ -128,6 +128,7 @@ class AAMLoss(nn.Module):
         self.mask_fraction, self.seed = mask_fraction, seed
         self.target_loss, self.huber_delta = target_loss, huber_delta
         self.quantiles = [float(q) for q in quantiles]
+        self.quantile_levels = torch.tensor(self.quantiles)  # pinball's, moved to the device once (on_device)
         self.class_weights_option = class_weights
         self.class_weights: Tensor | None = None  # per class, once the classes are known (set_target)
         self.target = TargetSpec("target")  # zscore with mean 0, std 1 until the data's is set
@@ -154,11 +155,14 @@ class AAMLoss(nn.Module):
         if target.is_classification and self.class_weights_option is not None:
             self.class_weights = class_weights(self.class_weights_option, target.class_counts)
 
-    def device_class_weights(self, like: Tensor) -> Tensor:
-        """The class weights on `like`'s device and dtype, moved there once (not a copy every step)."""
-        if self.class_weights.device != like.device or self.class_weights.dtype != like.dtype:
-            self.class_weights = self.class_weights.to(like)
-        return self.class_weights
+    def on_device(self, name: str, like: Tensor) -> Tensor:
+        """The tensor attribute `name` (class_weights, quantile_levels) on `like`'s device and dtype, moved
+        there once (not a host copy every step)."""
+        value = getattr(self, name)
+        if value.device != like.device or value.dtype != like.dtype:
+            value = value.to(like)
+            setattr(self, name, value)
+        return value
 
     @property
     def target_outputs(self) -> int:
@@ -183,14 +187,14 @@ class AAMLoss(nn.Module):
         predicted, target = predicted.float(), target.float()
         if self.target.is_classification:
             labels = target.squeeze(1).long()
-            weights = None if self.class_weights is None else self.device_class_weights(predicted)
+            weights = None if self.class_weights is None else self.on_device("class_weights", predicted)
             # reduction="none": each sample's cross-entropy x its class's weight
             weighted = F.cross_entropy(predicted, labels, weight=weights, reduction="none")
             weight = torch.ones_like(weighted) if weights is None else weights[labels]
             return weighted.sum(), weight.sum(), {}
         standard = self.target.forward(target)  # [B, 1], the model's units
         if self.target_loss == "quantile":
-            summed = pinball(predicted, standard, self.quantiles).sum()
+            summed = pinball(predicted, standard, self.on_device("quantile_levels", predicted)).sum()
         elif self.target_loss == "huber":
             summed = F.huber_loss(predicted, standard, delta=self.huber_delta, reduction="sum")
         elif self.target_loss == "mae":
@@ -290,7 +294,7 @@ class AAMLoss(nn.Module):
         samples = sum(b["sample_idx"].size(0) for b in batches)
         target_weight = torch.full((), float(samples), device=batches[0]["sample_idx"].device)  # no host copy
         if self.class_weights is not None and batches[0].get("target") is not None:
-            weights = self.device_class_weights(batches[0]["target"].float())
+            weights = self.on_device("class_weights", batches[0]["target"].float())
             target_weight = sum(weights[b["target"].squeeze(1).long()].sum() for b in batches)
         return StepCounts(all_sum(hidden.float()), samples, all_sum(target_weight))
 
@@ -346,10 +350,11 @@ def unifrac_loss(embedding: Tensor, unifrac: Tensor) -> Tensor:
     return F.mse_loss(unifrac_of(distance), unifrac[i, j].float())
 
 
-def pinball(predicted: Tensor, target: Tensor, quantiles: list[float]) -> Tensor:
+def pinball(predicted: Tensor, target: Tensor, quantiles: list[float] | Tensor) -> Tensor:
     """[B] each sample's pinball loss averaged over the quantiles: predicted [B, Q] (a column per
-    quantile), target [B, 1]. Under-predicting quantile q costs q per unit, over-predicting 1 - q."""
-    q = predicted.new_tensor(quantiles)
+    quantile), target [B, 1]. Under-predicting quantile q costs q per unit, over-predicting 1 - q.
+    `quantiles` as a tensor on predicted's device and dtype is used as it is (no copy)."""
+    q = torch.as_tensor(quantiles).to(predicted)
     error = target - predicted
     return torch.maximum(q * error, (q - 1) * error).mean(dim=1)
 
