@@ -69,7 +69,8 @@ def check_memory(cfg: DictConfig, compile_cfg: DictConfig) -> list[str]:
         )
     if cfg.recompute_every < 1:
         problems.append(f"memory.recompute_every={cfg.recompute_every} must be >= 1")
-    # 0 would save the graph's inputs alone: torch then recomputes the seeds KeepRandomness saves
+    # 0 would save the graph's inputs alone: torch then recomputes the seeds that the rules of
+    # aamperf/phases/recompute.py keep
     if not 0 < cfg.activation_budget <= 1:
         problems.append(f"memory.activation_budget={cfg.activation_budget} must be in (0, 1]")
     if not 0 < cfg.warn_fraction <= 1:
@@ -89,7 +90,7 @@ def apply_checkpointing(model: nn.Module, cfg: DictConfig) -> dict:
     The wrapper keeps state_dict keys unchanged (checkpoints stay loadable either way).
     """
     budget = cfg.checkpointing == "budget"
-    set_activation_budget(cfg.activation_budget if budget else UNBUDGETED)
+    set_compiled_recompute(cfg.checkpointing, cfg.activation_budget if budget else UNBUDGETED)
     if budget:
         return applied(
             mode="budget",
@@ -118,22 +119,27 @@ def apply_checkpointing(model: nn.Module, cfg: DictConfig) -> dict:
     return applied(mode=cfg.checkpointing, every=every, layers=wrapped, **details)
 
 
-_randomness_kept = False  # an earlier job of this process set memory=budget's pass
+_rules_set = False  # an earlier job of this process set aamperf's pass over inductor's joint graph
 
 
-def set_activation_budget(fraction: float) -> None:
-    """torch.compile's activation memory budget for the graphs compiled from now on, process-wide: set by
-    every job, so a job of an in-process sweep does not inherit the previous job's. A graph compiled under
+def set_compiled_recompute(checkpointing: str, budget: float) -> None:
+    """What torch.compile's graphs compiled from now on recompute, process-wide: set by every job, so a job
+    of an in-process sweep does not inherit the previous job's. `budget`: the activation memory budget
+    (UNBUDGETED but under memory=budget); wherever anything is recomputed, aamperf's rules over inductor's
+    joint graph (aamperf/phases/recompute.py): graph inputs saved (a checkpoint wrapper compiled with
+    dynamic shapes, on torch 2.11), randomness kept under a budget below 1. A graph compiled under
     another budget is dropped: dynamo would reuse it (its guards are on the code and the tensors' types,
     not on this setting), and a block compiled by an earlier job would keep that job's budget."""
-    global _randomness_kept
-    if fraction < 1 or _randomness_kept:
-        from aamperf.phases.randomness import KEEP_RANDOMNESS  # inductor's modules: imported where used
+    global _rules_set
+    recomputes = checkpointing != "none"
+    if recomputes or _rules_set:
+        from aamperf.phases.recompute import INPUTS_SAVED, RANDOMNESS_KEPT  # inductor: imported where used
 
-        torch._inductor.config.joint_custom_post_pass = KEEP_RANDOMNESS if fraction < 1 else None
-        _randomness_kept = fraction < 1
-    if functorch_config.activation_memory_budget != fraction:
-        functorch_config.activation_memory_budget = fraction
+        rules = (RANDOMNESS_KEPT if budget < 1 else INPUTS_SAVED) if recomputes else None
+        torch._inductor.config.joint_custom_post_pass = rules
+        _rules_set = recomputes
+    if functorch_config.activation_memory_budget != budget:
+        functorch_config.activation_memory_budget = budget
         torch._dynamo.reset()
 
 

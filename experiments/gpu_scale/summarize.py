@@ -25,7 +25,7 @@ SKIP = 3
 REFERENCE = "original-fastest"
 ORDER = ["original-default", "original-fastest", "baseline", "basic", "advanced", "ultra"]
 ORDER += ["ultra-packed", "ultra-ops", "ultra-full", "ultra-budget"]  # ultra with one change each
-ORDER += ["ultra-compiled", "ultra-graphs", "ultra-auto"]
+ORDER += ["ultra-compiled", "ultra-graphs", "ultra-ops-compiled", "ultra-full-compiled", "ultra-auto"]
 GIB = 2**30
 
 

@@ -316,12 +316,12 @@ def test_the_packed_sample_level_on_cuda_trains_with_dropout_and_checkpointing(m
 def test_memory_budget_on_cuda_keeps_less_at_the_peak_with_dropouts_gradients(make_cfg):
     """memory=budget compiled on the GPU (a whole stack, dropout on, bf16 as ultra trains): the peak of
     forward + backward lower than without a budget, the gradients those of the same compiled stack
-    (inductor's Philox masks, drawn again from the seeds aamperf/phases/randomness.py saves)."""
+    (inductor's Philox masks, drawn again from the seeds aamperf/phases/recompute.py saves)."""
     import copy
 
     from aamperf.model.layers import Transformer
     from aamperf.phases.compile import apply_compile
-    from aamperf.phases.memory import UNBUDGETED, apply_checkpointing, set_activation_budget
+    from aamperf.phases.memory import UNBUDGETED, apply_checkpointing, set_compiled_recompute
 
     torch.manual_seed(0)
     stack = Transformer(dim=128, num_heads=4, num_layers=4, ffn_mult=4, dropout=0.1).to(CUDA)
@@ -347,7 +347,7 @@ def test_memory_budget_on_cuda_keeps_less_at_the_peak_with_dropouts_gradients(ma
             assert apply_compile(model, options, lambda m=model: step(m))["status"] == "applied"
             runs[memory] = step(model)
     finally:
-        set_activation_budget(UNBUDGETED)
+        set_compiled_recompute("none", UNBUDGETED)
     (plain, plain_peak), (budget, budget_peak) = runs["none"], runs["budget"]
     assert budget_peak < 0.8 * plain_peak, (budget_peak, plain_peak)
     for name, want in plain.items():  # bf16: the two graphs fuse, and round, apart; other masks: ~100%

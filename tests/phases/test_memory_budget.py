@@ -1,5 +1,5 @@
 """memory=budget: torch.compile's activation memory budget keeps fewer bytes for backward, with the
-gradients of no checkpointing, dropout on (its masks' seeds saved: aamperf/phases/randomness.py)."""
+gradients of no checkpointing, dropout on (its masks' seeds saved: aamperf/phases/recompute.py)."""
 
 import copy
 
@@ -13,8 +13,8 @@ from aamperf.data import build_data
 from aamperf.device import to_device
 from aamperf.model.layers import Transformer
 from aamperf.phases.compile import apply_compile
-from aamperf.phases.memory import UNBUDGETED, apply_checkpointing, set_activation_budget
-from aamperf.phases.randomness import KEEP_RANDOMNESS
+from aamperf.phases.memory import UNBUDGETED, apply_checkpointing, set_compiled_recompute
+from aamperf.phases.recompute import RANDOMNESS_KEPT
 from aamperf.run import train
 
 
@@ -65,14 +65,14 @@ def assert_same_gradients(a, b):
 @pytest.fixture(autouse=True)
 def unbudgeted():
     yield
-    set_activation_budget(UNBUDGETED)  # a failed test leaves no budget behind
+    set_compiled_recompute("none", UNBUDGETED)  # a failed test leaves no budget behind
 
 
 def test_a_smaller_budget_keeps_fewer_bytes_with_the_gradients_of_no_checkpointing(make_cfg):
     """One transformer stack (a block of AAM's, dropout on), compiled as the phases compile it. Against the
     compiled stack without a budget: a compiled graph draws its dropout masks its own way (the same in
-    each compiled model, not eager's). Without KeepRandomness the budgets' gradients differ (torch 2.13):
-    backward draws new masks."""
+    each compiled model, not eager's). Without the randomness kept (aamperf/phases/recompute.py) the
+    budgets' gradients differ (torch 2.13): backward draws new masks."""
     torch.manual_seed(0)
     stack, x = Transformer(dim=32, num_heads=2, num_layers=1, ffn_mult=4, dropout=0.1), torch.randn(8, 40, 32)
     assert_budgets_keep_less_and_the_gradients(stack, stack_loss, x, make_cfg)
@@ -102,7 +102,7 @@ def test_a_run_records_its_budget_and_the_next_job_runs_without_it(make_cfg, tmp
     phase = summary["phases"]["checkpointing"]
     assert phase["status"] == "applied" and phase["mode"] == "budget" and phase["activation_budget"] == 0.5
     assert functorch_config.activation_memory_budget == 0.5  # the compiled graphs' budget
-    assert torch._inductor.config.joint_custom_post_pass is KEEP_RANDOMNESS
+    assert torch._inductor.config.joint_custom_post_pass is RANDOMNESS_KEPT
     train(make_cfg("memory=none"), tmp_path / "none")  # the next job of an in-process sweep
     assert functorch_config.activation_memory_budget == UNBUDGETED
     assert torch._inductor.config.joint_custom_post_pass is None
