@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import torch
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
@@ -20,11 +21,19 @@ from aamperf.errors import EXIT_ABORTED, EXIT_BAD_INPUT, LAUNCHER_SHOWS_LINES, e
 
 OUR_EXIT_CODES = (EXIT_BAD_INPUT, EXIT_ABORTED, 130, 143)  # a rank that ends so writes one line
 OUR_PREFIXES = ("error: ", "aborted: ")  # `interrupted:` lines: each rank prints its own
-KILLED = (
-    "a rank had not ended within torchrun's --shutdown-timeout (default 30 s) of the signal and was "
-    "killed (before its checkpoint, if still in its step); give it longer than a step takes: "
-    "--shutdown-timeout=<seconds>"
-)
+# torchrun's grace for the ranks after a signal: an option of torch 2.13's torchrun, a fixed 30 s in 2.11's
+SHUTDOWN_TIMEOUT_OPTION = "--shutdown-timeout" in torchrun.get_args_parser()._option_string_actions
+if SHUTDOWN_TIMEOUT_OPTION:
+    KILLED = (
+        "a rank had not ended within torchrun's --shutdown-timeout (default 30 s) of the signal and was "
+        "killed (before its checkpoint, if still in its step); give it longer than a step takes: "
+        "--shutdown-timeout=<seconds>"
+    )
+else:
+    KILLED = (
+        "a rank had not ended within 30 s of the signal and was killed (before its checkpoint, if still in "
+        f"its step); torch {torch.__version__}'s torchrun has no --shutdown-timeout to give it longer"
+    )
 
 
 def job_result(exc: ChildFailedError) -> tuple[int, list[str]] | None:

@@ -19,7 +19,7 @@ from aamperf.data import build_data
 from aamperf.device import to_device
 from aamperf.distributed import close_world, every_rank, init_world, join_world, main_decides, peer_lost
 from aamperf.interrupts import Interrupts
-from aamperf.launch import KILLED
+from aamperf.launch import KILLED, SHUTDOWN_TIMEOUT_OPTION
 from aamperf.phases import apply_phases, setup_phases
 from aamperf.targets import learn_target
 
@@ -156,6 +156,9 @@ def test_sigterm_to_aamperf_launch_stops_every_rank_after_its_step_with_a_checkp
 
 
 @pytest.mark.slow  # about 15 s of two ranks
+@pytest.mark.skipif(
+    not SHUTDOWN_TIMEOUT_OPTION, reason="this torchrun has no --shutdown-timeout (2.11's: 30 s)"
+)
 def test_a_rank_killed_for_a_step_longer_than_the_shutdown_timeout_is_said_so(launch):
     settings = ["distributed=ddp", "trainer.max_steps=500"]
     settings += ["loss._target_=plugin_model.SlowLoss", "+loss.seconds=20"]
