@@ -107,7 +107,7 @@ def apply_phases(
     records["dropout"] = apply_dropout(model, cfg.dropout, device)  # after attention: reaches its dropout too
     records["aam_ops"] = apply_aam_ops(model, cfg.aam_ops)
     records["channels_last"] = apply_channels_last(model, cfg.system)
-    records["checkpointing"] = apply_checkpointing(model, cfg.memory)
+    records["checkpointing"] = apply_checkpointing(model, cfg.memory, compiles=cfg.compile.mode != "disabled")
     if precision is not None and precision["chose"] != "fp32" and device.type == "cuda":
         if confirm_low_precision(model, cfg, device, warmup, precision, micro_batch):  # turned to fp32
             autocast, scaler, records["precision"] = apply_precision(cfg.precision, device)

@@ -80,17 +80,20 @@ def check_memory(cfg: DictConfig, compile_cfg: DictConfig) -> list[str]:
     return problems
 
 
-def apply_checkpointing(model: nn.Module, cfg: DictConfig) -> dict:
+def apply_checkpointing(model: nn.Module, cfg: DictConfig, compiles: bool = True) -> dict:
     """Wrap transformer layers so their activations are recomputed in backward instead of kept.
 
     full: every layer; selective: layers 0, k, 2k, ... of each stack (k = memory.recompute_every); ops:
     every layer, keeping its matmuls' and attention's outputs and recomputing only the other ops; budget:
     no wrapper, torch.compile's partitioner keeps at most memory.activation_budget of the bytes it would
     save for backward (the compile phase, later, builds the graphs it acts in).
-    The wrapper keeps state_dict keys unchanged (checkpoints stay loadable either way).
+    The wrapper keeps state_dict keys unchanged (checkpoints stay loadable either way). `compiles`: the
+    compile phase may compile the model (compile.mode is not disabled): only then are aamperf's rules
+    over inductor's graphs set (an eager run does not import inductor).
     """
     budget = cfg.checkpointing == "budget"
-    set_compiled_recompute(cfg.checkpointing, cfg.activation_budget if budget else UNBUDGETED)
+    recomputes = cfg.checkpointing if compiles else "none"
+    set_compiled_recompute(recomputes, cfg.activation_budget if budget else UNBUDGETED)
     if budget:
         return applied(
             mode="budget",

@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from aamperf.phases.memory import UNBUDGETED, set_compiled_recompute
+from aamperf.model.layers import Transformer
+from aamperf.phases.memory import UNBUDGETED, apply_checkpointing, set_compiled_recompute
 from aamperf.phases.recompute import INPUTS_SAVED, RANDOMNESS_KEPT
 
 PREFER = CheckpointPolicy.PREFER_RECOMPUTE
@@ -53,3 +54,15 @@ def test_a_job_that_recomputes_sets_the_rules_and_the_next_job_drops_them(checkp
     finally:
         set_compiled_recompute("none", UNBUDGETED)
     assert torch._inductor.config.joint_custom_post_pass is None
+
+
+@pytest.mark.parametrize("compiles, rules", [(True, INPUTS_SAVED), (False, None)])
+def test_the_rules_are_set_only_where_the_model_may_be_compiled(make_cfg, compiles, rules):
+    """An eager run (compile=disabled) leaves inductor alone: no rules, nothing of it to import."""
+    stack = Transformer(dim=16, num_heads=2, num_layers=2, ffn_mult=2, dropout=0.1)
+    try:
+        record = apply_checkpointing(stack, make_cfg("memory=full").memory, compiles=compiles)
+        assert record["status"] == "applied" and record["layers"] == 2
+        assert torch._inductor.config.joint_custom_post_pass is rules
+    finally:
+        set_compiled_recompute("none", UNBUDGETED)
