@@ -89,7 +89,7 @@ def apply_checkpointing(model: nn.Module, cfg: DictConfig, compiles: bool = True
     save for backward (the compile phase, later, builds the graphs it acts in).
     The wrapper keeps state_dict keys unchanged (checkpoints stay loadable either way). `compiles`: the
     compile phase may compile the model (compile.mode is not disabled): only then are aamperf's rules
-    over inductor's graphs set (an eager run does not import inductor).
+    over inductor's graphs set (an eager run leaves inductor's config as torch has it).
     """
     budget = cfg.checkpointing == "budget"
     recomputes = cfg.checkpointing if compiles else "none"

@@ -1,7 +1,8 @@
 """What torch.compile's partitioner may recompute for backward: aamperf's pass over inductor's joint graph
 (forward and backward in one graph, before the partitioner splits it), set by the memory phase wherever a
-compiled graph recomputes (aamperf/phases/memory.py). Its own module: inductor's modules cost a second to
-import, and only a run that recomputes needs them."""
+compiled graph recomputes (aamperf/phases/memory.py). Its own module, imported where used: inductor's
+modules cost a second or two to import on 2 cores (a run imports its config anyway: the system phase's
+torch.use_deterministic_algorithms does)."""
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files

@@ -58,7 +58,7 @@ def test_a_job_that_recomputes_sets_the_rules_and_the_next_job_drops_them(checkp
 
 @pytest.mark.parametrize("compiles, rules", [(True, INPUTS_SAVED), (False, None)])
 def test_the_rules_are_set_only_where_the_model_may_be_compiled(make_cfg, compiles, rules):
-    """An eager run (compile=disabled) leaves inductor alone: no rules, nothing of it to import."""
+    """An eager run (compile=disabled) leaves inductor's config as torch has it: no rules."""
     stack = Transformer(dim=16, num_heads=2, num_layers=2, ffn_mult=2, dropout=0.1)
     try:
         record = apply_checkpointing(stack, make_cfg("memory=full").memory, compiles=compiles)
