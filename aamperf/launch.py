@@ -22,7 +22,7 @@ from aamperf.errors import EXIT_ABORTED, EXIT_BAD_INPUT, LAUNCHER_SHOWS_LINES, e
 OUR_EXIT_CODES = (EXIT_BAD_INPUT, EXIT_ABORTED, 130, 143)  # a rank that ends so writes one line
 OUR_PREFIXES = ("error: ", "aborted: ")  # `interrupted:` lines: each rank prints its own
 # torchrun's grace for the ranks after a signal: an option of torch 2.13's torchrun, a fixed 30 s in 2.11's
-SHUTDOWN_TIMEOUT_OPTION = "--shutdown-timeout" in torchrun.get_args_parser()._option_string_actions
+SHUTDOWN_TIMEOUT_OPTION = not torchrun.get_args_parser().parse_known_args(["--shutdown-timeout=1", "x"])[1]
 if SHUTDOWN_TIMEOUT_OPTION:
     KILLED = (
         "a rank had not ended within torchrun's --shutdown-timeout (default 30 s) of the signal and was "

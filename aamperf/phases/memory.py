@@ -92,8 +92,9 @@ def apply_checkpointing(model: nn.Module, cfg: DictConfig, compiles: bool = True
     over inductor's graphs set (an eager run leaves inductor's config as torch has it).
     """
     budget = cfg.checkpointing == "budget"
-    recomputes = cfg.checkpointing if compiles else "none"
-    set_compiled_recompute(recomputes, cfg.activation_budget if budget else UNBUDGETED)
+    set_compiled_recompute(
+        compiles and cfg.checkpointing != "none", cfg.activation_budget if budget else UNBUDGETED
+    )
     if budget:
         return applied(
             mode="budget",
@@ -125,16 +126,15 @@ def apply_checkpointing(model: nn.Module, cfg: DictConfig, compiles: bool = True
 _rules_set = False  # an earlier job of this process set aamperf's pass over inductor's joint graph
 
 
-def set_compiled_recompute(checkpointing: str, budget: float) -> None:
+def set_compiled_recompute(recomputes: bool, budget: float) -> None:
     """What torch.compile's graphs compiled from now on recompute, process-wide: set by every job, so a job
     of an in-process sweep does not inherit the previous job's. `budget`: the activation memory budget
-    (UNBUDGETED but under memory=budget); wherever anything is recomputed, aamperf's rules over inductor's
+    (UNBUDGETED but under memory=budget); where compiled graphs recompute, aamperf's rules over inductor's
     joint graph (aamperf/phases/recompute.py): graph inputs saved (a checkpoint wrapper compiled with
     dynamic shapes, on torch 2.11), randomness kept under a budget below 1. A graph compiled under
     another budget is dropped: dynamo would reuse it (its guards are on the code and the tensors' types,
     not on this setting), and a block compiled by an earlier job would keep that job's budget."""
     global _rules_set
-    recomputes = checkpointing != "none"
     if recomputes or _rules_set:
         from aamperf.phases.recompute import INPUTS_SAVED, RANDOMNESS_KEPT  # inductor: imported where used
 

@@ -65,7 +65,7 @@ def assert_same_gradients(a, b):
 @pytest.fixture(autouse=True)
 def unbudgeted():
     yield
-    set_compiled_recompute("none", UNBUDGETED)  # a failed test leaves no budget behind
+    set_compiled_recompute(False, UNBUDGETED)  # a failed test leaves no budget behind
 
 
 def test_a_smaller_budget_keeps_fewer_bytes_with_the_gradients_of_no_checkpointing(make_cfg):

@@ -44,15 +44,14 @@ def test_randomness_is_saved_only_under_a_budget():
 
 
 @pytest.mark.parametrize(
-    "checkpointing, budget, rules",
-    [("full", UNBUDGETED, INPUTS_SAVED), ("ops", UNBUDGETED, INPUTS_SAVED), ("budget", 0.5, RANDOMNESS_KEPT)],
+    "budget, rules", [(UNBUDGETED, INPUTS_SAVED), (0.5, RANDOMNESS_KEPT)], ids=["wrappers", "budget"]
 )
-def test_a_job_that_recomputes_sets_the_rules_and_the_next_job_drops_them(checkpointing, budget, rules):
+def test_a_job_that_recomputes_sets_the_rules_and_the_next_job_drops_them(budget, rules):
     try:
-        set_compiled_recompute(checkpointing, budget)
+        set_compiled_recompute(True, budget)
         assert torch._inductor.config.joint_custom_post_pass is rules
     finally:
-        set_compiled_recompute("none", UNBUDGETED)
+        set_compiled_recompute(False, UNBUDGETED)
     assert torch._inductor.config.joint_custom_post_pass is None
 
 
@@ -65,4 +64,4 @@ def test_the_rules_are_set_only_where_the_model_may_be_compiled(make_cfg, compil
         assert record["status"] == "applied" and record["layers"] == 2
         assert torch._inductor.config.joint_custom_post_pass is rules
     finally:
-        set_compiled_recompute("none", UNBUDGETED)
+        set_compiled_recompute(False, UNBUDGETED)
