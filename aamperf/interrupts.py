@@ -48,14 +48,17 @@ class StopSignal(BaseException):  # noqa: N818 - named for what it is, as Keyboa
 
 
 _active: "Interrupts | None" = None  # the run's, while it catches the stop signals
+_stopped_at_once: RunInterrupted | None = None  # stop_at_once's signal, once one came
 
 
 def stop_if_signalled() -> None:
-    """Stop the run where a signal came during its set-up and the code it interrupted caught even the
-    handler's StopSignal (a bare `except:`). Called after each measurement, before it is kept, and as
-    the training loop begins."""
+    """Stop the run (or the command under `stop_at_once`) where a signal came and the code it interrupted
+    caught even the handler's StopSignal (a bare `except:`). Called after each measurement, before it is
+    kept, as the training loop begins, and before predict writes its files."""
     if _active is not None:
         _active.stop_if_received()
+    if _stopped_at_once is not None:
+        raise StopSignal(_stopped_at_once)
 
 
 def exit_interrupted(exc: RunInterrupted) -> NoReturn:
@@ -66,22 +69,28 @@ def exit_interrupted(exc: RunInterrupted) -> NoReturn:
 def stop_at_once(left: str) -> Iterator[None]:
     """For a command with nothing to save midway (`python -m aamperf.predict`): SIGTERM or SIGINT ends it
     at once with one `interrupted:` line saying what is `left`, and exit code 128 + the signal (not a
-    KeyboardInterrupt's traceback, or SIGTERM's silent death)."""
+    KeyboardInterrupt's traceback, or SIGTERM's silent death). A signal whose StopSignal the code it
+    interrupted swallowed still ends the command so, at the next `stop_if_signalled` or at the end."""
+    global _stopped_at_once
 
     def handle(signum: int, frame: FrameType | None) -> None:
+        global _stopped_at_once
         name = signal.Signals(signum).name
-        raise StopSignal(RunInterrupted(f"{name} received; {left}", None, signum))
+        _stopped_at_once = _stopped_at_once or RunInterrupted(f"{name} received; {left}", None, signum)
+        raise StopSignal(_stopped_at_once)
 
     stops = (signal.SIGTERM, signal.SIGINT)
     previous = {signum: signal.signal(signum, handle) for signum in stops}
     try:
         with resent_when_dropped():
             yield
+            stop_if_signalled()
     except StopSignal as stop:
         exit_interrupted(stop.interrupted)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        _stopped_at_once = None
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from conftest import PYTHON, losses, on_tmpfs, read_metrics, read_summary, torch
 
 from aamperf import checkpoint, rng
 from aamperf.errors import UserError
-from aamperf.interrupts import Interrupts, RunInterrupted, stop_at_once
+from aamperf.interrupts import Interrupts, RunInterrupted, stop_at_once, stop_if_signalled
 
 LONG = ["trainer.max_steps=40", "trainer.val_every=8", "trainer.resume=auto"]
 
@@ -93,6 +93,32 @@ def test_a_stop_signal_handled_in_a_finalizer_still_stops_the_command(capfd):
         time.sleep(5)  # the code the finalizer interrupted: the stop lands here
     assert stopped.value.code == 130
     assert capfd.readouterr().err.strip().splitlines() == ["interrupted: SIGINT received; nothing written"]
+
+
+def test_a_stop_signal_that_the_interrupted_code_swallowed_still_stops_the_command(capfd):
+    """A bare `except:` in the code a signal interrupted swallows the handler's StopSignal: the command
+    stops at the next check (predict's, before its files are written), not at its end with exit 0."""
+    went_on = []
+    with pytest.raises(SystemExit) as stopped, stop_at_once("nothing written"):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises here
+        except BaseException:  # noqa: BLE001 - what the test is about
+            pass
+        went_on.append(True)
+        stop_if_signalled()
+        went_on.append(False)  # not reached
+    assert stopped.value.code == 130 and went_on == [True]
+    assert capfd.readouterr().err.strip().splitlines() == ["interrupted: SIGINT received; nothing written"]
+    with pytest.raises(SystemExit), stop_at_once("nothing written"):  # or, unchecked, at the end
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except BaseException:  # noqa: BLE001
+            pass
+    assert capfd.readouterr().err.strip().splitlines() == ["interrupted: SIGTERM received; nothing written"]
+    with stop_at_once("nothing written"):  # the next command under it starts afresh
+        stop_if_signalled()
 
 
 @pytest.mark.slow  # about 40 s: submitit's runner, a requeue and a resumed run (the suite stays under 10 min)

@@ -29,6 +29,7 @@ from aamperf.device import resolve_device, to_device
 from aamperf.distributed import World, close_world, join_world, torchrun_env
 from aamperf.errors import UserError
 from aamperf.files import write_atomic, write_json_atomic
+from aamperf.interrupts import stop_if_signalled
 from aamperf.metrics.flops import cpu_description
 from aamperf.metrics.monitor import peak_rss, reset_peak_rss
 from aamperf.model import AAM
@@ -178,6 +179,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             metadata = resolve_files(data_cfg).get("metadata")
             observed = observed_values(metadata, data_cfg.get("target"), read["ids"], target)
             summary["categorical"] = category_record(vocabularies, metadata, read["ids"])
+            stop_if_signalled()  # a stop signal that code on the way swallowed: no file written after it
             summary.update(write_predictions(out_dir, read, parts, cfg.pairwise, target, observed))
             if exported is not None:
                 summary["files"][exported["file"]] = (
