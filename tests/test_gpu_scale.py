@@ -53,7 +53,14 @@ def test_ratios_are_paired_by_seed_and_end_to_end_needs_the_same_samples(tmp_pat
     (tmp_path / "machine.txt").write_text(machine)
     write_run(tmp_path, "original-fastest_seed0", 100, **original(0.100))
     write_run(tmp_path, "original-fastest_seed1", 200, **original(0.200))
-    write_run(tmp_path, "ultra_seed0", 50, **aamperf_summary(0.025))  # 4x its seed's original
+    peak = {  # a memory snapshot's (metrics.memory_snapshot): its run's table names what held the peak
+        "peak_bytes": 3 * 2**30,
+        "held_from_before_bytes": 2**30,
+        "sources": [{"where": "model/layers.py:95 forward", "bytes": 2**31, "blocks": 40}],
+        "other_sources_bytes": 0,
+    }
+    snapshot = {"profile": {"memory_snapshot": {"file": "memory_snapshot.pickle", "peak": peak}}}
+    write_run(tmp_path, "ultra_seed0", 50, **aamperf_summary(0.025), **snapshot)  # 4x its seed's original
     write_run(tmp_path, "ultra_seed1", 40, **aamperf_summary(0.100))  # 2x its seed's original
     write_run(tmp_path, "ultra-auto_seed0", 60, **aamperf_summary(0.2, batch=64, auto=True))
     write_run(tmp_path, "advanced_seed0", 0, exit_code=124)  # cut off by TIME_LIMIT_S
@@ -77,3 +84,31 @@ def test_ratios_are_paired_by_seed_and_end_to_end_needs_the_same_samples(tmp_pat
     assert rows["advanced"]["seeds_done"] == [] and rows["advanced"]["failed"] == {"0": 124}
     table = summarize.to_markdown(summarize.summarize(tmp_path))
     assert "| ultra | 8 | 10 | 62.5 [25.0, 100.0] |" in table and "seed 0: exit 124" in table
+    assert "**ultra seed 0: what its recorded steps held at their peak** (metrics.memory_snapshot, 3" in table
+    assert "| model/layers.py:95 forward | 2.000 | 40 |" in table and "ultra seed 1" not in table
+
+
+@pytest.mark.slow  # about 25 s (aam_base's steps on a CPU): the default suite stays near 10 minutes
+def test_the_activation_count_finds_what_each_kernel_keeps_on_a_real_batch(tmp_path):
+    """activations.py on the dry run's data: the attention kernel keeps q, k, v and its output (2 bytes a
+    channel each) and the mask as a bias, the GELU its 4 D wide input, for each encoded ASV row's tokens."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "data"
+    sizes = ["48", "300", "30", "500", "1000"]  # run.sh's dry run's: samples, ASVs, richness, depth, reads
+    subprocess.run([sys.executable, REPO / "experiments/original/prepare.py", data, *sizes], check=True)
+    spec = importlib.util.spec_from_file_location("gpu_scale_activations", SCRIPT.with_name("activations.py"))
+    activations = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(activations)
+    import torch
+
+    found = activations.count(data, 8, torch.bfloat16, 1, [], depth=500)
+    parts = {(p["stack"], p["part"], p["dtype"]): p["bytes"] for p in found["parts"]}
+    tokens = found["encoded_rows"] * 151 * 4  # rows x tokens x layers (aam_base: D 128, 4 layers)
+    assert parts[("asv_encoder", "attn.attend", "bfloat16")] == tokens * (4 * 128 * 2 + 2)
+    assert parts[("asv_encoder", "ffn.1", "bfloat16")] == tokens * 4 * 128 * 2
+    assert parts[("asv_encoder", "ffn.2", "bool")] == tokens * 4 * 128
+    assert found["kept_bytes"] == sum(parts.values())
+    assert found["rss_peak_bytes"] >= found["rss_forward_bytes"]
+    assert "GELU: its input" in activations.table(found)

@@ -5,6 +5,7 @@ the categories as `timeline_columns()` names them."""
 
 import json
 import logging
+import pickle
 import time
 import warnings
 from pathlib import Path
@@ -14,6 +15,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
 
+from aamperf.files import write_atomic
+
 log = logging.getLogger(__name__)
 
 # steps recorded, after warm-up and any profiled ones: a step's allocations and frees, the next one's reuse
@@ -21,6 +24,60 @@ SNAPSHOT_STEPS = 2
 HISTORY_ENTRIES = 100_000  # CUDA allocator events kept, the oldest dropped beyond: a few steps of AAM's
 # what the CUDA allocator's history records with each event (torch.cuda.memory._record_memory_history)
 RECORDING = {"context": "all", "stacks": "python"}
+
+
+PEAK_SOURCES = 12  # the places that allocated the most of what was held at the peak, in the record
+
+
+def source(frames: list[dict]) -> str:
+    """Where a block was allocated: the innermost frame of aamperf's own code (`model/layers.py:95 forward`),
+    else the innermost Python frame; none on a thread with no Python frame (autograd's backward on a GPU)."""
+    for frame in frames:
+        path = frame.get("filename", "")
+        if "/aamperf/" in path and not path.endswith("aamperf/metrics/snapshot.py"):
+            return f"{path.rsplit('/aamperf/', 1)[1]}:{frame.get('line')} {frame.get('name')}"
+    if frames:
+        first = frames[0]
+        return f"{first.get('filename', '?').rsplit('/', 1)[-1]}:{first.get('line')} {first.get('name')}"
+    return "(no Python frame: backward's thread)"
+
+
+def peak_sources(events: list[dict], start_bytes: int, top: int = PEAK_SOURCES) -> dict:
+    """From the CUDA allocator's history of the recorded steps (one device's `device_traces`, oldest first)
+    and the bytes allocated as it began: the most bytes allocated at once, and what held them then, by the
+    place that allocated each block (`source`); blocks from before the recording (weights, optimizer
+    state, the previous step's) as one line. `max_memory_allocated` over the same steps, explained."""
+    held = peak = start_bytes
+    peak_at = -1  # the event after which the peak was reached; -1: at the start
+    for i, event in enumerate(events):
+        if event["action"] == "alloc":
+            held += event["size"]
+        elif event["action"] == "free_completed":
+            held -= event["size"]
+        if held > peak:
+            peak, peak_at = held, i
+    live: dict[int, tuple[int, str]] = {}
+    before = start_bytes  # what the blocks allocated before the recording still held
+    for event in events[: peak_at + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], source(event.get("frames") or []))
+        elif event["action"] == "free_completed":
+            if event["addr"] in live:
+                del live[event["addr"]]
+            else:
+                before -= event["size"]
+    by_source: dict[str, list[int]] = {}
+    for size, where in live.values():
+        total = by_source.setdefault(where, [0, 0])
+        total[0] += size
+        total[1] += 1
+    ranked = sorted(by_source.items(), key=lambda kv: -kv[1][0])
+    return {
+        "peak_bytes": peak,
+        "held_from_before_bytes": before,
+        "sources": [{"where": w, "bytes": b, "blocks": n} for w, (b, n) in ranked[:top]],
+        "other_sources_bytes": sum(b for _, (b, _) in ranked[top:]),
+    }
 
 
 def timeline_columns() -> list[str]:
@@ -45,6 +102,7 @@ class MemorySnapshot:
         self._prof: profile | None = None
         self._recording = False
         self._start = 0.0
+        self._start_bytes = 0  # allocated on the GPU as the recording began
         self.result: dict[str, Any] | None = None
 
     def covers(self, step: int) -> bool:
@@ -61,6 +119,7 @@ class MemorySnapshot:
             # checkpointing's recompute in backward (SystemError from dropout, 2026-11-27), and with
             # stacks="python" too on another H200 the same day: tests/gpu/test_cuda_runs.py's snapshot test
             # fails there (experiments/gpu_scale/README.md, "Left for the next GPU session")
+            self._start_bytes = torch.cuda.memory_allocated(self.device)
             torch.cuda.memory._record_memory_history(**RECORDING, max_entries=HISTORY_ENTRIES)
             self._recording = True
         else:
@@ -85,10 +144,16 @@ class MemorySnapshot:
         suffix = "" if self.rank == 0 else f"_rank{self.rank}"
         if self._recording:
             name = f"memory_snapshot{suffix}.pickle"
-            torch.cuda.memory._dump_snapshot(str(self.out_dir / name))
+            history = torch.cuda.memory._snapshot()
+            # what torch.cuda.memory._dump_snapshot writes, from the history read once here
+            write_atomic(self.out_dir / name, lambda f: pickle.dump(history, f))
             torch.cuda.memory._record_memory_history(enabled=None)  # stop recording
             self._recording = False
             self.result = {"file": name, "kind": "CUDA allocator history (pytorch.org/memory_viz)"}
+            index = torch.cuda.current_device() if self.device.index is None else self.device.index
+            events = history["device_traces"][index]
+            if len(events) < HISTORY_ENTRIES:  # whole: none of the steps' events dropped
+                self.result["peak"] = peak_sources(events, self._start_bytes)
         else:
             self._prof.__exit__(None, None, None)
             name = f"memory_timeline{suffix}.json"

@@ -62,6 +62,8 @@ def read_run(run: Path) -> dict[str, Any]:
             peak_flops=s["peak_flops"],
             gpu_busy=s.get("gpu_util_percent"),  # pynvml's utilization over the run
             probes_s=s.get("auto_s"),  # the `auto` decisions' measuring: once per machine, then cached
+            # metrics.memory_snapshot's (SNAPSHOT=1): what the recorded steps held at their peak, by source
+            memory_peak=((s.get("profile") or {}).get("memory_snapshot") or {}).get("peak"),
         )
     row["samples_per_s"] = row["batch"] / row["step_s"]
     return row
@@ -142,6 +144,12 @@ def summarize(out: Path) -> dict[str, Any]:
         )
     result = {"machine": machine, "device": device, "peak_flops": peak, "peak_source": peak_source}
     result["rows"] = rows
+    result["memory_peaks"] = {
+        f"{cfg} seed {seed}": r["memory_peak"]
+        for cfg in [c for c in ORDER if c in runs]
+        for seed, r in runs[cfg].items()
+        if r.get("memory_peak")
+    }
     (out / "table.json").write_text(json.dumps(result, indent=1))
     return result
 
@@ -187,6 +195,18 @@ def to_markdown(result: dict[str, Any]) -> str:
         " seconds aamperf's `auto` decisions spent measuring (once per machine, then read from its cache: a"
         " later run's end to end is that much shorter). GPU busy: pynvml's utilization over the run.",
     ]
+    for run, peak in result.get("memory_peaks", {}).items():
+        lines += [
+            "",
+            f"**{run}: what its recorded steps held at their peak** (metrics.memory_snapshot, "
+            f"{peak['peak_bytes'] / GIB:.2f} GiB): {peak['held_from_before_bytes'] / GIB:.2f} GiB allocated "
+            "before them (weights, optimizer state, the step before's)",
+            "",
+            "| allocated at | GiB | blocks |",
+            "|---|---|---|",
+            *(f"| {s['where']} | {s['bytes'] / GIB:.3f} | {s['blocks']} |" for s in peak["sources"]),
+            f"| elsewhere | {peak['other_sources_bytes'] / GIB:.3f} | |",
+        ]
     return "\n".join(lines)
 
 

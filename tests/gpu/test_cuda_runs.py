@@ -202,6 +202,9 @@ def test_a_cuda_memory_snapshot_holds_the_allocator_history_of_its_steps(make_cf
     traces = [e for device in dumped["device_traces"] for e in device]
     actions = {e["action"] for e in traces}
     assert {"alloc", "free_completed"} <= actions and dumped["segments"]  # the steps' events, the pool
+    peak = snapshot["peak"]  # what held the most: the model's own lines among the places
+    assert 0 < peak["peak_bytes"] <= summary["peak_device_bytes"]
+    assert any(s["where"].startswith("model/") for s in peak["sources"]), peak["sources"]
 
 
 @pytest.mark.parametrize("compile_mode", ["disabled", "default"])

@@ -44,3 +44,30 @@ def test_a_run_that_fails_inside_the_recorded_steps_leaves_no_profiler_running(m
     with pytest.raises(RuntimeError, match="BrokenLoss: step 3"):
         train(cfg, tmp_path)
     assert not torch.autograd.profiler._is_profiler_enabled
+
+
+def test_the_peak_of_a_cuda_history_is_explained_by_where_its_blocks_were_allocated():
+    """peak_sources replays the allocator's events (the CUDA run's summary: tests/gpu/test_cuda_runs.py):
+    the most held at once, counted from what was allocated before, and the live blocks then by source."""
+    from aamperf.metrics.snapshot import peak_sources
+
+    def frames(*where):
+        return [{"filename": f, "line": line, "name": name} for f, line, name in where]
+
+    layers = frames(("/t/torch/functional.py", 10, "linear"), ("/r/aamperf/model/layers.py", 95, "forward"))
+    events = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": layers},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": layers},
+        {"action": "free_completed", "addr": 9, "size": 30},  # a block from before the recording
+        {"action": "alloc", "addr": 3, "size": 70, "frames": []},  # backward's thread: no Python frame
+        {"action": "free_requested", "addr": 1, "size": 100},  # not free yet
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 4, "size": 60, "frames": frames(("/x/site/lib.py", 3, "f"))},
+    ]
+    found = peak_sources(events, start_bytes=1000, top=1)
+    # 1000 + 100 + 50 - 30 + 70 = 1190 after the 4th event; 1190 - 100 + 60 = 1150 at the end
+    assert found["peak_bytes"] == 1190 and found["held_from_before_bytes"] == 970
+    assert found["sources"] == [{"where": "model/layers.py:95 forward", "bytes": 150, "blocks": 2}]
+    assert found["other_sources_bytes"] == 70
+    assert peak_sources([], start_bytes=5)["peak_bytes"] == 5
+    assert peak_sources(events, 0, top=3)["sources"][1]["where"] == "(no Python frame: backward's thread)"
