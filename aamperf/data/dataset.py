@@ -21,7 +21,7 @@ from aamperf.data.tables import read_unifrac, read_val_samples, resolve_files, s
 from aamperf.data.unifrac import cached_unifrac, select_unifrac
 from aamperf.errors import UserError
 from aamperf.files import write_atomic
-from aamperf.model.aam import bucket_size
+from aamperf.model.aam import SLOT_KEYS, bucket_size, slot_index
 from aamperf.targets import TargetSpec, fit_classes, fit_regression
 from aamperf.tokens import TOKENS_PER_ASV
 
@@ -34,6 +34,7 @@ class Collate:
 
     Batch: tokens int64 [B, S, 151], counts float32 [B, S, 1], unifrac float32 [B, B],
     sample_idx int64 [B], asv_ids int64 [B, S] (each slot's row of the token table, -1 on padding),
+    real_slots, unique_first, unique_inverse int64 (where the real ASVs lie: `aamperf.model.aam.slot_index`),
     target float32 [B, 1] (when the data has one), categorical int64 [B, columns] (data.categorical: each
     sample's category per column, 0 unseen or missing), n_samples and n_tokens int.
     Under torch.distributed B is this rank's slice b of the global batch, and unifrac is [b, B]:
@@ -80,6 +81,9 @@ class Collate:
             "counts": counts,
             "sample_idx": sample_idx,
             "asv_ids": asv_ids,
+            # where the real ASVs lie and which are the same, found here so that the model need not read
+            # them back from the GPU (aamperf.model.aam.SlotIndex); the slots ascend as the items' ASVs do
+            **slot_index(batch_pos * width + asv_pos, asv_idx),
             # counted here, on the host, so the trainer's samples/s and tokens/s need no device sync
             "n_samples": n_samples,
             "n_tokens": n_tokens,
@@ -222,7 +226,10 @@ def split_batch(batch: dict, parts: int, world: int = 1) -> list[dict]:
     micro = []
     for m in range(parts):
         mine = slice(m * size, (m + 1) * size)
-        part = {k: v[mine] for k, v in batch.items() if torch.is_tensor(v) and k != "unifrac"}
+        # the slot index is the step batch's (slots of its B x S): a micro-batch's model finds its own
+        part = {
+            k: v[mine] for k, v in batch.items() if torch.is_tensor(v) and k not in ("unifrac", *SLOT_KEYS)
+        }
         if "unifrac" in batch:  # the global batch's columns are the ranks' rows in rank order
             starts = torch.arange(world, device=batch["unifrac"].device) * rows
             columns = (starts[:, None] + torch.arange(size, device=starts.device)).flatten()

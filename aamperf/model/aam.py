@@ -2,7 +2,7 @@
 aamperf/model/aam_flops.py)."""
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -58,6 +58,32 @@ def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
     if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
         problems.append(f"{prefix}dropout={dropout} must be a number in [0, 1)")
     return problems
+
+
+class SlotIndex(NamedTuple):
+    """Where a batch's real ASVs lie, found on the host by the collate (`slot_index`), so that forward
+    reads them back from no GPU (`nonzero` and `unique` on a device tensor are host syncs: the host waits
+    for the queued steps before it can launch more). `real` [R]: the real slots in [0, B*S), ascending;
+    `first` [U]: for each distinct ASV of the batch, the position in `real` of its first slot; `inverse`
+    [R]: each real slot's distinct ASV."""
+
+    real: Tensor
+    first: Tensor
+    inverse: Tensor
+
+
+SLOT_KEYS = ("real_slots", "unique_first", "unique_inverse")  # a batch's SlotIndex, as the collate keys it
+
+
+def slot_index(slots: Tensor, asv_ids: Tensor) -> dict[str, Tensor]:
+    """A batch's SlotIndex as the collate adds it (keyed by SLOT_KEYS): `slots` [R] its real slots in
+    [0, B*S), ascending, and `asv_ids` [R] their ASVs, in the same order; the same values forward's
+    `nonzero` and `unique` would give."""
+    _, inverse = torch.unique(asv_ids, return_inverse=True)
+    position = torch.arange(len(slots))
+    first = position.new_full((int(inverse.max()) + 1 if len(slots) else 0,), len(slots))
+    first = first.scatter_reduce_(0, inverse, position, reduce="amin")
+    return dict(zip(SLOT_KEYS, (slots, first, inverse), strict=True))
 
 
 def bucket_size(n: int) -> int:
@@ -168,6 +194,7 @@ class AAM(FlopCount, nn.Module):
             for table in self.categorical_embeddings:  # padding_idx's zero row, which the init drew over
                 table.weight[0].zero_()
         self.asv_rows = "real"  # one of ASV_ROWS; set by the aam_ops phase, before any wrapper
+        self.takes_slots = True  # forward(slots=): the loss passes the collate's SlotIndex
         self.bucket_rows = False  # pad the encoded rows to `bucket_size` (aam_ops.bucket)
         self.pack_samples = False  # the sample level on the real ASVs, packed (aam_ops.pack_samples)
         # every ASV row of the data is full length (no PAD inside): set by the job from its data's token
@@ -192,6 +219,7 @@ class AAM(FlopCount, nn.Module):
         categorical: Tensor | None = None,
         asv_states: Tensor | None = None,
         asv_real: Tensor | None = None,
+        slots: SlotIndex | None = None,
     ) -> dict[str, Tensor]:
         if sample_embedding is not None:  # a frozen encoder's, computed once (aamperf/trainer/cached.py)
             if self.target_encoder is not None and (asv_states is None or asv_real is None):
@@ -209,11 +237,13 @@ class AAM(FlopCount, nn.Module):
             )
         real_asv = (tokens != PAD).any(dim=-1)  # [B, S]; an all-padding row is a padding ASV
         rows = None  # the real slots, in [0, B*S): where the ASV encoder or the packing needs them
-        if self.asv_rows != "all" or self.pack_samples:
+        if slots is not None:  # found by the collate, on the host
+            rows = slots.real
+        elif self.asv_rows != "all" or self.pack_samples:
             # host sync: nonzero sizes its output. Worth it: every padding row skipped saves a transformer
             # pass over L positions, far more than the device idles while the queue drains
             rows = real_asv.reshape(-1).nonzero().squeeze(1)
-        asv, nuc_logits = self.encode_asvs(tokens, real_asv, asv_ids, rows)
+        asv, nuc_logits = self.encode_asvs(tokens, real_asv, asv_ids, rows, slots)
 
         if self.pack_samples:  # the real slots only, each sample's after the other's: [T, D]
             packing = Packing.from_slots(rows, batch, n_asvs)
@@ -291,11 +321,17 @@ class AAM(FlopCount, nn.Module):
         return sample_embedding + sum(columns)
 
     def encode_asvs(
-        self, tokens: Tensor, real_asv: Tensor, asv_ids: Tensor | None = None, rows: Tensor | None = None
+        self,
+        tokens: Tensor,
+        real_asv: Tensor,
+        asv_ids: Tensor | None = None,
+        rows: Tensor | None = None,
+        slots: SlotIndex | None = None,
     ) -> tuple[Tensor, Tensor]:
         """tokens [B, S, L], real_asv [B, S] bool -> ASV vectors [B, S, D] and nucleotide logits
         [B, S, L, vocab_size], both 0 on padding rows; `self.asv_rows` picks the rows encoded. `rows`:
-        the real slots (`real_asv.reshape(-1).nonzero()`), where the caller has them."""
+        the real slots (`real_asv.reshape(-1).nonzero()`), where the caller has them; `slots`: those and
+        the distinct ASVs, found on the host (no sync here)."""
         batch, n_asvs, length = tokens.shape
         flat, real = tokens.reshape(-1, length), real_asv.reshape(-1)
         if self.asv_rows == "all":
@@ -317,14 +353,17 @@ class AAM(FlopCount, nn.Module):
         if self.asv_rows == "real":
             asv, logits = self._encode_rows(flat[rows])
         else:
-            # host sync: unique sizes its output. It comes right after the nonzero, with nothing queued
-            # in between, so it costs a round trip, not a second drain; it saves one encoder pass per
-            # repeated ASV (the samples of a batch share many)
-            distinct, inverse = torch.unique(asv_ids.reshape(-1)[rows], return_inverse=True)
-            # one slot per distinct ASV, the first (any would do: the slots of an ASV hold the same tokens)
-            position = torch.arange(rows.numel(), device=rows.device)
-            first = position.new_full(distinct.shape, rows.numel())
-            first = first.scatter_reduce_(0, inverse, position, reduce="amin")
+            if slots is not None:
+                first, inverse = slots.first, slots.inverse
+            else:
+                # host sync: unique sizes its output. It comes right after the nonzero, with nothing
+                # queued in between, so it costs a round trip, not a second drain; it saves one encoder
+                # pass per repeated ASV (the samples of a batch share many)
+                distinct, inverse = torch.unique(asv_ids.reshape(-1)[rows], return_inverse=True)
+                # one slot per distinct ASV, the first (any would do: an ASV's slots hold the same tokens)
+                position = torch.arange(rows.numel(), device=rows.device)
+                first = position.new_full(distinct.shape, rows.numel())
+                first = first.scatter_reduce_(0, inverse, position, reduce="amin")
             asv, logits = self._encode_rows(flat[rows[first]])
             asv, logits = asv[inverse], logits[inverse]  # distinct ASVs -> every real slot holding one
         # scatter the real slots back into zero-filled [B*S, ...] tensors (index_copy: differentiable)

@@ -66,6 +66,9 @@ def test_batch_layout(cache_dir):
         "target",
         "sample_idx",
         "asv_ids",
+        "real_slots",  # where the real ASVs lie (aamperf.model.aam.SlotIndex): no GPU read back to find them
+        "unique_first",
+        "unique_inverse",
         "n_samples",
         "n_tokens",
     }

@@ -370,3 +370,39 @@ def test_the_unmasked_asv_encoder_runs_on_the_flash_kernel_and_gives_the_masked_
     assert (unmasked - masked).abs().max().item() <= 3e-2 * masked.abs().max().item()
     for name, want in masked_grads.items():
         assert (unmasked_grads[name] - want).abs().max().item() <= 1e-1 * max(want.abs().max().item(), 1e-3)
+
+
+# ---- no host sync inside a training step (issue 41: the original has about 40 a step) ------------------
+
+
+def test_a_training_step_of_aam_ops_fast_on_cuda_waits_for_the_gpu_nowhere(make_cfg):
+    """Forward, loss and backward of AAM with aam_ops=fast under CUDA's sync debug mode ("error": a call
+    that waits for the GPU raises): none, with the slots the collate finds on the host; without them,
+    forward's nonzero waits (what the mode catches: the test can fail)."""
+    from hydra.utils import instantiate
+
+    from aamperf.data import build_data
+    from aamperf.device import to_device
+    from aamperf.model.aam import SLOT_KEYS
+    from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to
+    from aamperf.phases.attention import apply_attention
+
+    cfg = make_cfg("aam_ops=fast", "attention=sdpa")
+    torch.manual_seed(0)
+    model = instantiate(cfg.model).to(CUDA).train()
+    apply_aam_ops(model, cfg.aam_ops)
+    apply_attention(model, cfg.attention, CUDA)
+    pad_to = collate_pad_to(cfg.aam_ops, cfg.data.max_asvs)
+    data = build_data(cfg.data, batch_size=8, seed=0, loader=cfg.dataloader, pad_to=pad_to)
+    batch = to_device(next(iter(data.train_loader)), CUDA)
+    loss_fn = instantiate(cfg.loss)
+    loss_fn(model, batch, 1)[0].backward()  # first calls: cuBLAS handles, lazy module state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss_fn(model, batch, 2)[0].backward()
+        without = {k: v for k, v in batch.items() if k not in SLOT_KEYS}
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            loss_fn(model, without, 3)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

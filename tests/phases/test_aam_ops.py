@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 from hydra.utils import instantiate
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from aamperf.data import build_data
 from aamperf.device import to_device
@@ -133,3 +134,57 @@ def test_records_and_padding_of_every_option(make_cfg):
         "asv_rows": None,
     }
     assert not hasattr(other, "asv_rows")
+
+
+def test_the_collates_slot_index_is_what_forward_would_find_on_the_device(tiny):
+    """The real slots and distinct ASVs the collate finds on the host (no GPU read back in forward) are
+    nonzero's and unique's of the batch, whichever way it is padded."""
+    from aamperf.tokens import PAD
+
+    *_, fixed, longest, bucketed = tiny
+    for batch in (fixed, longest, bucketed):
+        real = (batch["tokens"] != PAD).any(-1).reshape(-1)
+        assert torch.equal(batch["real_slots"], real.nonzero().squeeze(1))
+        ids = batch["asv_ids"].reshape(-1)[batch["real_slots"]]
+        distinct, inverse = torch.unique(ids, return_inverse=True)
+        assert torch.equal(batch["unique_inverse"], inverse)
+        first = batch["unique_first"]
+        assert torch.equal(ids[first], distinct)
+        assert all(int(first[inverse[i]]) <= i for i in range(len(ids)))  # each ASV's first slot
+
+
+class SyncingOps(TorchDispatchMode):
+    """The ops dispatched that a GPU answers only by a host sync (their output's size or a value read
+    back): nonzero, unique, masked_select, an item, an index by a bool mask."""
+
+    SYNCING = {"nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select"}
+    SYNCING |= {"_local_scalar_dense"}  # .item(), bool(), int() of a tensor
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.SYNCING or (
+            name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1])
+        ):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_training_step_of_aam_ops_fast_runs_no_op_that_waits_for_the_gpu(tiny, make_cfg):
+    """With the collate's slot index, forward, loss and backward dispatch no op that syncs on a GPU (the
+    CUDA run: tests/gpu/test_cuda_parts.py); without it, forward finds the slots itself (nonzero, unique)."""
+    from aamperf.model.aam import SLOT_KEYS
+
+    cfg, model, loss_fn, *_, bucketed = tiny
+    apply_aam_ops(model, make_cfg("aam_ops=fast").aam_ops)
+    with SyncingOps() as found:
+        loss, _ = loss_fn(model.train(), bucketed, 1)
+        loss.backward()
+    assert found.seen == []
+    without = {k: v for k, v in bucketed.items() if k not in SLOT_KEYS}
+    with SyncingOps() as found:
+        loss_fn(model, without, 1)[0].backward()
+    assert found.seen == ["nonzero", "_unique2"]
