@@ -75,15 +75,21 @@ class SlotIndex(NamedTuple):
 SLOT_KEYS = ("real_slots", "unique_first", "unique_inverse")  # a batch's SlotIndex, as the collate keys it
 
 
+def first_slots(ids: Tensor) -> tuple[Tensor, Tensor]:
+    """(first, inverse) of `ids` [R]: for each distinct id, the position of its first occurrence (any would
+    do: an ASV's slots hold the same tokens); each position's distinct id. A host sync on a GPU tensor
+    (unique sizes its output)."""
+    distinct, inverse = torch.unique(ids, return_inverse=True)
+    position = torch.arange(ids.numel(), device=ids.device)
+    first = position.new_full(distinct.shape, ids.numel())
+    return first.scatter_reduce_(0, inverse, position, reduce="amin"), inverse
+
+
 def slot_index(slots: Tensor, asv_ids: Tensor) -> dict[str, Tensor]:
     """A batch's SlotIndex as the collate adds it (keyed by SLOT_KEYS): `slots` [R] its real slots in
     [0, B*S), ascending, and `asv_ids` [R] their ASVs, in the same order; the same values forward's
-    `nonzero` and `unique` would give."""
-    _, inverse = torch.unique(asv_ids, return_inverse=True)
-    position = torch.arange(len(slots))
-    first = position.new_full((int(inverse.max()) + 1 if len(slots) else 0,), len(slots))
-    first = first.scatter_reduce_(0, inverse, position, reduce="amin")
-    return dict(zip(SLOT_KEYS, (slots, first, inverse), strict=True))
+    `nonzero` and `first_slots` give on the device."""
+    return dict(zip(SLOT_KEYS, (slots, *first_slots(asv_ids)), strict=True))
 
 
 def bucket_size(n: int) -> int:
@@ -121,6 +127,8 @@ class AAM(FlopCount, nn.Module):
     (`aamperf/model/packed.py`: variable-length attention) instead of the batch padded to its width;
     `unmasked_asvs`: the ASV encoder attends and pools with no mask (SDPA's fused kernels apply), for
     data whose every ASV is full length, no PAD inside (`full_length_asvs`, set from the data).
+    `slots` (a `SlotIndex`, from the collate through the loss): the real slots and distinct ASVs found on
+    the host; without it forward finds them on the tokens' device (two host syncs on a GPU).
 
     `asv_rows` (set by `aamperf/phases/aam_ops.py`) picks the rows the ASV encoder runs on; the
     outputs are the same in every mode (up to fp32 rounding):
@@ -356,14 +364,10 @@ class AAM(FlopCount, nn.Module):
             if slots is not None:
                 first, inverse = slots.first, slots.inverse
             else:
-                # host sync: unique sizes its output. It comes right after the nonzero, with nothing
-                # queued in between, so it costs a round trip, not a second drain; it saves one encoder
-                # pass per repeated ASV (the samples of a batch share many)
-                distinct, inverse = torch.unique(asv_ids.reshape(-1)[rows], return_inverse=True)
-                # one slot per distinct ASV, the first (any would do: an ASV's slots hold the same tokens)
-                position = torch.arange(rows.numel(), device=rows.device)
-                first = position.new_full(distinct.shape, rows.numel())
-                first = first.scatter_reduce_(0, inverse, position, reduce="amin")
+                # host sync: it comes right after the nonzero, with nothing queued in between, so it costs
+                # a round trip, not a second drain; it saves one encoder pass per repeated ASV (the
+                # samples of a batch share many)
+                first, inverse = first_slots(asv_ids.reshape(-1)[rows])
             asv, logits = self._encode_rows(flat[rows[first]])
             asv, logits = asv[inverse], logits[inverse]  # distinct ASVs -> every real slot holding one
         # scatter the real slots back into zero-filled [B*S, ...] tensors (index_copy: differentiable)
