@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from aamperf.config import config_diff, under
-from aamperf.distributed import rank, world_size
+from aamperf.distributed import rank, unwrap, world_size
 from aamperf.errors import NoSpace, UserError, disk_full, no_space, one_line
 from aamperf.files import replace_durably, write_atomic
 from aamperf.rng import all_rng_states, set_rng_state
@@ -108,10 +108,6 @@ def _safe_planner():
                 self.state_dict[read_item.dest_index.fqn] = item
 
     return SafePlanner()
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)  # DDP keeps the model in .module
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -167,6 +167,12 @@ def alone() -> Iterator[None]:
         _alone = before
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model a DDP wrapper holds (its `.module`), or the model itself (FSDP2 and torch.compile keep the
+    model's attributes reachable on what they return)."""
+    return getattr(model, "module", model)
+
+
 def world_size() -> int:
     """The ranks of the process group; 1 for a single process, or inside `alone()`."""
     if _alone:

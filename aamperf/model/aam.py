@@ -140,6 +140,8 @@ class AAM(FlopCount, nn.Module):
                Exact only if an ASV's (masked) tokens are the same in every slot: AAMLoss masks per ASV.
     """
 
+    takes_slots = True  # forward(slots=): the loss passes the collate's SlotIndex
+
     def __init__(
         self,
         embedding_dim: int,
@@ -202,7 +204,6 @@ class AAM(FlopCount, nn.Module):
             for table in self.categorical_embeddings:  # padding_idx's zero row, which the init drew over
                 table.weight[0].zero_()
         self.asv_rows = "real"  # one of ASV_ROWS; set by the aam_ops phase, before any wrapper
-        self.takes_slots = True  # forward(slots=): the loss passes the collate's SlotIndex
         self.bucket_rows = False  # pad the encoded rows to `bucket_size` (aam_ops.bucket)
         self.pack_samples = False  # the sample level on the real ASVs, packed (aam_ops.pack_samples)
         # every ASV row of the data is full length (no PAD inside): set by the job from its data's token
@@ -251,7 +252,8 @@ class AAM(FlopCount, nn.Module):
             # host sync: nonzero sizes its output. Worth it: every padding row skipped saves a transformer
             # pass over L positions, far more than the device idles while the queue drains
             rows = real_asv.reshape(-1).nonzero().squeeze(1)
-        asv, nuc_logits = self.encode_asvs(tokens, real_asv, asv_ids, rows, slots)
+        distinct = None if slots is None else (slots.first, slots.inverse)
+        asv, nuc_logits = self.encode_asvs(tokens, real_asv, asv_ids, rows, distinct)
 
         if self.pack_samples:  # the real slots only, each sample's after the other's: [T, D]
             packing = Packing.from_slots(rows, batch, n_asvs)
@@ -334,12 +336,12 @@ class AAM(FlopCount, nn.Module):
         real_asv: Tensor,
         asv_ids: Tensor | None = None,
         rows: Tensor | None = None,
-        slots: SlotIndex | None = None,
+        distinct: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """tokens [B, S, L], real_asv [B, S] bool -> ASV vectors [B, S, D] and nucleotide logits
         [B, S, L, vocab_size], both 0 on padding rows; `self.asv_rows` picks the rows encoded. `rows`:
-        the real slots (`real_asv.reshape(-1).nonzero()`), where the caller has them; `slots`: those and
-        the distinct ASVs, found on the host (no sync here)."""
+        the real slots (`real_asv.reshape(-1).nonzero()`), where the caller has them; `distinct`: the
+        (first, inverse) of `first_slots` over their ASVs, where the caller found them on the host."""
         batch, n_asvs, length = tokens.shape
         flat, real = tokens.reshape(-1, length), real_asv.reshape(-1)
         if self.asv_rows == "all":
@@ -361,8 +363,8 @@ class AAM(FlopCount, nn.Module):
         if self.asv_rows == "real":
             asv, logits = self._encode_rows(flat[rows])
         else:
-            if slots is not None:
-                first, inverse = slots.first, slots.inverse
+            if distinct is not None:
+                first, inverse = distinct
             else:
                 # host sync: it comes right after the nonzero, with nothing queued in between, so it costs
                 # a round trip, not a second drain; it saves one encoder pass per repeated ASV (the

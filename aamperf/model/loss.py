@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aamperf.distributed import all_sum, gather, gather_constant, world_size
+from aamperf.distributed import all_sum, gather, gather_constant, unwrap, world_size
 from aamperf.errors import UserError
 from aamperf.model.aam import SLOT_KEYS, SlotIndex
 from aamperf.targets import TargetSpec
@@ -233,7 +233,7 @@ class AAMLoss(nn.Module):
         shown = tokens if hidden is None else tokens.masked_fill(hidden, MASK)
         # where the real ASVs lie, found by the collate on the host, to a model that takes them (AAM): its
         # forward then waits for no GPU. Hiding bases leaves every real slot real
-        if "real_slots" in batch and getattr(getattr(model, "module", model), "takes_slots", False):
+        if "real_slots" in batch and getattr(unwrap(model), "takes_slots", False):
             conditions["slots"] = SlotIndex(*(batch[k] for k in SLOT_KEYS))
         return model(shown, batch["counts"], asv_ids=asv_ids, **conditions), hidden
 
