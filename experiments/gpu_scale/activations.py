@@ -41,7 +41,6 @@ from aamperf.model.layers import MathAttention
 from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to, set_full_length
 from aamperf.phases.compile import apply_compile
 from aamperf.phases.memory import apply_checkpointing
-from aamperf.tokens import PAD
 
 GIB = 2**30
 
@@ -90,7 +89,7 @@ KEEPS = {
 
 
 def part(path: str) -> tuple[str, str]:
-    """A module path -> (stack, what in a block): ('asv_encoder', 'ffn.3 Linear') for
+    """A module path -> (stack, what in a block): ('asv_encoder', 'ffn.3') for
     'asv_encoder.blocks.2.ffn.3', the layer index dropped."""
     stack, _, rest = path.partition(".blocks.")
     if not rest:
@@ -99,16 +98,17 @@ def part(path: str) -> tuple[str, str]:
 
 
 def encoded_rows(batch: dict) -> int:
-    """The rows the ASV encoder runs on for `batch` under aam_ops=fast: its distinct ASVs, bucketed."""
-    real = (batch["tokens"] != PAD).any(-1)
-    return bucket_size(int(batch["asv_ids"][real].unique().numel()))
+    """The rows the ASV encoder runs on for `batch` under aam_ops=fast: its distinct ASVs (the collate's
+    slot index has one first slot each), bucketed."""
+    return bucket_size(batch["unique_first"].numel())
 
 
 def count(
     data_dir: Path, batch: int, dtype: torch.dtype, epochs: int, changes: list[str], depth: int = 8000
 ) -> dict:
-    """`changes`: overrides on ultra (`compile=default`, `memory=budget compile=default`): compiled blocks
-    are counted whole (their bytes under the block), their graphs being what torch.compile keeps."""
+    """`changes`: overrides on ultra (`compile=default`, `memory=budget compile=default`). Every
+    configuration gets the process's memory over a step; the eager one without checkpointing also what
+    autograd keeps, by module (`saved_by_module`)."""
     register_configs()
     changed = {c.split("=")[0] for c in changes}
     base = ["compile=disabled", "memory=none"]  # ultra as it ran at 234 steps on the H200 (compile=auto: no)
@@ -161,7 +161,7 @@ def count(
         "checkpointing": recomputed,
         "batch": batch,
         "tokens_shape": list(step_batch["tokens"].shape),
-        "real_asvs": int((step_batch["tokens"] != PAD).any(-1).sum()),
+        "real_asvs": step_batch["real_slots"].numel(),
         "encoded_rows": encoded_rows(step_batch),
         # the ASV encoder's rows (nearly all the bytes kept) over the run's batches: peak at the largest
         "run_encoded_rows": {"epochs": epochs, "median": statistics.median(encoded), "max": max(encoded)},
@@ -193,7 +193,8 @@ def step_memory(model: nn.Module, forward) -> dict:
 
 def saved_by_module(model: nn.Module, forward) -> dict[int, tuple[str, int, str]]:
     """Each storage autograd keeps through `forward()` (parameters left out): (the path of the innermost
-    module running when it was saved, its bytes, its dtype). A compiled module runs whole, hooks and all."""
+    module running when it was saved, its bytes, its dtype). For an eager model with no checkpointed
+    block: the hooks see neither a compiled graph's insides nor what a checkpoint recomputes."""
     names = {m: n for n, m in model.named_modules()}
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     where: list[str] = []  # the module path stack
@@ -212,12 +213,8 @@ def saved_by_module(model: nn.Module, forward) -> dict[int, tuple[str, int, str]
             kept[ptr] = (where[-1] if where else "", storage.nbytes(), str(t.dtype).removeprefix("torch."))
         return t
 
-    uncompiled = [
-        m for m in model.modules() if not any(c._compiled_call_impl for c in [m, *parents(model, m)])
-    ]
-    hooks = [
-        h for m in uncompiled for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))
-    ]
+    hooks = [m.register_forward_pre_hook(enter) for m in model.modules()]
+    hooks += [m.register_forward_hook(leave) for m in model.modules()]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             forward()
@@ -225,11 +222,6 @@ def saved_by_module(model: nn.Module, forward) -> dict[int, tuple[str, int, str]
         for h in hooks:
             h.remove()
     return kept
-
-
-def parents(model: nn.Module, module: nn.Module) -> list[nn.Module]:
-    """The modules of `model` that hold `module`, however deep."""
-    return [m for m in model.modules() if m is not module and any(c is module for c in m.modules())]
 
 
 def table(found: dict) -> str:
