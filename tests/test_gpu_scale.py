@@ -112,3 +112,17 @@ def test_the_activation_count_finds_what_each_kernel_keeps_on_a_real_batch(tmp_p
     assert found["kept_bytes"] == sum(parts.values())
     assert found["rss_peak_bytes"] >= found["rss_forward_bytes"]
     assert "GELU: its input" in activations.table(found)
+
+
+def test_the_activation_count_refuses_a_directory_without_data_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, SCRIPT.with_name("activations.py"), tmp_path], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path} holds no table.biom: give run.sh's $OUT_DIR/data, or python "
+        "experiments/original/prepare.py DIR 400 3000 600 8000 20000"
+    ]

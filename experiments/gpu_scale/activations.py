@@ -34,6 +34,7 @@ from torch import nn
 
 from aamperf.config import CONF_DIR, register_configs
 from aamperf.data import build_data
+from aamperf.errors import bad_input_exits, exit_bad_input
 from aamperf.metrics.flops import cpu_description
 from aamperf.metrics.monitor import peak_rss, release_freed_memory, reset_peak_rss
 from aamperf.model.aam import bucket_size
@@ -262,8 +263,12 @@ def main() -> None:
     parser.add_argument("--rarefy-depth", type=int, default=8000, help="the data's (run.sh: 8000)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_intermixed_args()
+    if not (args.data_dir / "table.biom").is_file():
+        prepare = "python experiments/original/prepare.py DIR 400 3000 600 8000 20000"
+        exit_bad_input(f"{args.data_dir} holds no table.biom: give run.sh's $OUT_DIR/data, or {prepare}")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    found = count(args.data_dir, args.batch, dtype, args.epochs, args.changes, args.rarefy_depth)
+    with bad_input_exits():  # a bad override or data: aamperf's one `error:` line, exit 2
+        found = count(args.data_dir, args.batch, dtype, args.epochs, args.changes, args.rarefy_depth)
     print(table(found))
     if args.json:
         args.json.write_text(json.dumps(found, indent=1))
