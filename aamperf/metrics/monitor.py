@@ -177,6 +177,7 @@ class SystemMonitor:
         self._cpu_sum = 0.0
         self._gpu_util_sum = 0.0
         self.peak_gpu_used_bytes: int | None = None
+        self.setup_peak_device_bytes: int | None = None
         self._samples = 0
         self._next_pss_at = 0.0  # perf_counter time of the next PSS reading
         # the cores' other users: the job tree's CPU seconds per process (first and last seen), and
@@ -263,6 +264,10 @@ class SystemMonitor:
 
     def __enter__(self) -> "SystemMonitor":
         reset_peak_rss()  # peak_rss() from here: the loop's own; job_peak_rss() keeps the time before
+        if self.device.type == "cuda":  # the build's peak (auto's probes: an fp32 step trial, the batch
+            # finder, compile trials) kept apart: peak_device_bytes is what training itself holds
+            self.setup_peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         self._started_at = time.time()
         self._cores_at_start = self._cores_now()
         self.sample(
@@ -292,6 +297,7 @@ class SystemMonitor:
             "gpu_util_percent": None,
             "peak_gpu_used_bytes": self.peak_gpu_used_bytes,
             "peak_device_bytes": None,
+            "setup_peak_device_bytes": self.setup_peak_device_bytes,
         }
         out["loop_load"] = self.loop_load()
         if self._gpu is not None:

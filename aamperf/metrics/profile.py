@@ -120,9 +120,10 @@ class StepProfilers:
 
 
 def step_profilers(
-    cfg: DictConfig, device: torch.device, out_dir: Path | None, rank: int = 0
+    cfg: DictConfig, device: torch.device, out_dir: Path | None, rank: int = 0, recomputes: bool = False
 ) -> StepProfilers:
-    """metrics.profile_steps's profiler and metrics.memory_snapshot's recording, for the run `cfg`."""
+    """metrics.profile_steps's profiler and metrics.memory_snapshot's recording, for the run `cfg`;
+    `recomputes`: its model recomputes layers in eager Python (torch.utils.checkpoint)."""
     m = cfg.metrics
     first = m.skip_steps + m.profile_steps + 1
     last = min(first + SNAPSHOT_STEPS - 1, cfg.trainer.max_steps)
@@ -137,6 +138,6 @@ def step_profilers(
         note = {"file": None, "reason": reason}
     return StepProfilers(
         StepProfiler(m.profile_steps, m.skip_steps, out_dir, rank),
-        MemorySnapshot(m.memory_snapshot, first, last, device, out_dir, rank),
+        MemorySnapshot(m.memory_snapshot, first, last, device, out_dir, rank, recomputes),
         note,
     )

@@ -24,6 +24,11 @@ SNAPSHOT_STEPS = 2
 HISTORY_ENTRIES = 100_000  # CUDA allocator events kept, the oldest dropped beyond: a few steps of AAM's
 # what the CUDA allocator's history records with each event (torch.cuda.memory._record_memory_history)
 RECORDING = {"context": "all", "stacks": "python"}
+# where the model recomputes in eager Python (torch.utils.checkpoint: memory=full, ops, every_k), that
+# recording fails inside the recompute's dropout (SystemError; torch 2.11+cu130, H200s, 2026-11-27 and 28:
+# the recording test in tests/gpu/test_cuda_parts.py); stacks only for the blocks live as the file is
+# written passed there: memory_viz's timeline then has no stacks, and the record no allocating lines
+RECORDING_UNDER_RECOMPUTE = {"context": "state", "stacks": "python"}
 
 
 PEAK_SOURCES = 12  # the places that allocated the most of what was held at the peak, in the record
@@ -94,9 +99,17 @@ class MemorySnapshot:
     holds, once written."""
 
     def __init__(
-        self, enabled: bool, first: int, last: int, device: torch.device, out_dir: Path | None, rank: int = 0
+        self,
+        enabled: bool,
+        first: int,
+        last: int,
+        device: torch.device,
+        out_dir: Path | None,
+        rank: int = 0,
+        recomputes: bool = False,
     ):
         self.enabled = enabled and out_dir is not None and first <= last
+        self.recording = RECORDING_UNDER_RECOMPUTE if recomputes else RECORDING
         self.first, self.last = first, last
         self.device, self.out_dir, self.rank = device, out_dir, rank
         self._prof: profile | None = None
@@ -115,12 +128,9 @@ class MemorySnapshot:
         self._start = time.perf_counter()
         if self.device.type == "cuda":
             # Python frames only: C++ stacks cost each allocation an unwind, and memory_viz names the
-            # Python lines. With the default stacks="all", torch 2.11+cu130 on an H200 failed inside
-            # checkpointing's recompute in backward (SystemError from dropout, 2026-11-27), and with
-            # stacks="python" too on another H200 the same day: tests/gpu/test_cuda_runs.py's snapshot test
-            # fails there (experiments/gpu_scale/README.md, "Left for the next GPU session")
+            # Python lines (RECORDING_UNDER_RECOMPUTE: why a recomputing model gets fewer)
             self._start_bytes = torch.cuda.memory_allocated(self.device)
-            torch.cuda.memory._record_memory_history(**RECORDING, max_entries=HISTORY_ENTRIES)
+            torch.cuda.memory._record_memory_history(**self.recording, max_entries=HISTORY_ENTRIES)
             self._recording = True
         else:
             self._prof = profile(
@@ -149,11 +159,18 @@ class MemorySnapshot:
             write_atomic(self.out_dir / name, lambda f: pickle.dump(history, f))
             torch.cuda.memory._record_memory_history(enabled=None)  # stop recording
             self._recording = False
-            self.result = {"file": name, "kind": "CUDA allocator history (pytorch.org/memory_viz)"}
+            self.result = {
+                "file": name,
+                "kind": "CUDA allocator history (pytorch.org/memory_viz)",
+                "recording": self.recording,
+            }
             index = torch.cuda.current_device() if self.device.index is None else self.device.index
             events = history["device_traces"][index]
             if len(events) < HISTORY_ENTRIES:  # whole: none of the steps' events dropped
-                self.result["peak"] = peak_sources(events, self._start_bytes)
+                peak = peak_sources(events, self._start_bytes)
+                if self.recording is RECORDING_UNDER_RECOMPUTE:  # events without stacks: no lines to name
+                    del peak["sources"], peak["other_sources_bytes"]
+                self.result["peak"] = peak
         else:
             self._prof.__exit__(None, None, None)
             name = f"memory_timeline{suffix}.json"

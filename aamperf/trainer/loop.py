@@ -225,7 +225,9 @@ def fit(
         disable=not (tc.progress and plan.is_main),
         dynamic_ncols=True,
     )
-    profiler = step_profilers(cfg, device, run_dir, plan.rank)  # metrics.profile_steps, memory_snapshot
+    checkpointing = plan.records.get("checkpointing", {})  # memory=budget recomputes inside compiled graphs
+    recomputes = checkpointing.get("status") == "applied" and checkpointing.get("mode") != "budget"
+    profiler = step_profilers(cfg, device, run_dir, plan.rank, recomputes)  # profile_steps, memory_snapshot
     plan.model.train()
     interrupts = interrupts or Interrupts()
     interrupts.stop_if_received()  # a signal in the set-up that the code it came in caught

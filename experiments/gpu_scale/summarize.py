@@ -201,6 +201,11 @@ def to_markdown(result: dict[str, Any]) -> str:
             f"**{run}: what its recorded steps held at their peak** (metrics.memory_snapshot, "
             f"{peak['peak_bytes'] / GIB:.2f} GiB): {peak['held_from_before_bytes'] / GIB:.2f} GiB allocated "
             "before them (weights, optimizer state, the step before's)",
+        ]
+        if "sources" not in peak:  # recorded without stacks (a model that recomputes in eager Python)
+            lines[-1] += "; recorded without the allocating lines (the model recomputes: snapshot.py)"
+            continue
+        lines += [
             "",
             "| allocated at | GiB | blocks |",
             "|---|---|---|",

@@ -12,6 +12,7 @@ from conftest import holding, read_metrics, read_summary, torchrun
 from test_guards import poisoned, rows, same_state, saved
 
 from aamperf.metrics.gpu_peaks import gpu_peak
+from aamperf.metrics.snapshot import RECORDING, RECORDING_UNDER_RECOMPUTE
 from aamperf.run import train
 
 pytestmark = pytest.mark.gpu
@@ -190,11 +191,14 @@ def test_another_programs_gpu_memory_warns_but_does_not_stop_the_run(launch):
     assert "the GPU's memory is" in (run_dir / "train.log").read_text()
 
 
-def test_a_cuda_memory_snapshot_holds_the_allocator_history_of_its_steps(make_cfg, tmp_path):
+@pytest.mark.parametrize("memory", ["none", "full"])
+def test_a_cuda_memory_snapshot_holds_the_allocator_history_of_its_steps(make_cfg, tmp_path, memory):
+    """memory=full recomputes each block in eager Python: recorded with fewer stacks (snapshot.py: why)."""
     import pickle
 
-    cfg = make_cfg(*GPU, "trainer.max_steps=4", "metrics.memory_snapshot=true")
+    cfg = make_cfg(*GPU, "trainer.max_steps=4", "metrics.memory_snapshot=true", f"memory={memory}")
     summary = train(cfg, tmp_path)
+    assert summary["phases"]["checkpointing"]["status"] == ("applied" if memory == "full" else "skipped")
     snapshot = summary["profile"]["memory_snapshot"]
     assert snapshot["file"] == "memory_snapshot.pickle" and snapshot["steps"] == [2, 3]
     assert summary["timed_steps"] == 4 - 1 - 2
@@ -204,7 +208,11 @@ def test_a_cuda_memory_snapshot_holds_the_allocator_history_of_its_steps(make_cf
     assert {"alloc", "free_completed"} <= actions and dumped["segments"]  # the steps' events, the pool
     peak = snapshot["peak"]  # what held the most: the model's own lines among the places
     assert 0 < peak["peak_bytes"] <= summary["peak_device_bytes"]
-    assert any(s["where"].startswith("model/") for s in peak["sources"]), peak["sources"]
+    if memory == "full":
+        assert snapshot["recording"] == RECORDING_UNDER_RECOMPUTE and "sources" not in peak
+    else:
+        assert snapshot["recording"] == RECORDING
+        assert any(s["where"].startswith("model/") for s in peak["sources"]), peak["sources"]
 
 
 @pytest.mark.parametrize("compile_mode", ["disabled", "default"])
