@@ -126,3 +126,55 @@ def test_the_activation_count_refuses_a_directory_without_data_in_one_line(tmp_p
         f"error: {tmp_path} holds no table.biom: give run.sh's $OUT_DIR/data, or python "
         "experiments/original/prepare.py DIR 400 3000 600 8000 20000"
     ]
+
+
+def table(seed: str, ultra: dict, original: dict, **more_rows: dict) -> dict:
+    """A run.sh table.json of one seed: rows with one value a figure, as summarize writes them."""
+
+    def row(config: str, figures: dict, batch: int = 8, steps: int = 234) -> dict:
+        return {"config": config, "seeds_done": [seed], "batch": [batch], "steps": [steps]} | {
+            k: [v] for k, v in figures.items()
+        }
+
+    rows = [row(summarize.REFERENCE, original), row("ultra", ultra)]
+    rows += [row(name, figures, batch=64, steps=30) for name, figures in more_rows.items()]
+    return {"machine": ["NVIDIA H200", "torch 2.11.0"], "rows": rows}
+
+
+def figures(samples_per_s: float, wall_s: float, peak: float, train: float, val: float) -> dict:
+    keys = ["samples_per_s", "wall_s", "peak_device_bytes", "train_loss", "val_loss"]
+    return dict(zip(keys, [samples_per_s, wall_s, peak, train, val], strict=True))
+
+
+def test_seeds_pooled_from_several_tables_are_paired_and_given_an_interval_from_three(tmp_path):
+    orig = figures(20.0, 300.0, 16.0, 1.25, 1.6)
+    tables = [
+        table(
+            "0", figures(140.0, 60.0, 8.0, 1.05, 1.10), orig, **{"ultra-auto": figures(900.0, 30, 20, 2, 2)}
+        ),
+        table("1", figures(160.0, 75.0, 8.0, 1.10, 1.20), orig),
+    ]
+    two = summarize.pooled(tables)
+    ultra = two["pairs"]["ultra"]
+    assert ultra["seeds"] == ["0", "1"] and two["other_samples"] == ["ultra-auto"]  # other samples: left out
+    assert ultra["values"]["samples_per_s_x"] == pytest.approx([7.0, 8.0])
+    assert ultra["values"]["end_to_end_x"] == pytest.approx([5.0, 4.0])
+    assert ultra["values"]["train_loss_diff"] == pytest.approx([-0.20, -0.15])
+    assert "no interval" in summarize.pooled_markdown(two)  # two seeds: too few
+
+    three = summarize.pooled([*tables, table("2", figures(150.0, 60.0, 4.0, 1.15, 1.30), orig)])
+    means = three["pairs"]["ultra"]["means"]
+    assert means["peak_memory_x"]["mean"] == pytest.approx((0.5 * 0.5 * 0.25) ** (1 / 3))  # geometric
+    train = means["train_loss_diff"]
+    assert (
+        train["mean"] == pytest.approx(-0.15) and -0.20 <= train["lo"] < train["mean"] < train["hi"] <= -0.10
+    )
+    assert "mean of 3, 95% interval" in summarize.pooled_markdown(three)
+    with pytest.raises(ValueError, match="original-fastest seed 1 is in two tables"):
+        summarize.pooled([*tables, tables[1]])
+
+
+def test_seeds_pooled_from_a_directory_without_a_table_is_one_error_line(tmp_path, capsys):
+    assert summarize.main(["--seeds", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no table.json in") and err.count("\n") == 1

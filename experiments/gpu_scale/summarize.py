@@ -11,15 +11,19 @@ aamperf's run executed per sample (its hardware_flops_per_step: each distinct AS
 recomputation counted) x samples/s / the same peak. Ratios are to
 original-fastest, within each seed (paired), then the median over seeds [min, max].
 Usage: python summarize.py OUT_DIR   (writes OUT_DIR/table.json, prints the markdown table)
+       python summarize.py --seeds DIR...   (several OUT_DIRs' table.json, one seed or more each: each
+       configuration against original-fastest per seed, and the mean over seeds with its 95% interval)
 """
 
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 from aamperf.metrics.gpu_peaks import gpu_peak
+from aamperf.report.paired import MIN_PAIRS, geometric, mean_interval
 
 SKIP = 3
 REFERENCE = "original-fastest"
@@ -27,6 +31,7 @@ ORDER = ["original-default", "original-fastest", "baseline", "basic", "advanced"
 ORDER += ["ultra-packed", "ultra-ops", "ultra-full", "ultra-budget"]  # ultra with one change each
 ORDER += ["ultra-compiled", "ultra-graphs", "ultra-ops-compiled", "ultra-full-compiled", "ultra-auto"]
 GIB = 2**30
+CONFIDENCE = 0.95
 
 
 def read_run(run: Path) -> dict[str, Any]:
@@ -215,9 +220,118 @@ def to_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 2 or not (Path(sys.argv[1]) / "runs").is_dir():
-        usage = "python experiments/gpu_scale/summarize.py OUT_DIR (run.sh's output directory)"
+def by_seed(row: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """A table.json row's figures by seed: its lists are in the order of `seeds_done`."""
+    seeds = row["seeds_done"]
+    keys = ["samples_per_s", "wall_s", "peak_device_bytes", "train_loss", "val_loss"]
+    if any(len(row[k]) != len(seeds) for k in keys):
+        raise ValueError(f"{row['config']}: a figure is missing for a seed: the seeds cannot be paired")
+    return {seed: {k: row[k][i] for k in keys} for i, seed in enumerate(seeds)}
+
+
+def pooled(tables: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each configuration against REFERENCE, seed by seed, over several tables (run.sh's OUT_DIRs, one
+    machine each): the paired ratios and loss differences, and their means with a 95% bootstrap interval
+    (aamperf.report.paired; ratios as geometric means). An interval needs MIN_PAIRS seeds or more."""
+    seeds: dict[str, dict[str, dict]] = {}  # config -> seed -> figures
+    for table in tables:
+        for row in table["rows"]:
+            for seed, figures in by_seed(row).items():
+                if seed in seeds.setdefault(row["config"], {}):
+                    raise ValueError(f"{row['config']} seed {seed} is in two tables: pool distinct seeds")
+                seeds[row["config"]][seed] = figures
+    ref = seeds.get(REFERENCE, {})
+    samples = {row["config"]: (row["batch"], row["steps"]) for table in tables for row in table["rows"]}
+    pairs, other_samples = {}, []
+    for cfg in [c for c in ORDER if c in seeds and c != REFERENCE]:
+        if samples[cfg] != samples.get(REFERENCE):  # its end to end and losses are of other samples
+            other_samples.append(cfg)
+            continue
+        paired = {s: (r, ref[s]) for s, r in sorted(seeds[cfg].items()) if s in ref}
+        if not paired:
+            continue
+        values = {
+            "samples_per_s_x": [r["samples_per_s"] / o["samples_per_s"] for r, o in paired.values()],
+            "end_to_end_x": [o["wall_s"] / r["wall_s"] for r, o in paired.values()],
+            "peak_memory_x": [r["peak_device_bytes"] / o["peak_device_bytes"] for r, o in paired.values()],
+            "train_loss_diff": [r["train_loss"] - o["train_loss"] for r, o in paired.values()],
+            "val_loss_diff": [r["val_loss"] - o["val_loss"] for r, o in paired.values()],
+        }
+        means = {}
+        for key, v in values.items():
+            if key.endswith("_x"):
+                mean, lo, hi = geometric(mean_interval([math.log(x) for x in v], CONFIDENCE))
+            else:
+                i = mean_interval(v, CONFIDENCE)
+                mean, lo, hi = i.mean, i.lo, i.hi
+            means[key] = {"mean": mean, "lo": lo, "hi": hi}
+        pairs[cfg] = {"seeds": list(paired), "values": values, "means": means}
+    machines = sorted({", ".join(t["machine"]) for t in tables})
+    return {"machines": machines, "pairs": pairs, "other_samples": other_samples}
+
+
+def pooled_markdown(result: dict[str, Any]) -> str:
+    heads = ["samples/s x", "end to end x", "peak memory x", "train loss -", "val loss -"]
+    lines = [
+        f"Against {REFERENCE}, paired by seed; machines: {'; '.join(result['machines'])}.",
+        "",
+        "| configuration | seed | " + " | ".join(heads) + " |",
+        "|---" * (len(heads) + 2) + "|",
+    ]
+    for cfg, pair in result["pairs"].items():
+        values, means = pair["values"], pair["means"]
+        for i, seed in enumerate(pair["seeds"]):
+            cells = [f"{values[k][i]:.2f}x" if k.endswith("_x") else f"{values[k][i]:+.3f}" for k in values]
+            lines.append(f"| {cfg} | {seed} | " + " | ".join(cells) + " |")
+        n = len(pair["seeds"])
+        if n >= MIN_PAIRS:
+            cells = [
+                f"{m['mean']:.2f}x [{m['lo']:.2f}, {m['hi']:.2f}]"
+                if k.endswith("_x")
+                else f"{m['mean']:+.3f} [{m['lo']:+.3f}, {m['hi']:+.3f}]"
+                for k, m in means.items()
+            ]
+            lines.append(f"| {cfg} | mean of {n}, {CONFIDENCE:.0%} interval | " + " | ".join(cells) + " |")
+        else:
+            few = f"{n} seed{'s' * (n > 1)}: fewer than {MIN_PAIRS}, no interval"
+            lines.append(f"| {cfg} | {few} |" + " |" * len(heads))
+    lines += [
+        "",
+        f"x: the configuration's figure over {REFERENCE}'s of the same seed (memory: lower is less); loss -:"
+        " the configuration's last loss minus the original's (below 0: lower). The val losses are each"
+        " program's own 20% of the samples (drawn by its seed): a rough comparison only.",
+    ]
+    if result["other_samples"]:
+        lines[-1] += f" Left out, at another batch or step count: {', '.join(result['other_samples'])}."
+    return "\n".join(lines)
+
+
+def main(args: list[str]) -> int:
+    usage = (
+        "python experiments/gpu_scale/summarize.py OUT_DIR (run.sh's output directory), or"
+        " --seeds OUT_DIR... (directories with table.json)"
+    )
+    if args[:1] == ["--seeds"]:
+        paths = [Path(a) / "table.json" for a in args[1:]]
+        missing = [str(p) for p in paths if not p.is_file()]
+        if not paths or missing:
+            print(
+                f"error: no table.json in {', '.join(missing) or 'no directory'}: usage: {usage}",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            print(pooled_markdown(pooled([json.loads(p.read_text()) for p in paths])))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if len(args) != 1 or not (Path(args[0]) / "runs").is_dir():
         print(f"error: usage: {usage}", file=sys.stderr)
-        sys.exit(2)
-    print(to_markdown(summarize(Path(sys.argv[1]))))
+        return 2
+    print(to_markdown(summarize(Path(args[0]))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
