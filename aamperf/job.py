@@ -334,10 +334,12 @@ def warmup_step(loss_fn, batches: list[dict[str, Any]]):
     trial), leaving no gradients behind."""
 
     def run(model: torch.nn.Module, autocast, scaler, i: int = 0) -> None:
-        with autocast():
-            loss, _ = loss_fn(model, batches[i % len(batches)], 0)
-        scaler.scale(loss).backward()
-        model.zero_grad(set_to_none=True)
+        try:
+            with autocast():
+                loss, _ = loss_fn(model, batches[i % len(batches)], 0)
+            scaler.scale(loss).backward()
+        finally:  # also where a trial's step ran out of memory half way through backward
+            model.zero_grad(set_to_none=True)
 
     return run
 

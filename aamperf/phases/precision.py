@@ -55,8 +55,9 @@ def step_times(
 ) -> dict[str, Any]:
     """Median seconds of a training step (forward + backward of batch i, `step(autocast, scaler, i)`)
     under each of `dtypes`, after a warm-up pass over the trial batches (a GPU's kernels and plans for
-    each new shape are made then). {step_s: {dtype: s}, batches}."""
-    figures: dict[str, float] = {}
+    each new shape are made then). {step_s: {dtype: s}, batches}; fp32's None where its step ran out of
+    the device's memory (a batch that fits in 2-byte activations need not fit in fp32's)."""
+    figures: dict[str, float | None] = {}
     for dtype in dtypes:
         autocast, scaler, _ = apply_precision(OmegaConf.merge(cfg, {"dtype": dtype}), device)
 
@@ -64,7 +65,14 @@ def step_times(
             for i in range(batches):
                 step(autocast, scaler, i)
 
-        figures[dtype] = statistics.median(timed(one_pass, device, trials=3)) / batches
+        try:
+            figures[dtype] = statistics.median(timed(one_pass, device, trials=3)) / batches
+        except torch.OutOfMemoryError:
+            if dtype != "fp32":
+                raise  # the dtype the run would train in does not fit: its first step would fail alike
+            figures[dtype] = None
+        if figures[dtype] is None and device.type == "cuda":
+            torch.cuda.empty_cache()  # the failed step's blocks, back to the GPU
     return {"step_s": figures, "batches": batches}
 
 
@@ -72,9 +80,15 @@ def confirm_precision(decision: dict, figures: dict[str, Any]) -> bool:
     """Keep precision=auto's low-precision choice only where the trial's steps gain MIN_STEP_GAIN over
     fp32's; else turn `decision` to fp32, saying why. True where it changed."""
     low, step_s = decision["chose"], figures["step_s"]
+    decision["step_trial"] = figures
+    if step_s["fp32"] is None:
+        decision["reason"] = decision["reason"].removesuffix(f": {low}") + (
+            f"; a training step in fp32 ran out of the device's memory at this batch, one under {low}"
+            f" autocast did not: {low}"
+        )
+        return False
     gain = step_s["fp32"] / step_s[low]
     keep = gain >= MIN_STEP_GAIN
-    decision["step_trial"] = figures
     verdict = (
         f"; a training step under {low} autocast ran {1 / gain:.2f}x fp32's time here "
         f"({step_s[low]:.3g} s vs {step_s['fp32']:.3g} s over {figures['batches']} batches; "

@@ -4,10 +4,12 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import nullcontext
 
 import pytest
 import torch
 from conftest import skip_where_others_busy
+from omegaconf import OmegaConf
 
 from aamperf.phases.auto import (
     MIN_MATMUL_GAIN,
@@ -760,3 +762,57 @@ def test_the_time_compile_auto_spends_deciding_is_the_runs_auto_s(make_cfg, tmp_
     assert compile_record["status"] == "skipped" and "compile_time_s" not in compile_record
     # auto_s is rounded to milliseconds
     assert summary["auto_s"] + 1e-3 >= compile_record["decide_s"] >= compile_record["auto"]["trial_s"] > 0.1
+
+
+def test_precision_auto_keeps_the_low_dtype_where_fp32s_trial_step_runs_out_of_memory():
+    """A batch chosen for 2-byte activations may not fit in fp32's (aam_base on an H200: the fp32 trial
+    step held 11.45 GiB, the fp16 run 7.1): the trial keeps the low dtype and says why; a low dtype that
+    does not fit either fails the run, as its first step would. The OOM is raised by the step: no GPU."""
+    from aamperf.phases.precision import confirm_precision, step_times
+
+    cfg = OmegaConf.create({"dtype": "auto", "matmul_precision": "high"})
+    cpu = torch.device("cpu")
+
+    def step(autocast, scaler, i: int) -> None:  # fp32's step (no autocast) does not fit
+        with autocast():
+            if not torch.is_autocast_enabled("cpu"):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            torch.ones(64, 64) @ torch.ones(64, 64)
+
+    figures = step_times(step, cfg, cpu, ["bf16", "fp32"], batches=2)
+    assert figures["step_s"]["fp32"] is None and figures["step_s"]["bf16"] > 0
+    decision = {"chose": "bf16", "reason": "bf16 matmul 1.5x fp32 at the model's shapes here (>= 1.15): bf16"}
+    assert confirm_precision(decision, figures) is False and decision["chose"] == "bf16"
+    assert decision["reason"].endswith(
+        "; a training step in fp32 ran out of the device's memory at this batch, one under bf16 autocast"
+        " did not: bf16"
+    )
+
+    def never_fits(autocast, scaler, i: int) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    with pytest.raises(torch.OutOfMemoryError):  # the run's own dtype does not fit
+        step_times(never_fits, cfg, cpu, ["bf16", "fp32"], batches=2)
+
+
+def test_a_trial_step_that_runs_out_of_memory_in_backward_leaves_no_gradients_behind():
+    from aamperf.job import warmup_step
+
+    class OutOfMemoryInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+
+    def loss_fn(model, batch, step):  # the second layer's gradients land before the failing op's backward
+        return model[1](OutOfMemoryInBackward.apply(model[0](batch["x"]))).sum(), {}
+
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    with pytest.raises(torch.OutOfMemoryError):
+        warmup_step(loss_fn, [{"x": torch.ones(2, 4)}])(model, nullcontext, scaler)
+    assert all(p.grad is None for p in model.parameters())
