@@ -765,8 +765,8 @@ def test_the_time_compile_auto_spends_deciding_is_the_runs_auto_s(make_cfg, tmp_
 
 
 def test_precision_auto_keeps_the_low_dtype_where_fp32s_trial_step_runs_out_of_memory():
-    """A batch chosen for 2-byte activations may not fit in fp32's (aam_base on an H200: the fp32 trial
-    step held 11.45 GiB, the fp16 run 7.1): the trial keeps the low dtype and says why; a low dtype that
+    """A batch chosen for 2-byte activations may not fit in fp32's (aam_base on an H200: the probes peaked
+    at 11.45 GiB, fp16 training at 7.1): the trial keeps the low dtype and says why; a low dtype that
     does not fit either fails the run, as its first step would. The OOM is raised by the step: no GPU."""
     from aamperf.phases.precision import confirm_precision, step_times
 
