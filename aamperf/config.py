@@ -223,6 +223,10 @@ class TrainerConfig:
     keep_last: int = 2  # checkpoints kept, newest first
     resume: Resume = Resume.disabled  # auto: go on from the newest checkpoint of this run directory
     progress: bool = True  # tqdm bar with loss and samples/s
+    # one process on a GPU: a step waits for the step before it, not its own work, so the GPU runs it while
+    # the host launches the next (steps drained at log lines, validation, checkpoints and the end, where the
+    # step times sum to the wall time); false: each step waits for its own (trainer/loop.py TrainStep.wait)
+    overlap_steps: bool = True
 
 
 @dataclass

@@ -63,3 +63,57 @@ def test_each_logged_lr_is_the_one_its_step_used(make_cfg, tmp_path, schedule):
     rows = read_metrics(tmp_path)
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
     assert [row["lr"] for row in rows] == pytest.approx(lrs(schedule, steps=6, warmup=2), rel=1e-9)
+
+
+class QueuedEnd:
+    """Stands in for a CUDA event (no GPU here): which step's end was recorded, and waited for."""
+
+    log: list[tuple[str, int]] = []
+    step = 0
+
+    def __init__(self):
+        self.of = QueuedEnd.step
+
+    def record(self) -> None:
+        QueuedEnd.log.append(("record", self.of))
+
+    def synchronize(self) -> None:
+        QueuedEnd.log.append(("wait", self.of))
+
+
+def test_overlapped_steps_wait_for_the_step_before_and_drain_before_each_log_line(
+    make_cfg, tmp_path, monkeypatch
+):
+    """trainer.overlap_steps on a GPU (the schedule here; tests/gpu runs it on one): a step waits for the
+    one before it, and the GPU's queue is drained (a full sync) at each step a log line, a checkpoint or the
+    end follows, so the step times sum to the wall time between those."""
+    import aamperf.trainer.loop as loop
+
+    drained = []
+    monkeypatch.setattr(loop, "overlaps", lambda tc, device: tc.overlap_steps)
+    monkeypatch.setattr(loop.torch.cuda, "Event", QueuedEnd)
+    monkeypatch.setattr(loop, "sync", lambda device: drained.append(QueuedEnd.step))
+    real_call = loop.TrainStep.__call__
+
+    def call(self, step, drain=True):
+        QueuedEnd.step = step
+        return real_call(self, step, drain)
+
+    monkeypatch.setattr(loop.TrainStep, "__call__", call)
+    QueuedEnd.log = []
+    cfg = make_cfg(
+        "trainer.max_steps=9", "metrics.log_every=4", "trainer.val_every=100", "trainer.checkpoint_every=6"
+    )
+    summary = train(cfg, tmp_path)
+    assert summary["status"] == "completed"
+    assert drained == [4, 6, 8, 9]  # log lines at 4 and 8, a checkpoint at 6, the end at 9
+    # every other step recorded its end and waited for the step before's, if one was in flight
+    assert QueuedEnd.log == [("record", 1), ("record", 2), ("wait", 1), ("record", 3), ("wait", 2)] + [
+        ("record", 5),
+        ("record", 7),
+    ]
+
+    drained.clear()
+    QueuedEnd.log = []
+    train(make_cfg("trainer.max_steps=3", "trainer.overlap_steps=false"), tmp_path / "off")
+    assert drained == [1, 2, 3] and QueuedEnd.log == []  # each step waits for its own work

@@ -67,6 +67,12 @@ class Step:
     lr: float  # the learning rate the step used (the scheduler then sets the next step's)
 
 
+def overlaps(tc: DictConfig, device: torch.device) -> bool:
+    """trainer.overlap_steps where it applies: one process on a GPU (distributed, each step waits anyway:
+    the ranks' stop-signal all-reduce is read on the host)."""
+    return tc.overlap_steps and device.type == "cuda" and world_size() == 1
+
+
 class TrainStep:
     """One optimizer step: its whole batch forward and backward (`grad_accum_steps` micro-batches of it,
     aamperf/trainer/gradcache.py), the true gradients clipped, the step taken unless it is not finite
@@ -89,8 +95,27 @@ class TrainStep:
         self.guards, self.scheduler, self.device, self.non_blocking = guards, scheduler, device, non_blocking
         self.params = [p for group in plan.optimizer.param_groups for p in group["params"]]
         self.max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf  # inf: measured, nothing clipped
+        self.overlap = overlaps(tc, device)
+        self.in_flight: torch.cuda.Event | None = None  # the end of the step before, queued on the GPU
 
-    def __call__(self, step: int) -> Step:
+    def wait(self, drain: bool) -> None:
+        """Wait for the GPU before a step's clock stops: for the step's own work (`drain`, or with
+        trainer.overlap_steps off), else only for the step before it, so this one's stays queued and the
+        GPU runs it while the host launches the next (the launches' time hidden, no GPU idle between
+        steps). Each step's time then ends with its predecessor's work and the times still sum to the wall
+        time between drains; the loop drains before anything that would wait for the GPU outside a step.
+        A CPU's work is done when its ops return."""
+        if not self.overlap or drain:
+            sync(self.device)
+            self.in_flight = None
+            return
+        done = torch.cuda.Event()
+        done.record()
+        if self.in_flight is not None:
+            self.in_flight.synchronize()
+        self.in_flight = done
+
+    def __call__(self, step: int, drain: bool = True) -> Step:
         plan, start = self.plan, time.perf_counter()
         batch = to_device(next(self.batches), self.device, self.non_blocking)
         wait_s = time.perf_counter() - start
@@ -103,7 +128,7 @@ class TrainStep:
         bad = self.guards.step(step, losses, grad_norm)  # a non-finite step changes nothing
         self.scheduler.step()
         plan.optimizer.zero_grad(set_to_none=True)
-        sync(self.device)
+        self.wait(drain)
         names = ["loss", *(f"loss_{k}" for k in parts)]
         # n_samples, n_tokens: of the global batch, all ranks' work
         samples, tokens = batch["n_samples"], batch["n_tokens"]
@@ -235,16 +260,18 @@ def fit(
     interrupts.sigint_keeps = bool(tc.checkpoint_every)  # SIGTERM always writes one (a preemption)
     try:
         for step in range(done + 1, tc.max_steps + 1):
+            val_due = step % tc.val_every == 0 or step == tc.max_steps
+            log_due = step % cfg.metrics.log_every == 0 or val_due
+            # the GPU's work done before a log line (host reads), a checkpoint or a profiled step
+            drain = log_due or checkpoints.due(step) or profiler.covers(step) or profiler.covers(step + 1)
             profiler.begin(step)
-            out = train_step(step)
+            out = train_step(step, drain)
             profiler.end(step)
             if not profiler.covers(step):
                 meter.add(out.time_s, out.wait_s, out.samples, out.tokens)
             interval.add(out.time_s, out.wait_s, out.samples, out.tokens, out.losses[0], out.bad)
             bar.update()
             result.steps = step
-            val_due = step % tc.val_every == 0 or step == tc.max_steps
-            log_due = step % cfg.metrics.log_every == 0 or val_due
             if guards.memory_over(log_due) or log_due:
                 losses, stop = guards.end_interval(step, interval, out.losses, out.names)
                 row = {

@@ -6,9 +6,10 @@
 # env: STEPS=200 (batch-8 runs; rounded up to whole epochs of the original), AUTO_STEPS=30 (ultra at
 #   the finder's batch), SEEDS="0 1", CONFIGS (the first seed's; names below), LATER_CONFIGS (the other
 #   seeds': "original-fastest ultra", the pair the issue's bar is about; also ultra-packed, ultra-ops,
-#   ultra-full, ultra-budget, ultra-compiled, ultra-graphs, ultra-ops-compiled, ultra-full-compiled: ultra at
-#   batch 8 with aam_ops=packed, memory=ops / full / budget (with compile=default), compile=default,
-#   compile=reduce_overhead, memory=ops / full with compile=default), TIME_LIMIT_S (no run begins
+#   ultra-full, ultra-budget, ultra-compiled, ultra-graphs, ultra-ops-compiled, ultra-full-compiled,
+#   ultra-waited: ultra at batch 8 with aam_ops=packed, memory=ops / full / budget (with compile=default),
+#   compile=default, compile=reduce_overhead, memory=ops / full with compile=default,
+#   trainer.overlap_steps=false), TIME_LIMIT_S (no run begins
 #   after it, each is stopped at it), WHEELS=.whl (experiments/gpu_scale/wheels.sh: installs without network),
 #   ORIG_ATTN=sdpa (the original's --attn-implementation in its fastest flags), PROFILE_STEPS=3 (the first
 #   seed's ultra run profiles that many steady steps: summary.json's profile, kernels by GPU time; 0: none),
@@ -101,7 +102,7 @@ for seed in $SEEDS; do  # configurations alternate within each seed: a slow spel
       original-default) cmd=($original $HERE/time_original.py "$d/steps.json" -- "${ORIG[@]}" --seed "$seed" --output-dir "$d/aam") ;;
       original-fastest) cmd=($original $HERE/time_original.py "$d/steps.json" -- "${ORIG[@]}" "${FAST[@]}" --seed "$seed" --output-dir "$d/aam") ;;
       ultra-packed | ultra-ops | ultra-full | ultra-budget | ultra-compiled | ultra-graphs \
-      | ultra-ops-compiled | ultra-full-compiled)
+      | ultra-ops-compiled | ultra-full-compiled | ultra-waited)
         # ultra with one change of issue 41 part 2 / 4, at batch 8
         case $cfg in
           ultra-packed) change=(aam_ops=packed) ;;
@@ -114,6 +115,8 @@ for seed in $SEEDS; do  # configurations alternate within each seed: a slow spel
           # aamperf/phases/recompute.py)
           ultra-ops-compiled) change=(memory=ops compile=default) ;;
           ultra-full-compiled) change=(memory=full compile=default) ;;
+          # each step waits for its own GPU work (one host sync a step, as before trainer.overlap_steps)
+          ultra-waited) change=(trainer.overlap_steps=false) ;;
           *) change=("memory=${cfg#ultra-}") ;;
         esac
         cmd=($aamperf -m aamperf.train optim=ultra "${AP[@]}" "${change[@]}" trainer.batch_size=8 trainer.max_steps=$STEPS seed=$seed "hydra.run.dir=$d") ;;
@@ -121,7 +124,7 @@ for seed in $SEEDS; do  # configurations alternate within each seed: a slow spel
       baseline | basic | advanced | ultra) cmd=($aamperf -m aamperf.train optim=$cfg "${AP[@]}" trainer.batch_size=8 trainer.max_steps=$STEPS seed=$seed "hydra.run.dir=$d")
         if [[ $cfg == ultra && $seed == "${SEEDS%% *}" ]]; then cmd+=(metrics.profile_steps=$PROFILE_STEPS)
           if ((SNAPSHOT)); then cmd+=(metrics.memory_snapshot=true); fi; fi ;;
-      *) echo "error: CONFIGS: unknown configuration '$cfg' (original-default original-fastest baseline basic advanced ultra ultra-packed ultra-ops ultra-full ultra-budget ultra-compiled ultra-graphs ultra-ops-compiled ultra-full-compiled ultra-auto)" >&2; exit 2 ;;
+      *) echo "error: CONFIGS: unknown configuration '$cfg' (original-default original-fastest baseline basic advanced ultra ultra-packed ultra-ops ultra-full ultra-budget ultra-compiled ultra-graphs ultra-ops-compiled ultra-full-compiled ultra-waited ultra-auto)" >&2; exit 2 ;;
     esac
     limit=()
     if [[ -n ${TIME_LIMIT_S:-} ]]; then

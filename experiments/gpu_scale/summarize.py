@@ -29,7 +29,8 @@ SKIP = 3
 REFERENCE = "original-fastest"
 ORDER = ["original-default", "original-fastest", "baseline", "basic", "advanced", "ultra"]
 ORDER += ["ultra-packed", "ultra-ops", "ultra-full", "ultra-budget"]  # ultra with one change each
-ORDER += ["ultra-compiled", "ultra-graphs", "ultra-ops-compiled", "ultra-full-compiled", "ultra-auto"]
+ORDER += ["ultra-compiled", "ultra-graphs", "ultra-ops-compiled", "ultra-full-compiled", "ultra-waited"]
+ORDER += ["ultra-auto"]
 GIB = 2**30
 CONFIDENCE = 0.95
 

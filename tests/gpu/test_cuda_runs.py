@@ -241,3 +241,22 @@ def test_a_profiled_run_on_cuda_names_the_kernels_that_took_the_gpus_time(make_c
     assert times == sorted(times, reverse=True)
     assert 0 < profile["device_busy_frac"] <= 1.05  # kernels' time over the profiled wall time
     assert (tmp_path / profile["trace"]).is_file()
+
+
+def test_overlapped_steps_on_cuda_train_as_waited_ones_and_drain_only_before_log_lines(
+    make_cfg, tmp_path, monkeypatch
+):
+    """trainer.overlap_steps: between log lines a step waits for the step before it (a CUDA event), not
+    for the whole queue; the losses are those of steps that each wait for their own work."""
+    import aamperf.trainer.loop as loop
+
+    drains = []
+    monkeypatch.setattr(loop, "sync", lambda device: (drains.append(device), torch.cuda.synchronize(device)))
+    common = (*GPU, "trainer.max_steps=12", "metrics.log_every=4", "trainer.val_every=100")
+    on = train(make_cfg(*common), tmp_path / "on")
+    drained = len(drains)
+    off = train(make_cfg(*common, "trainer.overlap_steps=false"), tmp_path / "off")
+    assert (drained, len(drains) - drained) == (3, 12)  # steps 4, 8 and 12, against every step
+    for a, b in zip(read_metrics(tmp_path / "on"), read_metrics(tmp_path / "off"), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
+    assert 0 < on["timed_s"] < on["duration_s"] and on["status"] == off["status"] == "completed"
