@@ -74,7 +74,7 @@ class QueuedEnd:
     def __init__(self):
         self.of = QueuedEnd.step
 
-    def record(self) -> None:
+    def record(self, stream=None) -> None:
         QueuedEnd.log.append(("record", self.of))
 
     def synchronize(self) -> None:
@@ -92,6 +92,7 @@ def test_overlapped_steps_wait_for_the_step_before_and_drain_before_each_log_lin
     drained = []
     monkeypatch.setattr(loop, "overlaps", lambda tc, device: tc.overlap_steps)
     monkeypatch.setattr(loop.torch.cuda, "Event", QueuedEnd)
+    monkeypatch.setattr(loop.torch.cuda, "current_stream", lambda device: None)
     monkeypatch.setattr(loop, "sync", lambda device: drained.append(QueuedEnd.step))
     real_call = loop.TrainStep.__call__
 

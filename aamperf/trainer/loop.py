@@ -110,7 +110,7 @@ class TrainStep:
             self.in_flight = None
             return
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(self.device))  # the run's GPU, whichever is current
         if self.in_flight is not None:
             self.in_flight.synchronize()
         self.in_flight = done

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Exact large batches against batch 8 (README.md beside this file): each configuration x seed in its own
+# process (its time from launch includes its start-up), the configurations alternating within each seed,
+# then the report (python -m aamperf.compare, batch 8 the baseline).
+#   experiments/exact_batch/run.sh [OUT_DIR] [SEEDS]       # default outputs/exact_batch/<date>, "0 1 2"
+# Every run sees 3,200 samples and validates every ~200 on the whole validation set:
+#   b8            batch 8, 400 steps, warm-up 20, validation every 25 steps (the convergence study's run)
+#   b32-exact     batch 32 as 4 micro-batches of 8 (gradient caching: UniFrac over all 32 x 31 pairs, the
+#                 memory of batch 8), 100 steps, warm-up 5, validation every 6 steps
+#   b32-exact-lr  the same at twice the learning rate (2e-4: the square-root rule for 4x the batch, Adam)
+# (Batch 32 in one pass is not among them: its validation batches would be of 32, and the UniFrac part of a
+# val loss depends on the pairs a batch holds; the micro-batches validate in batches of 8, as batch 8 does.)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=${1:-outputs/exact_batch/$(date +%Y-%m-%d_%H-%M-%S)}
+seeds=${2:-0 1 2}
+B32=(trainer.batch_size=32 trainer.max_steps=100 trainer.warmup_steps=5 trainer.val_every=6 metrics.log_every=6)
+declare -A CONFIG=(
+  [b8]="trainer.batch_size=8"
+  [b32-exact]="${B32[*]} trainer.grad_accum_steps=4"
+  [b32-exact-lr]="${B32[*]} trainer.grad_accum_steps=4 trainer.lr=2e-4"
+)
+lscpu | grep -E "^Model name" || true
+for seed in $seeds; do
+  for name in b8 b32-exact b32-exact-lr; do
+    # shellcheck disable=SC2086  # the configuration's overrides, one word each
+    python -m aamperf.train experiment=exact_batch ${CONFIG[$name]} "seed=$seed" trainer.progress=false \
+      "hydra.run.dir=$out/${name}_seed$seed"
+  done
+done
+python -m aamperf.compare "$out" --baseline trainer.batch_size=8
