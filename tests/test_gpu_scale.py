@@ -31,6 +31,7 @@ def aamperf_summary(step_s: float, batch: int = 8, auto: bool = False, steps: in
         "steps": steps,
         "step_time_median_s": step_s,
         "peak_device_bytes": 2**30,
+        "setup_peak_device_bytes": 3 * 2**30,  # the probes'
         "train_loss": 2.0,
         "val_loss": 2.1,
         "model_flops_per_step": 8e12 * batch / 8,  # 1e12 per sample
@@ -79,6 +80,10 @@ def test_ratios_are_paired_by_seed_and_end_to_end_needs_the_same_samples(tmp_pat
     # HFU: what the run executed per sample (half the model's math here), the original's unknown
     assert auto["hfu"] == pytest.approx([160e12 / 989.5e12]) and fastest["hfu"] == []
     assert rows["ultra"]["gpu_busy_percent"] == [40.0, 40.0] and rows["ultra"]["probes_s"] == [5.0, 5.0]
+    assert (
+        rows["ultra"]["probes_peak_bytes"] == [3 * 2**30] * 2
+        and rows["ultra"]["peak_device_bytes"] == [2**30] * 2
+    )
     assert fastest["gpu_busy_percent"] == [] and fastest["probes_s"] == []  # aamperf's records alone
     assert fastest["val_loss"] == [2.2, 2.2] and fastest["train_loss"] == [2.3, 2.3]  # the last epoch, step
     assert rows["advanced"]["seeds_done"] == [] and rows["advanced"]["failed"] == {"0": 124}

@@ -68,6 +68,7 @@ def read_run(run: Path) -> dict[str, Any]:
             peak_flops=s["peak_flops"],
             gpu_busy=s.get("gpu_util_percent"),  # pynvml's utilization over the run
             probes_s=s.get("auto_s"),  # the `auto` decisions' measuring: once per machine, then cached
+            probes_peak=s.get("setup_peak_device_bytes"),  # their peak, apart from training's since 7072adc
             # metrics.memory_snapshot's (SNAPSHOT=1): what the recorded steps held at their peak, by source
             memory_peak=((s.get("profile") or {}).get("memory_snapshot") or {}).get("peak"),
         )
@@ -144,6 +145,9 @@ def summarize(out: Path) -> dict[str, Any]:
                 "hfu": hfu,
                 "gpu_busy_percent": [r["gpu_busy"] for r in done.values() if r.get("gpu_busy") is not None],
                 "probes_s": [r["probes_s"] for r in done.values() if r.get("probes_s") is not None],
+                "probes_peak_bytes": [
+                    r["probes_peak"] for r in done.values() if r.get("probes_peak") is not None
+                ],
                 "train_loss": [r["train_loss"] for r in done.values()],
                 "val_loss": [r["val_loss"] for r in done.values() if r["val_loss"] is not None],
             }
@@ -166,9 +170,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         + (f" ({result['peak_flops'] / 1e12:.1f} TFLOP/s)." if result["peak_flops"] else "."),
         "",
         f"| configuration | batch | steps | steady step ms | samples/s | x {REFERENCE} samples/s (paired) "
-        f"| end to end s | x {REFERENCE} end to end | probes s | peak GPU memory GiB | MFU % | HFU % "
-        "| GPU busy % | train loss at end | val loss at end | seeds done |",
-        "|---" * 16 + "|",
+        f"| end to end s | x {REFERENCE} end to end | probes s | probes' peak GiB | peak GPU memory GiB "
+        "| MFU % | HFU % | GPU busy % | train loss at end | val loss at end | seeds done |",
+        "|---" * 17 + "|",
     ]
     for r in result["rows"]:
         failed = ", ".join(f"seed {s}: exit {c}" for s, c in r["failed"].items())
@@ -182,6 +186,7 @@ def to_markdown(result: dict[str, Any]) -> str:
             spread(r["wall_s"], ".0f"),
             spread(r["wall_speedup"], ".2f") + ("x" if r["wall_speedup"] else ""),
             spread(r["probes_s"], ".1f"),
+            spread(r.get("probes_peak_bytes", []), ".2f", 1 / GIB),
             spread(r["peak_device_bytes"], ".2f", 1 / GIB),
             spread(r["mfu"], ".2f", 100),
             spread(r["hfu"], ".2f", 100),
@@ -199,7 +204,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         " HFU: the FLOPs aamperf's run executed (aam_ops encodes each distinct ASV of a batch once, and"
         " counts recomputation), both over the same peak; the original's HFU is not known. Probes: the"
         " seconds aamperf's `auto` decisions spent measuring (once per machine, then read from its cache: a"
-        " later run's end to end is that much shorter). GPU busy: pynvml's utilization over the run.",
+        " later run's end to end is that much shorter), and the GPU memory they held at most, apart from"
+        " the peak of training and validation (`setup_peak_device_bytes`; before 7072adc: in that peak)."
+        " GPU busy: pynvml's utilization over the run.",
     ]
     for run, peak in result.get("memory_peaks", {}).items():
         lines += [
