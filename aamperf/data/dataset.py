@@ -3,7 +3,7 @@
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import biom
 import numpy as np
@@ -21,7 +21,7 @@ from aamperf.data.tables import read_unifrac, read_val_samples, resolve_files, s
 from aamperf.data.unifrac import cached_unifrac, select_unifrac
 from aamperf.errors import UserError
 from aamperf.files import write_atomic
-from aamperf.model.aam import SLOT_KEYS, bucket_size, slot_index
+from aamperf.model.aam import SLOT_KEYS, bucket_size, bucketed, slot_index
 from aamperf.targets import TargetSpec, fit_classes, fit_regression
 from aamperf.tokens import TOKENS_PER_ASV
 
@@ -34,7 +34,8 @@ class Collate:
 
     Batch: tokens int64 [B, S, 151], counts float32 [B, S, 1], unifrac float32 [B, B],
     sample_idx int64 [B], asv_ids int64 [B, S] (each slot's row of the token table, -1 on padding),
-    real_slots, unique_first, unique_inverse int64 (where the real ASVs lie: `aamperf.model.aam.slot_index`),
+    real_slots, unique_first, unique_inverse int64 and n_real_slots int (where the real ASVs lie:
+    `aamperf.model.aam.slot_index`; with `bucket_cap`, padded to bucket sizes: `bucketed`),
     target float32 [B, 1] (when the data has one), categorical int64 [B, columns] (data.categorical: each
     sample's category per column, 0 unseen or missing), n_samples and n_tokens int.
     Under torch.distributed B is this rank's slice b of the global batch, and unifrac is [b, B]:
@@ -83,7 +84,7 @@ class Collate:
             "asv_ids": asv_ids,
             # where the real ASVs lie and which are the same, found here so that the model need not read
             # them back from the GPU (aamperf.model.aam.SlotIndex); the slots ascend as the items' ASVs do
-            **slot_index(batch_pos * width + asv_pos, asv_idx),
+            **self.slot_index(batch_pos * width + asv_pos, asv_idx, len(items) * width),
             # counted here, on the host, so the trainer's samples/s and tokens/s need no device sync
             "n_samples": n_samples,
             "n_tokens": n_tokens,
@@ -97,6 +98,12 @@ class Collate:
         if "categorical" in items[0]:  # this rank's rows, as the target's
             batch["categorical"] = torch.stack([item["categorical"] for item in items])
         return batch
+
+    def slot_index(self, slots: torch.Tensor, asv_idx: torch.Tensor, n_slots: int) -> dict[str, Any]:
+        """The batch's SlotIndex (`aamperf.model.aam.slot_index`); with buckets (`bucket_cap`), padded to
+        bucket sizes too (`bucketed`), as the batch's width is: a few shapes on the device."""
+        index = slot_index(slots, asv_idx)
+        return index if self.bucket_cap is None else bucketed(index, n_slots)
 
     def width(self, lengths: torch.Tensor) -> int:
         """The ASV slots of a batch whose samples have `lengths` ASVs each: `pad_to`, or the longest (rounded

@@ -70,9 +70,11 @@ class SlotIndex(NamedTuple):
     real: Tensor
     first: Tensor
     inverse: Tensor
+    n_real: int | None = None  # R, where `bucketed` padded `real` past it (a host int: no sync to read)
 
 
-SLOT_KEYS = ("real_slots", "unique_first", "unique_inverse")  # a batch's SlotIndex, as the collate keys it
+# a batch's SlotIndex, as the collate keys it
+SLOT_KEYS = ("real_slots", "unique_first", "unique_inverse", "n_real_slots")
 
 
 def first_slots(ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -89,7 +91,7 @@ def slot_index(slots: Tensor, asv_ids: Tensor) -> dict[str, Tensor]:
     """A batch's SlotIndex as the collate adds it (keyed by SLOT_KEYS): `slots` [R] its real slots in
     [0, B*S), ascending, and `asv_ids` [R] their ASVs, in the same order; the same values forward's
     `nonzero` and `first_slots` give on the device."""
-    return dict(zip(SLOT_KEYS, (slots, *first_slots(asv_ids)), strict=True))
+    return dict(zip(SLOT_KEYS, (slots, *first_slots(asv_ids), len(slots)), strict=True))
 
 
 def bucket_size(n: int) -> int:
@@ -100,6 +102,24 @@ def bucket_size(n: int) -> int:
         return max(n, 1)
     step = 1 << max(0, (n - 1).bit_length() - 3)  # a quarter of the power of two below n
     return -(-n // step) * step
+
+
+def bucketed(index: dict[str, Any], n_slots: int) -> dict[str, Any]:
+    """A collate's slot index (`slot_index`) padded on the host to bucket sizes (`bucket_size`), so that the
+    device's tensors, and the compiled graphs or CUDA graphs over them, take a handful of shapes rather
+    than one per batch: `real_slots` [bucket(R)] with the sink slots n_slots, n_slots + 1, ... (past the
+    batch's B*S: their rows are dropped after the scatter), `unique_first` [bucket(U)] with 0 (a distinct
+    ASV encoded again, read by nothing), `unique_inverse` [bucket(R)] with 0 (what a sink reads);
+    `n_real_slots` stays R."""
+    real, first, inverse, n_real = (index[k] for k in SLOT_KEYS)
+    extra_r, extra_u = bucket_size(n_real) - n_real, bucket_size(len(first)) - len(first)
+    padded = (
+        torch.cat([real, torch.arange(n_slots, n_slots + extra_r)]),
+        torch.cat([first, first.new_zeros(extra_u)]),
+        torch.cat([inverse, inverse.new_zeros(extra_r)]),
+        n_real,
+    )
+    return dict(zip(SLOT_KEYS, padded, strict=True))
 
 
 class AAM(FlopCount, nn.Module):
@@ -246,6 +266,8 @@ class AAM(FlopCount, nn.Module):
             )
         real_asv = (tokens != PAD).any(dim=-1)  # [B, S]; an all-padding row is a padding ASV
         rows = None  # the real slots, in [0, B*S): where the ASV encoder or the packing needs them
+        # the collate's index padded to buckets (`bucketed`): rows past the batch's slots, to be dropped
+        sinks = slots is not None and slots.n_real is not None and len(slots.real) > slots.n_real
         if slots is not None:  # found by the collate, on the host
             rows = slots.real
         elif self.asv_rows != "all" or self.pack_samples:
@@ -253,9 +275,10 @@ class AAM(FlopCount, nn.Module):
             # pass over L positions, far more than the device idles while the queue drains
             rows = real_asv.reshape(-1).nonzero().squeeze(1)
         distinct = None if slots is None else (slots.first, slots.inverse)
-        asv, nuc_logits = self.encode_asvs(tokens, real_asv, asv_ids, rows, distinct)
+        asv, nuc_logits = self.encode_asvs(tokens, real_asv, asv_ids, rows, distinct, sinks)
 
         if self.pack_samples:  # the real slots only, each sample's after the other's: [T, D]
+            rows = rows[: slots.n_real] if sinks else rows  # packed: R rows, whatever the buckets
             packing = Packing.from_slots(rows, batch, n_asvs)
             h = asv.reshape(batch * n_asvs, -1)[rows] + self.asv_position.weight[rows % n_asvs]
             counts = counts.reshape(batch * n_asvs, 1)[rows]
@@ -337,11 +360,13 @@ class AAM(FlopCount, nn.Module):
         asv_ids: Tensor | None = None,
         rows: Tensor | None = None,
         distinct: tuple[Tensor, Tensor] | None = None,
+        sinks: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """tokens [B, S, L], real_asv [B, S] bool -> ASV vectors [B, S, D] and nucleotide logits
         [B, S, L, vocab_size], both 0 on padding rows; `self.asv_rows` picks the rows encoded. `rows`:
         the real slots (`real_asv.reshape(-1).nonzero()`), where the caller has them; `distinct`: the
-        (first, inverse) of `first_slots` over their ASVs, where the caller found them on the host."""
+        (first, inverse) of `first_slots` over their ASVs, where the caller found them on the host;
+        `sinks`: they are `bucketed`, padded with slots past the batch's."""
         batch, n_asvs, length = tokens.shape
         flat, real = tokens.reshape(-1, length), real_asv.reshape(-1)
         if self.asv_rows == "all":
@@ -360,8 +385,9 @@ class AAM(FlopCount, nn.Module):
 
         if rows is None:  # host sync: as in forward, for the same reason
             rows = real.nonzero().squeeze(1)  # slots of the real ASVs, in [0, B*S)
-        if self.asv_rows == "real":
-            asv, logits = self._encode_rows(flat[rows])
+        n_slots = batch * n_asvs
+        if self.asv_rows == "real":  # `bucketed`'s sinks (rows from n_slots on) encode any row's tokens
+            asv, logits = self._encode_rows(flat[rows.clamp(max=n_slots - 1) if sinks else rows])
         else:
             if distinct is not None:
                 first, inverse = distinct
@@ -372,9 +398,11 @@ class AAM(FlopCount, nn.Module):
                 first, inverse = first_slots(asv_ids.reshape(-1)[rows])
             asv, logits = self._encode_rows(flat[rows[first]])
             asv, logits = asv[inverse], logits[inverse]  # distinct ASVs -> every real slot holding one
-        # scatter the real slots back into zero-filled [B*S, ...] tensors (index_copy: differentiable)
-        asv = asv.new_zeros(batch * n_asvs, asv.size(-1)).index_copy(0, rows, asv)
-        logits = logits.new_zeros(batch * n_asvs, length, logits.size(-1)).index_copy(0, rows, logits)
+        # scatter the real slots back into zero-filled [B*S, ...] tensors (index_copy: differentiable); sinks
+        # land in rows past them, dropped (B*S + len(rows) rows: a size the buckets fix)
+        n_rows = n_slots + len(rows) if sinks else n_slots
+        asv = asv.new_zeros(n_rows, asv.size(-1)).index_copy(0, rows, asv)[:n_slots]
+        logits = logits.new_zeros(n_rows, length, logits.size(-1)).index_copy(0, rows, logits)[:n_slots]
         return asv.view(batch, n_asvs, -1), logits.view(batch, n_asvs, length, -1)
 
     def _encode_rows(self, tokens: Tensor) -> tuple[Tensor, Tensor]:

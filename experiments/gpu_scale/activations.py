@@ -100,7 +100,7 @@ def part(path: str) -> tuple[str, str]:
 
 def encoded_rows(batch: dict) -> int:
     """The rows the ASV encoder runs on for `batch` under aam_ops=fast: its distinct ASVs (the collate's
-    slot index has one first slot each), bucketed."""
+    slot index has one first slot each, padded to its bucket), bucketed."""
     return bucket_size(batch["unique_first"].numel())
 
 
@@ -162,7 +162,7 @@ def count(
         "checkpointing": recomputed,
         "batch": batch,
         "tokens_shape": list(step_batch["tokens"].shape),
-        "real_asvs": step_batch["real_slots"].numel(),
+        "real_asvs": step_batch["n_real_slots"],  # real_slots is padded to its bucket
         "encoded_rows": encoded_rows(step_batch),
         # the ASV encoder's rows (nearly all the bytes kept) over the run's batches: peak at the largest
         "run_encoded_rows": {"epochs": epochs, "median": statistics.median(encoded), "max": max(encoded)},

@@ -69,6 +69,7 @@ def test_batch_layout(cache_dir):
         "real_slots",  # where the real ASVs lie (aamperf.model.aam.SlotIndex): no GPU read back to find them
         "unique_first",
         "unique_inverse",
+        "n_real_slots",
         "n_samples",
         "n_tokens",
     }

@@ -77,18 +77,21 @@ def test_every_option_gives_the_plain_embeddings_loss_and_gradients(tiny, make_c
         torch.testing.assert_close(run(other, loss_fn, fixed)["loss"], expected["loss"], rtol=1e-5, atol=0)
 
 
-def test_bucketed_shapes_give_the_plain_embeddings_loss_and_gradients_in_fp32(tiny, make_cfg):
-    """aam_ops.bucket pads the encoded rows and the batch width to bucket sizes: the same results."""
+@pytest.mark.parametrize("dedup", [True, False])
+def test_bucketed_shapes_give_the_plain_embeddings_loss_and_gradients_in_fp32(tiny, make_cfg, dedup):
+    """aam_ops.bucket pads the encoded rows, the batch width and the slot index to bucket sizes: the same
+    results, each distinct ASV encoded once or each real slot."""
     cfg, model, loss_fn, fixed, longest, bucketed = tiny
     expected = run(model, loss_fn, fixed)
     other = copy.deepcopy(model)
-    ops = make_cfg("aam_ops=fast", "aam_ops.bucket=true").aam_ops
+    ops = make_cfg("aam_ops=fast", "aam_ops.bucket=true", f"aam_ops.dedup={dedup}").aam_ops
     assert apply_aam_ops(other, ops)["bucket"] is True and collate_pad_to(ops, MAX_ASVS) == "bucket"
     seen = []
     other.asv_encoder.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
     assert_same(run(other, loss_fn, bucketed), expected)
-    distinct = bucketed["asv_ids"][bucketed["asv_ids"] >= 0].unique().numel()
-    assert seen[0] == bucket_size(distinct) > distinct  # padding rows were encoded, and dropped
+    real = bucketed["asv_ids"] >= 0
+    rows = bucketed["asv_ids"][real].unique().numel() if dedup else int(real.sum())
+    assert seen[0] == bucket_size(rows) > rows  # padding rows were encoded, and dropped
     assert other.count_encoded_rows(bucketed["tokens"], bucketed["asv_ids"]) == seen[0]
 
 
@@ -144,11 +147,12 @@ def test_the_collates_slot_index_is_what_forward_would_find_on_the_device(tiny):
     *_, fixed, longest, bucketed = tiny
     for batch in (fixed, longest, bucketed):
         real = (batch["tokens"] != PAD).any(-1).reshape(-1)
-        assert torch.equal(batch["real_slots"], real.nonzero().squeeze(1))
-        ids = batch["asv_ids"].reshape(-1)[batch["real_slots"]]
+        n_real = batch["n_real_slots"]  # the bucketed batch's index is padded past it (its sinks)
+        assert torch.equal(batch["real_slots"][:n_real], real.nonzero().squeeze(1))
+        ids = batch["asv_ids"].reshape(-1)[batch["real_slots"][:n_real]]
         distinct, inverse = torch.unique(ids, return_inverse=True)
-        assert torch.equal(batch["unique_inverse"], inverse)
-        first = batch["unique_first"]
+        assert torch.equal(batch["unique_inverse"][:n_real], inverse)
+        first = batch["unique_first"][: len(distinct)]
         assert torch.equal(ids[first], distinct)
         assert all(int(first[inverse[i]]) <= i for i in range(len(ids)))  # each ASV's first slot
 
@@ -188,3 +192,53 @@ def test_a_training_step_of_aam_ops_fast_runs_no_op_that_waits_for_the_gpu(tiny,
     with SyncingOps() as found:
         loss_fn(model, without, 1)[0].backward()
     assert found.seen == ["nonzero", "_unique2"]
+
+
+class OpShapes(TorchDispatchMode):
+    """Each op dispatched, with the shapes of its tensor outputs: what a compiled graph is specialized on."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = out if isinstance(out, tuple | list) else [out]
+        self.seen.append((str(func), [tuple(o.shape) for o in leaves if isinstance(o, torch.Tensor)]))
+        return out
+
+
+def test_the_slot_index_in_buckets_gives_every_op_of_a_step_the_same_shapes_within_a_bucket(tiny, make_cfg):
+    """aam_ops.bucket: the collate pads the real slots and distinct ASVs to bucket sizes on the host
+    (`aamperf.model.aam.bucketed`), so that a batch with one real ASV fewer runs the same shapes through
+    forward and backward (a compiled graph or CUDA graph reused, not made again); unpadded, they differ."""
+    from aamperf.model.aam import SLOT_KEYS, bucketed, slot_index
+    from aamperf.tokens import PAD
+
+    cfg, model, loss_fn, *_, batch = tiny
+    apply_aam_ops(model, make_cfg("aam_ops=fast").aam_ops)
+    n_slots = batch["tokens"].shape[0] * batch["tokens"].shape[1]
+    fewer = dict(batch, tokens=batch["tokens"].clone(), asv_ids=batch["asv_ids"].clone())
+    real = (fewer["tokens"] != PAD).any(-1)
+    sample = int(real.sum(1).argmax())  # its last real slot made padding: one real ASV fewer
+    slot = int(real[sample].nonzero().max())
+    fewer["tokens"][sample, slot], fewer["asv_ids"][sample, slot] = PAD, -1
+
+    def index(b: dict) -> dict:  # as the collate finds it, before the buckets
+        slots = (b["tokens"] != PAD).any(-1).reshape(-1).nonzero().squeeze(1)
+        return slot_index(slots, b["asv_ids"].reshape(-1)[slots])
+
+    assert index(fewer)["n_real_slots"] == index(batch)["n_real_slots"] - 1
+    padded = [bucketed(index(b), n_slots) for b in (batch, fewer)]
+    assert all(torch.equal(padded[0][k], batch[k]) for k in SLOT_KEYS[:3])  # the collate's, as it sent it
+    assert [len(padded[0][k]) for k in SLOT_KEYS[:3]] == [len(padded[1][k]) for k in SLOT_KEYS[:3]]
+
+    def shapes(b: dict) -> list:
+        torch.manual_seed(0)
+        model.zero_grad(set_to_none=True)  # each backward makes its gradients anew
+        with OpShapes() as seen:
+            loss_fn(model.train(), b, 1)[0].backward()
+        return seen.seen
+
+    assert shapes(dict(batch, **padded[0])) == shapes(dict(fewer, **padded[1]))
+    assert shapes(dict(batch, **index(batch))) != shapes(dict(fewer, **index(fewer)))  # unpadded
