@@ -34,8 +34,9 @@ class Collate:
 
     Batch: tokens int64 [B, S, 151], counts float32 [B, S, 1], unifrac float32 [B, B],
     sample_idx int64 [B], asv_ids int64 [B, S] (each slot's row of the token table, -1 on padding),
-    real_slots, unique_first, unique_inverse int64 and n_real_slots int (where the real ASVs lie:
-    `aamperf.model.aam.slot_index`; with `bucket_cap`, padded to bucket sizes: `bucketed`),
+    real_slots, unique_first, unique_inverse int64 and n_real_slots (where the real ASVs lie:
+    `aamperf.model.aam.slot_index`; with `bucket_cap`, padded to bucket sizes, `bucketed`, and n_real_slots
+    the count of real slots, else None),
     target float32 [B, 1] (when the data has one), categorical int64 [B, columns] (data.categorical: each
     sample's category per column, 0 unseen or missing), n_samples and n_tokens int.
     Under torch.distributed B is this rank's slice b of the global batch, and unifrac is [b, B]:

@@ -70,7 +70,9 @@ class SlotIndex(NamedTuple):
     real: Tensor
     first: Tensor
     inverse: Tensor
-    n_real: int | None = None  # R, where `bucketed` padded `real` past it (a host int: no sync to read)
+    n_real: int | None = (
+        None  # R where `bucketed` padded `real` (a host int: no sync to read); None: unpadded
+    )
 
 
 # a batch's SlotIndex, as the collate keys it
@@ -91,7 +93,7 @@ def slot_index(slots: Tensor, asv_ids: Tensor) -> dict[str, Tensor]:
     """A batch's SlotIndex as the collate adds it (keyed by SLOT_KEYS): `slots` [R] its real slots in
     [0, B*S), ascending, and `asv_ids` [R] their ASVs, in the same order; the same values forward's
     `nonzero` and `first_slots` give on the device."""
-    return dict(zip(SLOT_KEYS, (slots, *first_slots(asv_ids), len(slots)), strict=True))
+    return dict(zip(SLOT_KEYS, (slots, *first_slots(asv_ids), None), strict=True))
 
 
 def bucket_size(n: int) -> int:
@@ -110,8 +112,9 @@ def bucketed(index: dict[str, Any], n_slots: int) -> dict[str, Any]:
     than one per batch: `real_slots` [bucket(R)] with the sink slots n_slots, n_slots + 1, ... (past the
     batch's B*S: their rows are dropped after the scatter), `unique_first` [bucket(U)] with 0 (a distinct
     ASV encoded again, read by nothing), `unique_inverse` [bucket(R)] with 0 (what a sink reads);
-    `n_real_slots` stays R."""
-    real, first, inverse, n_real = (index[k] for k in SLOT_KEYS)
+    `n_real_slots` R (the model then scatters into B*S + bucket(R) rows, whether or not R needed padding)."""
+    real, first, inverse, _ = (index[k] for k in SLOT_KEYS)
+    n_real = len(real)
     extra_r, extra_u = bucket_size(n_real) - n_real, bucket_size(len(first)) - len(first)
     padded = (
         torch.cat([real, torch.arange(n_slots, n_slots + extra_r)]),
@@ -266,8 +269,8 @@ class AAM(FlopCount, nn.Module):
             )
         real_asv = (tokens != PAD).any(dim=-1)  # [B, S]; an all-padding row is a padding ASV
         rows = None  # the real slots, in [0, B*S): where the ASV encoder or the packing needs them
-        # the collate's index padded to buckets (`bucketed`): rows past the batch's slots, to be dropped
-        sinks = slots is not None and slots.n_real is not None and len(slots.real) > slots.n_real
+        # the collate's index in buckets (`bucketed`): its sinks, rows past the batch's slots, to be dropped
+        sinks = slots is not None and slots.n_real is not None
         if slots is not None:  # found by the collate, on the host
             rows = slots.real
         elif self.asv_rows != "all" or self.pack_samples:

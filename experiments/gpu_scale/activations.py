@@ -162,7 +162,7 @@ def count(
         "checkpointing": recomputed,
         "batch": batch,
         "tokens_shape": list(step_batch["tokens"].shape),
-        "real_asvs": step_batch["n_real_slots"],  # real_slots is padded to its bucket
+        "real_asvs": step_batch["n_real_slots"] or step_batch["real_slots"].numel(),  # R, unpadded
         "encoded_rows": encoded_rows(step_batch),
         # the ASV encoder's rows (nearly all the bytes kept) over the run's batches: peak at the largest
         "run_encoded_rows": {"epochs": epochs, "median": statistics.median(encoded), "max": max(encoded)},
