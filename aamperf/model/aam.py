@@ -70,9 +70,8 @@ class SlotIndex(NamedTuple):
     real: Tensor
     first: Tensor
     inverse: Tensor
-    n_real: int | None = (
-        None  # R where `bucketed` padded `real` (a host int: no sync to read); None: unpadded
-    )
+    # R, where `bucketed` padded `real` past it (a host int: no sync to read it); None: not padded
+    n_real: int | None = None
 
 
 # a batch's SlotIndex, as the collate keys it
