@@ -183,3 +183,12 @@ def test_seeds_pooled_from_a_directory_without_a_table_is_one_error_line(tmp_pat
     assert summarize.main(["--seeds", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: no table.json in") and err.count("\n") == 1
+    for payload in (
+        "{not json",
+        '{"rows": [{}]}',
+    ):  # a table.json that is not summarize.py's: named, one line
+        (tmp_path / "table.json").write_text(payload)
+        assert summarize.main(["--seeds", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        said = f"error: {tmp_path / 'table.json'}: not all tables summarize.py wrote"
+        assert err.startswith(said) and err.count("\n") == 1, err

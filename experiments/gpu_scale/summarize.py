@@ -329,10 +329,17 @@ def main(args: list[str]) -> int:
             )
             return 2
         try:
-            print(pooled_markdown(pooled([json.loads(p.read_text()) for p in paths])))
-        except ValueError as e:
+            tables = [json.loads(p.read_text()) for p in paths]
+            result = pooled(tables)
+        except (json.JSONDecodeError, KeyError, TypeError) as e:  # not JSON, or JSON of another shape
+            names = ", ".join(map(str, paths))
+            print(f"error: {names}: not all tables summarize.py wrote ({type(e).__name__}: {e}); run "
+                  "summarize.py OUT_DIR on each to write its table.json", file=sys.stderr)  # fmt: skip
+            return 2
+        except ValueError as e:  # seeds that cannot be paired
             print(f"error: {e}", file=sys.stderr)
             return 2
+        print(pooled_markdown(result))
         return 0
     if len(args) != 1 or not (Path(args[0]) / "runs").is_dir():
         print(f"error: usage: {usage}", file=sys.stderr)
