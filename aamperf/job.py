@@ -32,6 +32,7 @@ from aamperf.phases.auto import resolve_auto
 from aamperf.phases.compile import trial_context
 from aamperf.probe import Probe, measured, measuring, timed
 from aamperf.rng import forked_rng, seed_everything
+from aamperf.summary import Summary
 from aamperf.targets import learn_target
 from aamperf.trainer.cached import head_flops, refusal, use_cached_embeddings
 from aamperf.trainer.checkpoints import steps_left
@@ -51,9 +52,10 @@ class Job:
     peak_flops: float | None
 
 
-def build_job(cfg: DictConfig, summary: dict[str, Any], run_dir: Path | None = None) -> Job:
+def build_job(cfg: DictConfig, summary: Summary, run_dir: Path | None = None) -> Job:
     """Build the run; `summary` gets what each part decided as it is decided (a failed start keeps it).
     `run_dir`: where trainer.resume=auto finds the checkpoint the run goes on from."""
+    entered = time.perf_counter()
     device = resolve_device(cfg.device)
     summary.update(device=str(device), machine=machine(device))
     if device.type == "cuda":  # what the GPU held before this job (an earlier job, a notebook): not its peak
@@ -72,15 +74,17 @@ def build_job(cfg: DictConfig, summary: dict[str, Any], run_dir: Path | None = N
     with measuring:
         decisions = resolve_auto(cfg, device, micro_batch)
     peak, summary["peak_flops_calibration"] = measure_peak(cfg, device, micro_batch)
-    data = build_data(
-        cfg.data,
-        batch_size=micro_batch,  # one micro-batch, all ranks
-        seed=cfg.seed,
-        loader=setup.loader,
-        pad_to=setup.pad_to,
-        rank=world.rank,
-        world_size=world.world_size,
-    )
+    reading = Stopwatch()  # reading or simulating the data, its loaders
+    with reading:
+        data = build_data(
+            cfg.data,
+            batch_size=micro_batch,  # one micro-batch, all ranks
+            seed=cfg.seed,
+            loader=setup.loader,
+            pad_to=setup.pad_to,
+            rank=world.rank,
+            world_size=world.world_size,
+        )
     model, loss_fn = build_model(cfg, device, world, data, summary)
     host_batches, batch_s = timed_batches(data.train_loader, cfg.metrics.flop_batches)
     first = to_device(host_batches[0], device)
@@ -112,7 +116,8 @@ def build_job(cfg: DictConfig, summary: dict[str, Any], run_dir: Path | None = N
             found = find_batch_size(plan, loss_fn, data, cfg, device, world.world_size)
         summary["batch_finder"] = found
         tc.batch_size, tc.grad_accum_steps = found["batch_size"], found["grad_accum_steps"]
-        rebatch(data, found["micro_batch"], cfg.seed, setup.loader)
+        with reading:
+            rebatch(data, found["micro_batch"], cfg.seed, setup.loader)
         host_batches, batch_s = timed_batches(data.train_loader, cfg.metrics.flop_batches)
         if counted is not None:  # a model torch counts: counted again at the batch it will train on
             counted = counted_flops(model, loss_fn, to_device(host_batches[0], device))
@@ -143,6 +148,9 @@ def build_job(cfg: DictConfig, summary: dict[str, Any], run_dir: Path | None = N
         samples_cached=data.samples_cached,
         **data.counts,  # what reading the data left out or changed (samples too shallow, sequences cut, ...)
     )
+    built_s = time.perf_counter() - entered
+    summary.parts_s.update(setup=built_s - measuring.seconds - reading.seconds, auto=measuring.seconds)
+    summary.parts_s["data"] = reading.seconds
     non_blocking = setup.loader.non_blocking
     return Job(device, world, data, loss_fn, plan, non_blocking, model_flops, hardware_flops, peak)
 

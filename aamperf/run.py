@@ -1,6 +1,7 @@
 """One run from a composed config: build what it trains with (aamperf/job.py), fit, and write its record."""
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ def train(
     `interrupts`: the stop signals caught while it runs (aamperf/interrupts.py); `sweep_job`: a job of
     a multirun (its clock starts with it, `job_origin`)."""
     origin, origin_kind = job_origin(sweep_job)  # every elapsed time of the job counts from here
+    entered = time.perf_counter()  # the time before: start-up (interpreter, imports, Hydra, the checks)
     if origin_kind == "job_start":  # an earlier job ran in this process: its peak is not this job's
         start_job_peak_rss()
     release_freed_memory()  # what earlier jobs of a multirun freed: not this job's memory
@@ -70,6 +72,7 @@ def train(
     )
     meter = StepMeter(skip_steps=cfg.metrics.skip_steps, start_time=origin)
     summary = Summary(cfg, meter, origin_kind, [sink.info for sink in record.sinks])
+    summary.parts_s["start"] = entered - origin
     job = monitor = None
     try:
         check_config(cfg)
@@ -82,6 +85,7 @@ def train(
                 job.plan, job.loss_fn, job.data, cfg, job.device, record, monitor, meter,
                 job.non_blocking, run_dir, interrupts,
             )  # fmt: skip
+        summary.loop_ended_at = time.perf_counter()
         summary["recompiles"] = compiled_graphs() - graphs  # graphs compiled for new shapes while training
         kept = save_model(
             run_dir, job.plan.model, resolved_config(cfg), summary.get("target"), summary.get("categorical")
@@ -143,6 +147,8 @@ def print_result(summary: dict, run_dir: Path) -> None:
     load = (summary.get("loop_load") or {}).get("under_load")
     if load:
         print(f"  timed under load: {load}; its speed figures include that contention")
+    if summary.get("duration_parts_s"):
+        print(duration_line(summary))
     found = summary.get("batch_finder")
     if found:
         print(
@@ -156,6 +162,14 @@ def print_result(summary: dict, run_dir: Path) -> None:
         print(forest)
     if target:  # last: the figures a fine-tuning run is for
         print(target)
+
+
+def duration_line(summary: dict) -> str:
+    """Where the run's time went: its duration_parts_s of 1% or more, in their order."""
+    total, parts = summary["duration_s"], summary["duration_parts_s"]
+    since = "the process's start" if summary.get("clock_origin") == "process_start" else "the job's start"
+    shown = ", ".join(f"{name} {s:.2f}" for name, s in parts.items() if s >= 0.01 * total)
+    return f"  {total:.1f} s from {since}: {shown} (seconds; summary.json duration_parts_s)"
 
 
 def target_line(summary: dict) -> str | None:

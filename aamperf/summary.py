@@ -5,6 +5,7 @@ import datetime
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,12 @@ def resolved_config(cfg: DictConfig) -> dict[str, Any]:
         return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     except Exception:  # e.g. ${model.max_asvs} with a model that has none: the error is recorded already
         return OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
+
+
+# summary.json duration_parts_s: where a run's duration_s went (docs/run-outputs.md says what each holds)
+DURATION_PARTS = (
+    "start", "setup", "auto", "data", "steps", "validation", "checkpoints", "loop", "end", "other",
+)  # fmt: skip
 
 
 class Summary(dict):
@@ -46,6 +53,9 @@ class Summary(dict):
             error=None,
         )
         self.meter = meter
+        # seconds of the run by what it was doing (`write`: duration_parts_s), as they are measured
+        self.parts_s: dict[str, float] = {}
+        self.loop_ended_at: float | None = None  # perf_counter when the loop returned
 
     def trained(self, result, plan=None, monitor=None) -> None:
         """What the loop did, however it ended (`result`: its FitResult; None: it never started)."""
@@ -64,6 +74,9 @@ class Summary(dict):
             )
         if result is None:
             return
+        loop = result.times_s  # the loop's own time less its steps, validations and checkpoints: "loop"
+        self.parts_s.update(loop=loop["loop"] - loop["steps"] - loop["validation"] - loop["checkpoints"])
+        self.parts_s.update((k, loop[k]) for k in ("steps", "validation", "checkpoints"))
         self.update(
             steps=result.steps,
             train_loss=result.train_loss,
@@ -93,12 +106,26 @@ class Summary(dict):
     def ended(self, status: str, error: str) -> None:
         self.update(status=status, error=error)
 
+    def duration_parts(self, duration_s: float) -> dict[str, float]:
+        """`duration_s` by what the run did, in DURATION_PARTS' order; what no part measured is "other"
+        (a run that ended early has the parts it reached)."""
+        parts = dict(self.parts_s)
+        if self.loop_ended_at is not None:
+            parts["end"] = time.perf_counter() - self.loop_ended_at
+        parts["other"] = duration_s - sum(parts.values())
+        return {k: round(parts[k], 3) for k in DURATION_PARTS if k in parts}
+
     def write(self, record, cfg: DictConfig, run_dir: Path) -> None:
         """Into the run record (rank 0); a full disk is said in one line unless the run failed already."""
         # ended_at - duration_s is when the run started: the report finds runs that shared a machine's time
         ended_at = datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
+        duration_s = self.meter.elapsed_s()
         self.update(
-            duration_s=self.meter.elapsed_s(), ended_at=ended_at, config=resolved_config(cfg), pid=os.getpid()
+            duration_s=duration_s,
+            duration_parts_s=self.duration_parts(duration_s),
+            ended_at=ended_at,
+            config=resolved_config(cfg),
+            pid=os.getpid(),
         )
         self["precision"] = str(cfg.precision.dtype)  # precision=auto's choice is written into cfg
         try:

@@ -20,6 +20,7 @@ from aamperf.job import analytic_flops, build
 from aamperf.metrics.monitor import pss_bytes
 from aamperf.phases import apply_phases, setup_phases
 from aamperf.run import train
+from aamperf.summary import DURATION_PARTS
 
 # The run record's keys that the checks and `python -m aamperf.compare` read (docs/run-outputs.md).
 SUMMARY_KEYS = {
@@ -244,7 +245,8 @@ def first_line_seen(proc: subprocess.Popen, metrics: Path, on_poll=lambda: None)
 @pytest.mark.skipif(not Path("/usr/bin/time").exists(), reason="needs GNU time (/usr/bin/time -v)")
 def test_times_and_peak_memory_agree_with_an_outside_clock_and_gnu_time(launch):
     launched = time.time()
-    proc, run_dir = launch("trainer.max_steps=4", "metrics.skip_steps=1", launcher=GNU_TIME, wait=False)
+    overrides = ("trainer.max_steps=4", "metrics.skip_steps=1", "trainer.checkpoint_every=2")
+    proc, run_dir = launch(*overrides, launcher=GNU_TIME, wait=False)
     first_line = first_line_seen(proc, run_dir / "metrics.jsonl") - launched
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
@@ -260,6 +262,15 @@ def test_times_and_peak_memory_agree_with_an_outside_clock_and_gnu_time(launch):
     assert summary["timed_steps"] == 3
     assert summary["samples_per_s"] * summary["timed_s"] == pytest.approx(3 * 4)
     assert summary["samples_per_s"] * summary["step_time_s"] == pytest.approx(4)
+    # Where the duration went: parts that add up to it, each timed where it happens.
+    parts = summary["duration_parts_s"]
+    assert list(parts) == list(DURATION_PARTS) and min(parts.values()) > -0.01
+    assert sum(parts.values()) == pytest.approx(summary["duration_s"], abs=0.01)
+    assert parts["start"] > 0.5 and parts["validation"] > 0 and parts["checkpoints"] > 0  # torch's import
+    assert parts["auto"] == summary["auto_s"] == 0.0  # nothing `auto` at the tests' settings
+    assert summary["timed_s"] < parts["steps"] < summary["timed_s"] + 5  # + the warm-up step's
+    before_loop = parts["start"] + parts["setup"] + parts["auto"] + parts["data"]
+    assert before_loop < summary["time_to_first_step_s"] <= before_loop + parts["steps"] + parts["loop"]
     # peak_rss_bytes is this process's VmHWM: GNU time's "Maximum resident set size" (no children here)
     gnu = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", stderr).group(1)) * 1024
     assert summary["peak_rss_bytes"] == pytest.approx(gnu, rel=0.03)

@@ -3,6 +3,7 @@ resume from the newest one (`trainer.resume=auto`). How the files are written an
 aamperf/checkpoint.py."""
 
 import logging
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ class Checkpoints:
         self.resumed_from: int | None = None  # the checkpoint's step, when the run went on from one
         self.changes: dict[str, list] | None = None  # {key: [at the checkpoint, now]} that the resume applied
         self._last: tuple[int, Path] | None = None
+        self.save_s = 0.0  # seconds spent writing checkpoints (summary.json duration_parts_s)
 
     def resume(self) -> int:
         """Go on from the newest checkpoint as if the run had never stopped: its step (0: a fresh run).
@@ -110,7 +112,9 @@ class Checkpoints:
         if self.run_dir is None:
             return None
         if self._last is None or self._last[0] != step:
+            start = time.perf_counter()
             state = {"optimizer": self.optimizer, **self.state, **self.kept, "config": self.config}
             self.record.sync()  # the lines of the steps it holds on disk first: no resume logs them again
             self._last = step, checkpoint.save(self.run_dir, step, self.model, state, self.tc.keep_last)
+            self.save_s += time.perf_counter() - start
         return self._last[1]

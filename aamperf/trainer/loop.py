@@ -30,6 +30,9 @@ from aamperf.trainer.stream import BatchStream
 LossFn = Callable[[torch.nn.Module, dict[str, Any], int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
+LOOP_PARTS = ("loop", "steps", "validation", "checkpoints")
+
+
 @dataclass
 class FitResult:
     meter: StepMeter
@@ -44,6 +47,8 @@ class FitResult:
     resume_changes: dict[str, list] | None = None  # {key: [at the checkpoint, now]} that a resume applied
     profile: dict[str, Any] | None = None  # metrics.profile_steps: what torch.profiler saw
     alerts: list[dict[str, Any]] = field(default_factory=list)  # raised while training (aamperf/alerts.py)
+    # seconds of this process's loop: in all, in its steps, its validations, its checkpoints
+    times_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LOOP_PARTS, 0.0))
 
     def state_dict(self) -> dict[str, Any]:
         return {"train_loss": self.train_loss, "val": self.val}
@@ -231,9 +236,11 @@ def fit(
 ) -> FitResult:
     """Train for `trainer.max_steps` optimizer steps; log every `metrics.log_every` steps. A guard's stop,
     or a stop signal (`interrupts`), ends the run after the step it came in, with a checkpoint of it."""
+    started = time.perf_counter()
     tc, batches = cfg.trainer, BatchStream(data.train_loader)
     guards, interval = Guards(cfg, plan, device, record), Interval(device)
     result = FitResult(meter, nonfinite_check=guards.nonfinite.check, alerts=guards.alerts.raised)
+    times = result.times_s
     checkpoints = Checkpoints(
         run_dir, cfg, plan.model, plan.optimizer, record, scaler=plan.scaler, stream=batches, meter=meter,
         nonfinite=guards.nonfinite, interval=interval, result=result,
@@ -267,6 +274,7 @@ def fit(
             profiler.begin(step)
             out = train_step(step, drain)
             profiler.end(step)
+            times["steps"] += out.time_s
             if not profiler.covers(step):
                 meter.add(out.time_s, out.wait_s, out.samples, out.tokens)
             interval.add(out.time_s, out.wait_s, out.samples, out.tokens, out.losses[0], out.bad)
@@ -286,11 +294,13 @@ def fit(
                 # this quality took to get
                 row.update(interval.rates(), **monitor.readings(), elapsed_s=meter.elapsed_s())
                 if val_due and not stop:
+                    validating = time.perf_counter()
                     with plan.autocast():
                         result.val = validate(
                             plan.model, loss_fn, data.val_loader, tc.val_batches, device, non_blocking,
                             result.val_detail,
                         )  # fmt: skip
+                    times["validation"] += time.perf_counter() - validating
                     row.update(result.val)
                     stop = guards.check_validation(step, result.val)  # a NaN validation is no result
                 record.log(row)
@@ -313,5 +323,6 @@ def fit(
         bar.close()
         profiler.close()
         result.nonfinite_steps = int(guards.nonfinite.total.item())
+        times.update(loop=time.perf_counter() - started, checkpoints=checkpoints.save_s)
     result.profile = profiler.result
     return result
