@@ -18,6 +18,7 @@ from aamperf.errors import (
     UserError,
     aborted_line,
     bad_input_exits,
+    end_process,
     error_line,
     exit_aborted,
     exit_bad_input,
@@ -129,5 +130,10 @@ def cli() -> None:
             )
 
 
+def command() -> None:
+    """`python -m aamperf.train` and `aamperf-train`: cli(), then the process ends at once (end_process)."""
+    end_process(cli)
+
+
 if __name__ == "__main__":
-    cli()
+    command()

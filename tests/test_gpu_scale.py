@@ -62,7 +62,9 @@ def test_ratios_are_paired_by_seed_and_end_to_end_needs_the_same_samples(tmp_pat
     }
     snapshot = {"profile": {"memory_snapshot": {"file": "memory_snapshot.pickle", "peak": peak}}}
     write_run(tmp_path, "ultra_seed0", 50, **aamperf_summary(0.025), **snapshot)  # 4x its seed's original
-    write_run(tmp_path, "ultra_seed1", 40, **aamperf_summary(0.100))  # 2x its seed's original
+    parts = {"start": 3.0, "setup": 9.0, "auto": 5.0, "data": 2.0, "steps": 19.0, "end": 1.0}
+    # 2x its seed's original; 39 of its 40 s from launch to exit in its parts (the rest: its exit)
+    write_run(tmp_path, "ultra_seed1", 40, **aamperf_summary(0.100), duration_parts_s=parts)
     write_run(tmp_path, "ultra-auto_seed0", 60, **aamperf_summary(0.2, batch=64, auto=True))
     write_run(tmp_path, "advanced_seed0", 0, exit_code=124)  # cut off by TIME_LIMIT_S
     rows = {r["config"]: r for r in summarize.summarize(tmp_path)["rows"]}
@@ -90,7 +92,11 @@ def test_ratios_are_paired_by_seed_and_end_to_end_needs_the_same_samples(tmp_pat
     table = summarize.to_markdown(summarize.summarize(tmp_path))
     assert "| ultra | 8 | 10 | 62.5 [25.0, 100.0] |" in table and "seed 0: exit 124" in table
     assert "**ultra seed 0: what its recorded steps held at their peak** (metrics.memory_snapshot, 3" in table
-    assert "| model/layers.py:95 forward | 2.000 | 40 |" in table and "ultra seed 1" not in table
+    assert "| model/layers.py:95 forward | 2.000 | 40 |" in table and "ultra seed 1: what" not in table
+    # the parts of a run that wrote them (ultra seed 0's summary has none: written before d1fa24d)
+    assert "| run | end to end | start | setup | auto | data | steps | end |" in table
+    assert "| ultra seed 1 | 40.0 | 3.0 | 9.0 | 5.0 | 2.0 | 19.0 | 1.0 |" in table
+    assert "| ultra seed 0 |" not in table
 
 
 @pytest.mark.slow  # about 25 s (aam_base's steps on a CPU): the default suite stays near 10 minutes

@@ -7,7 +7,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from aamperf.config import CONF_DIR
-from aamperf.errors import UserError, bad_input_exits, exit_bad_input
+from aamperf.errors import UserError, bad_input_exits, end_process, exit_bad_input
 from aamperf.interrupts import stop_at_once
 from aamperf.predict import predict
 from aamperf.predict.categorical import categorical_line
@@ -54,5 +54,10 @@ def cli() -> None:
         main()
 
 
+def command() -> None:
+    """`python -m aamperf.predict` and `aamperf-predict`: cli(), then the process ends at once."""
+    end_process(cli)
+
+
 if __name__ == "__main__":
-    cli()
+    command()

@@ -71,6 +71,7 @@ def read_run(run: Path) -> dict[str, Any]:
             probes_peak=s.get("setup_peak_device_bytes"),  # their peak, apart from training's since 7072adc
             # metrics.memory_snapshot's (SNAPSHOT=1): what the recorded steps held at their peak, by source
             memory_peak=((s.get("profile") or {}).get("memory_snapshot") or {}).get("peak"),
+            duration_parts=s.get("duration_parts_s"),  # where its duration went (since d1fa24d)
         )
     row["samples_per_s"] = row["batch"] / row["step_s"]
     return row
@@ -160,6 +161,12 @@ def summarize(out: Path) -> dict[str, Any]:
         for seed, r in runs[cfg].items()
         if r.get("memory_peak")
     }
+    result["duration_parts"] = {  # launch to exit beside the run's own duration and its parts
+        f"{cfg} seed {seed}": {"wall_s": r["wall_s"], **r["duration_parts"]}
+        for cfg in [c for c in ORDER if c in runs]
+        for seed, r in runs[cfg].items()
+        if r.get("duration_parts")
+    }
     (out / "table.json").write_text(json.dumps(result, indent=1))
     return result
 
@@ -208,6 +215,21 @@ def to_markdown(result: dict[str, Any]) -> str:
         " the peak of training and validation (`setup_peak_device_bytes`; before 7072adc: in that peak)."
         " GPU busy: pynvml's utilization over the run.",
     ]
+    parts = result.get("duration_parts") or {}
+    names = list(dict.fromkeys(n for p in parts.values() for n in p if n != "wall_s"))  # the runs' order
+    if parts:
+        lines += [
+            "",
+            "**Where each aamperf run's end to end went** (seconds: summary.json `duration_parts_s`, from "
+            "the process's start to its summary; launch to exit beside it, the rest is the process's exit):",
+            "",
+            "| run | end to end | " + " | ".join(names) + " |",
+            "|---" * (len(names) + 2) + "|",
+            *(
+                f"| {run} | {p['wall_s']:.1f} | " + " | ".join(f"{p.get(n, 0.0):.1f}" for n in names) + " |"
+                for run, p in parts.items()
+            ),
+        ]
     for run, peak in result.get("memory_peaks", {}).items():
         lines += [
             "",
