@@ -16,13 +16,12 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import torch
-import torch.distributed as dist
-
-from aamperf.distributed import world_size
 from aamperf.errors import RunAborted, exit_with, one_line
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -185,10 +184,16 @@ class Interrupts:
         )
         return RunInterrupted(f"{signal.Signals(self.received).name} received {when}", None, self.received)
 
-    def requested(self, device: torch.device) -> bool:
+    def requested(self, device: "torch.device") -> bool:
         """Did a signal arrive? Distributed, every rank learns whether any rank received one (one
         all-reduce of a number per step), so all of them stop after the same step. The answer is the
         all-reduce's on every rank: a signal that comes while it runs counts at the next step."""
+        # imported here: the report's command (aamperf.compare) stops at once too, and loads no torch
+        import torch
+        import torch.distributed as dist
+
+        from aamperf.distributed import world_size
+
         if world_size() == 1:
             agreed = self.received or 0
         else:

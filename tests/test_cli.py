@@ -170,3 +170,10 @@ def test_a_command_ends_its_process_at_once_with_its_code_threads_and_exit_handl
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stderr) == (returncode, stderr)
     assert proc.stdout == "command\nthread done\nexit handler"  # no "teardown"
+
+
+def test_the_report_command_loads_no_torch():
+    """python -m aamperf.compare reads run directories: torch's import (1.5 s) is not its to pay."""
+    code = "import sys, aamperf.compare; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"]
