@@ -26,6 +26,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from aamperf.errors import this_command
+
 log = logging.getLogger(__name__)
 
 
@@ -76,15 +78,6 @@ def find(name: str) -> str | None:
         if ctypes.util.find_library(stem) == library:
             return library
     return None
-
-
-def this_command() -> bool:
-    """Whether this process is a `python -m aamperf.train ...` (or aamperf-train) command: only that may
-    be started again, not a program (a test) that calls aamperf in its own process."""
-    orig, argv = sys.orig_argv, sys.argv
-    started_as = " ".join(orig[: len(orig) - len(argv) + 1])
-    same_args = orig[len(orig) - len(argv) + 1 :] == argv[1:]
-    return same_args and ("aamperf.train" in started_as or "aamperf-train" in started_as)
 
 
 def why_not_restarted(name: str, in_sweep: bool) -> str | None:

@@ -98,13 +98,43 @@ def exit_with(line: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
-def end_process(command: Callable[[], None]) -> NoReturn:
+def this_command(module: str = "aamperf.train", script: str = "aamperf-train") -> bool:
+    """Whether this process is the command itself, `python [its options] -m <module> ...` or the
+    `<script>` console script: not a program that runs it in its own process (a test calling cli(), a
+    profiler as in `python -m cProfile -m aamperf.train`), whose process is not the command's to restart
+    or to end."""
+    orig, argv = sys.orig_argv, sys.argv
+    n = len(orig) - len(argv) + 1  # the interpreter, its options, the program
+    if n < 2 or orig[n:] != argv[1:]:
+        return False
+    head = orig[:n]
+    if head[-2:] == ["-m", module]:
+        options = head[1:-2]
+    elif Path(head[-1]).name == script:
+        options = head[1:-1]
+    else:
+        return False
+    while options:  # the interpreter's own options alone: -X importtime, -W ..., -u, -O
+        if options[0] in ("-X", "-W"):
+            options = options[2:]
+        elif options[0].startswith("-") and options[0] not in ("-m", "-c"):
+            options = options[1:]
+        else:
+            return False
+    return True
+
+
+def end_process(command: Callable[[], None], module: str, script: str) -> None:
     """Run a command's entry point, then end the process at once with its exit code: its other threads
     joined, its exit handlers run (logging's, W&B's, multiprocessing's for loader workers), its streams
     flushed, then os._exit, which leaves out the interpreter's teardown of every module and torch's C++
     destructors: 1.1 s of each command that has loaded torch and its compiler (2-core AMD EPYC,
     2026-11-28), nothing aamperf needs (its files are closed as they are written). An exception other
-    than SystemExit ends the process as Python would, traceback and all."""
+    than SystemExit ends the process as Python would, traceback and all. Where the process is not the
+    command's own (`this_command`: a profiler's, a test's), the command returns as any call does."""
+    if not this_command(module, script):
+        command()
+        return
     try:
         command()
         code: object = 0

@@ -132,7 +132,7 @@ def cli() -> None:
 
 def command() -> None:
     """`python -m aamperf.train` and `aamperf-train`: cli(), then the process ends at once (end_process)."""
-    end_process(cli)
+    end_process(cli, "aamperf.train", "aamperf-train")
 
 
 if __name__ == "__main__":

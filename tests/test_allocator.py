@@ -10,7 +10,8 @@ import pytest
 from conftest import TINY
 from omegaconf import OmegaConf
 
-from aamperf.allocator import ALLOCATORS, Allocator, find, in_process, this_command, why_not_restarted
+from aamperf.allocator import ALLOCATORS, Allocator, find, in_process, why_not_restarted
+from aamperf.errors import this_command
 from aamperf.phases.system import allocator_record
 
 TCMALLOC = find("tcmalloc")
@@ -87,6 +88,19 @@ def test_the_train_command_is_recognised_from_the_process_arguments(monkeypatch)
     monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "pytest", "tests"])
     monkeypatch.setattr(sys, "argv", ["aamperf.train", "optim=ultra"])  # a test calling cli() in its process
     assert not this_command()
+    # a profiler that runs the command in its own process: not the command's process to restart or end
+    profiled = ["python", "-m", "cProfile", "-o", "p", "-m", "aamperf.train", "a=1"]
+    monkeypatch.setattr(sys, "orig_argv", profiled)
+    monkeypatch.setattr(sys, "argv", ["aamperf.train", "a=1"])  # as cProfile sets it
+    assert not this_command()
+    memray = ["/venv/bin/python", "/venv/bin/memray", "run", "-m", "aamperf.train"]
+    monkeypatch.setattr(sys, "orig_argv", memray)
+    monkeypatch.setattr(sys, "argv", ["/src/aamperf/train.py"])
+    assert not this_command()
+    torchrun = ["python", "-u", "-m", "aamperf.predict", "run=r"]  # a rank, as torchrun starts it
+    monkeypatch.setattr(sys, "orig_argv", torchrun)
+    monkeypatch.setattr(sys, "argv", ["/src/aamperf/predict/__main__.py", "run=r"])
+    assert this_command("aamperf.predict", "aamperf-predict") and not this_command()
 
 
 @needs_tcmalloc

@@ -158,18 +158,27 @@ def command():
     print("command", flush=True)
     sys.exit({code!r})
 
-end_process(command)
+end_process(command, "ending", "ending")
 """
 
 
 @pytest.mark.parametrize(("code", "returncode", "stderr"), [(3, 3, ""), (None, 0, ""), ("why", 1, "why\n")])
-def test_a_command_ends_its_process_at_once_with_its_code_threads_and_exit_handlers(code, returncode, stderr):
+def test_a_command_ends_its_process_at_once_with_its_code_threads_and_exit_handlers(
+    tmp_path, code, returncode, stderr
+):
     """end_process: the command's exit code (None: 0; a message: printed, 1), its thread joined, its exit
-    handlers run and their output flushed; the interpreter's teardown left out (1.1 s with torch loaded)."""
-    script = END_PROCESS.format(code=code)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert (proc.returncode, proc.stderr) == (returncode, stderr)
-    assert proc.stdout == "command\nthread done\nexit handler"  # no "teardown"
+    handlers run and their output flushed; the interpreter's teardown left out (1.1 s with torch loaded).
+    Run by another program in its process (a profiler, runpy here), the command returns as a call does."""
+    (tmp_path / "ending.py").write_text(END_PROCESS.format(code=code))
+    for how, teardown in (
+        (["-m", "ending"], ""),
+        (["-c", "import runpy; runpy.run_module('ending')"], "teardown\n"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, *how], capture_output=True, text=True, timeout=60, cwd=tmp_path
+        )
+        assert (proc.returncode, proc.stderr) == (returncode, stderr)
+        assert proc.stdout == "command\nthread done\nexit handler" + teardown
 
 
 def test_the_report_command_loads_no_torch():

@@ -56,7 +56,7 @@ def cli() -> None:
 
 def command() -> None:
     """`python -m aamperf.predict` and `aamperf-predict`: cli(), then the process ends at once."""
-    end_process(cli)
+    end_process(cli, "aamperf.predict", "aamperf-predict")
 
 
 if __name__ == "__main__":
