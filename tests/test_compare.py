@@ -217,7 +217,7 @@ def test_the_figure_shows_one_point_runs_and_keeps_its_labels_and_legend_clear(s
     runs = find_runs([sweep])
     result = compare(runs)
     fig = plot_comparison(result, group_runs(runs), tmp_path / "figure.png")
-    speed_ax, _, memory_ax, train_ax, val_ax, _ = fig.axes
+    speed_ax, _, memory_ax, train_ax, val_ax, _, _ = fig.axes
     # a run that logged one training point is drawn as a point, not an invisible line
     assert train_ax.lines and all(line.get_marker() == "o" for line in train_ax.lines)
     # no legend inside a panel: one below them all, whatever the number of configurations

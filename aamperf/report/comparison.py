@@ -5,6 +5,7 @@ above 1 and the val-loss interval inside +-tolerance; otherwise the verdict says
 about how many paired seeds would decide it."""
 
 import math
+import statistics
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -220,7 +221,16 @@ def cost_figures(group: Group, pairs: list[tuple[Run, Run]]) -> dict[str, Any]:
         # the same batches must cost the same model FLOPs in every configuration: else MFUs differ in work
         "model_flops_match_baseline": all(a == b for a, b in model_flops) if pairs else None,
         "data_wait_frac": group.median("data_wait_frac"),
+        "duration_parts_s": duration_parts(group),
     }
+
+
+def duration_parts(group: Group) -> dict[str, float] | None:
+    """The median of each part of its runs' duration (summary.json duration_parts_s), in the runs' order
+    of the parts; None where no run has them (runs from before they were recorded)."""
+    parts = [r.summary["duration_parts_s"] for r in group.ok_runs if r.summary.get("duration_parts_s")]
+    names = dict.fromkeys(name for p in parts for name in p)
+    return {name: statistics.median(p.get(name, 0.0) for p in parts) for name in names} or None
 
 
 def memory_figures(group: Group, base: Group) -> dict[str, Any]:

@@ -8,12 +8,34 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 
 from aamperf.files import write_atomic  # noqa: E402
 
+PART_COLORS = plt.get_cmap("Set3")  # the parts of a run's time: pastels, apart from the configurations' C0-C9
 # the loss curves' styles: the baseline's above the others (zorder; Line2D's default is 2) and dashed
 OTHER_LINE = {"ls": "-", "lw": 1.0, "ms": 3, "alpha": 0.8, "zorder": 2}
 BASELINE_LINE = {"ls": "--", "lw": 1.6, "ms": 4, "alpha": 1.0, "zorder": 3}
+
+
+def duration_bars(ax, rows: list[dict[str, Any]], ticks: list[str]) -> None:
+    """Each configuration's end to end as stacked parts (summary.json duration_parts_s, the median of
+    each over its seeds): where the time went besides the steps (start-up, probes, compile in setup)."""
+    names = list(dict.fromkeys(name for r in rows for name in r.get("duration_parts_s") or {}))
+    ys, left = range(len(rows)), [0.0] * len(rows)
+    for i, name in enumerate(names):
+        widths = [(r.get("duration_parts_s") or {}).get(name, 0.0) for r in rows]
+        ax.barh(ys, widths, left=left, color=PART_COLORS(i % PART_COLORS.N), label=name)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.set_yticks(ys, ticks)
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # the first configuration on top, as in the other panels
+    for y, (r, total) in enumerate(zip(rows, left, strict=True)):
+        label = f" {total:.3g} s" if r.get("duration_parts_s") else " n/a"
+        ax.text(total, y, label, va="center", fontsize=8)
+    ax.margins(x=0.15)
+    ax.set_title("where the time went (s from the start; each part's median)")
+    if names:  # under the bars, which it would cover inside
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.04), ncol=5, frameon=False)
 
 
 def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> plt.Figure:
@@ -23,7 +45,9 @@ def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> plt.Figu
     labels = [r["config"] for r in rows]
     ticks = [textwrap.fill(label, 40) for label in labels]  # long override strings on several lines
     colors = ["tab:gray" if r["config"] == result["baseline"] else f"C{i}" for i, r in enumerate(rows)]
-    fig, axes = plt.subplots(2, 3, figsize=(21, 4 + 1.2 * len(rows)))
+    fig = plt.figure(figsize=(28, 4 + 1.2 * len(rows)))
+    grid = fig.add_gridspec(2, 4)
+    axes = np.array([[fig.add_subplot(grid[row, col]) for col in range(3)] for row in range(2)])
 
     def bars(ax, values: list[float | None], title: str, interval: tuple[list, list] | None = None) -> None:
         shown = [v or 0.0 for v in values]
@@ -71,6 +95,7 @@ def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> plt.Figu
         "peak memory (GiB, process tree PSS, median over seeds)",
     )
     bars(axes[1, 2], [r.get("mfu") for r in rows], "MFU (model FLOPs on the real ASVs / peak of the dtype)")
+    duration_bars(fig.add_subplot(grid[:, 3]), rows, ticks)
 
     by_label = {g.config: g for g in groups}
     train_ax, val_ax = axes[1, 0], axes[1, 1]

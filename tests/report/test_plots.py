@@ -6,7 +6,7 @@ from aamperf.report import compare, find_runs, group_runs
 from aamperf.report.plots import plot_comparison
 
 
-def write_run(root, level: str, seed: int) -> None:
+def write_run(root, level: str, seed: int, **more) -> None:
     """A completed run of `optim=level` whose losses are every other run's: curves that coincide."""
     run = root / f"{level}{seed}"
     (run / ".hydra").mkdir(parents=True)
@@ -17,6 +17,7 @@ def write_run(root, level: str, seed: int) -> None:
         "step_time_s": 1.0,
         "train_loss": 2.0,
         "config": {"data": {"seed": 0}},
+        **more,
     }
     (run / "summary.json").write_text(json.dumps(summary))
     lines = [
@@ -34,7 +35,7 @@ def test_the_baselines_loss_curves_are_drawn_over_the_others_and_dashed(tmp_path
     result = compare(runs)
     assert result["baseline"] == "optim=baseline"
     fig = plot_comparison(result, group_runs(runs), tmp_path / "figure.png")
-    _, _, _, train_ax, val_ax, _ = fig.axes
+    _, _, _, train_ax, val_ax, _, _ = fig.axes
     for ax in (train_ax, val_ax):
         curves = [
             line for line in ax.lines if line.get_linestyle() != ":"
@@ -47,3 +48,33 @@ def test_the_baselines_loss_curves_are_drawn_over_the_others_and_dashed(tmp_path
         assert {line.get_linestyle() for line in others} == {"-"}
     handles = {line.get_color(): line.get_linestyle() for line in fig.legends[0].get_lines()}
     assert handles["tab:gray"] == "--" and len(handles) == 3  # the legend shows the baseline dashed too
+
+
+def test_each_configuration_s_time_is_drawn_as_its_parts_medians_stacked(tmp_path):
+    """summary.json duration_parts_s: each part's median over the seeds, stacked in the runs' order; a
+    configuration whose runs did not record them is n/a."""
+    for seed in (0, 1):
+        parts = {"start": 2.0, "setup": 1.0 + seed, "auto": 0.0, "steps": 5.0 * (seed + 1)}
+        write_run(tmp_path, "baseline", seed, duration_parts_s=parts)
+        write_run(tmp_path, "ultra", seed, duration_parts_s={**parts, "auto": 4.0, "steps": 1.0})
+        write_run(tmp_path, "advanced", seed)  # from before the parts were recorded
+    runs = find_runs([tmp_path])
+    result = compare(runs)
+    rows = {r["config"]: r for r in result["rows"]}
+    assert rows["optim=baseline"]["duration_parts_s"] == {
+        "start": 2.0,
+        "setup": 1.5,
+        "auto": 0.0,
+        "steps": 7.5,
+    }
+    assert rows["optim=advanced"]["duration_parts_s"] is None
+    parts_ax = plot_comparison(result, group_runs(runs), tmp_path / "figure.png").axes[-1]
+    labels = [r["config"] for r in result["rows"]]
+    segments = {}  # (configuration, part): (left, width)
+    for bars in parts_ax.containers:
+        for label, patch in zip(labels, bars.patches, strict=True):
+            segments[label, bars.get_label()] = (patch.get_x(), patch.get_width())
+    assert [c.get_label() for c in parts_ax.containers] == ["start", "setup", "auto", "steps"]
+    assert segments["optim=ultra", "auto"] == (3.5, 4.0) and segments["optim=ultra", "steps"] == (7.5, 1.0)
+    totals = {text.get_text() for text in parts_ax.texts}
+    assert totals == {" 11 s", " 8.5 s", " n/a"}
