@@ -125,13 +125,14 @@ def this_command(module: str = "aamperf.train", script: str = "aamperf-train") -
 
 
 def end_process(command: Callable[[], None], module: str, script: str) -> None:
-    """Run a command's entry point, then end the process at once with its exit code: its other threads
-    joined, its exit handlers run (logging's, W&B's, multiprocessing's for loader workers), its streams
-    flushed, then os._exit, which leaves out the interpreter's teardown of every module and torch's C++
-    destructors: 1.1 s of each command that has loaded torch and its compiler (2-core AMD EPYC,
-    2026-11-28), nothing aamperf needs (its files are closed as they are written). An exception other
-    than SystemExit ends the process as Python would, traceback and all. Where the process is not the
-    command's own (`this_command`: a profiler's, a test's), the command returns as any call does."""
+    """Run a command's entry point, then end the process at once with its exit code: its threads stopped
+    and joined and its exit handlers run (logging's, W&B's, multiprocessing's for loader workers) as the
+    interpreter's exit does, its streams flushed, then os._exit, which leaves out the interpreter's
+    teardown of every module and torch's C++ destructors: 1.1 s of each command that has loaded torch and
+    its compiler (2-core AMD EPYC, 2026-11-28), nothing aamperf needs (its files are closed as they are
+    written). An exception other than SystemExit ends the process as Python would, traceback and all.
+    Where the process is not the command's own (`this_command`: a profiler's, a test's), the command
+    returns as any call does."""
     if not this_command(module, script):
         command()
         return
@@ -144,10 +145,9 @@ def end_process(command: Callable[[], None], module: str, script: str) -> None:
         if code is not None:
             print(code, file=sys.stderr)
         code = 0 if code is None else 1
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon:
-            thread.join()
+    # what the interpreter's own exit does first, in its order: threading's exit calls (which tell idle
+    # executor workers to stop), its non-daemon threads joined, then the exit handlers
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         with contextlib.suppress(Exception):

@@ -143,7 +143,7 @@ def test_an_option_is_found_among_the_config_files_and_not_elsewhere(tmp_path):
 
 
 END_PROCESS = """
-import atexit, sys, threading, time
+import atexit, concurrent.futures, sys, threading, time
 from aamperf.errors import end_process
 
 class Module:  # a module global's finalizer: run by the interpreter's teardown, which end_process skips
@@ -155,6 +155,8 @@ kept = Module()
 def command():
     atexit.register(lambda: print("exit handler", end=""))  # its output unflushed
     threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
+    pool = concurrent.futures.ThreadPoolExecutor(1)  # its idle worker: stopped at exit, not waited for
+    pool.submit(time.sleep, 0).result()
     print("command", flush=True)
     sys.exit({code!r})
 
@@ -166,8 +168,9 @@ end_process(command, "ending", "ending")
 def test_a_command_ends_its_process_at_once_with_its_code_threads_and_exit_handlers(
     tmp_path, code, returncode, stderr
 ):
-    """end_process: the command's exit code (None: 0; a message: printed, 1), its thread joined, its exit
-    handlers run and their output flushed; the interpreter's teardown left out (1.1 s with torch loaded).
+    """end_process: the command's exit code (None: 0; a message: printed, 1), its thread joined, an idle
+    executor's worker stopped (joining it first hung a sweep), its exit handlers run and their output
+    flushed; the interpreter's teardown left out (1.1 s with torch loaded).
     Run by another program in its process (a profiler, runpy here), the command returns as a call does."""
     (tmp_path / "ending.py").write_text(END_PROCESS.format(code=code))
     for how, teardown in (
