@@ -188,7 +188,7 @@ class Interrupts:
         """Did a signal arrive? Distributed, every rank learns whether any rank received one (one
         all-reduce of a number per step), so all of them stop after the same step. The answer is the
         all-reduce's on every rank: a signal that comes while it runs counts at the next step."""
-        # imported here: the report's command (aamperf.compare) stops at once too, and loads no torch
+        # imported here: aamperf.compare imports this module (stop_at_once) and needs no torch
         import torch
         import torch.distributed as dist
 
