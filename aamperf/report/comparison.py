@@ -227,8 +227,10 @@ def cost_figures(group: Group, pairs: list[tuple[Run, Run]]) -> dict[str, Any]:
 
 def duration_parts(group: Group) -> dict[str, float] | None:
     """The median of each part of its runs' duration (summary.json duration_parts_s), in the runs' order
-    of the parts; None where no run has them (runs from before they were recorded)."""
-    parts = [r.summary["duration_parts_s"] for r in group.ok_runs if r.summary.get("duration_parts_s")]
+    of the parts; None where no run has them (runs from before they were recorded, or a damaged record's
+    parts that are not numbers: left out)."""
+    parts = [r.summary.get("duration_parts_s") for r in group.ok_runs]
+    parts = [p for p in parts if isinstance(p, dict) and all(isinstance(v, int | float) for v in p.values())]
     names = dict.fromkeys(name for p in parts for name in p)
     return {name: statistics.median(p.get(name, 0.0) for p in parts) for name in names} or None
 

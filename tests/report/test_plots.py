@@ -58,6 +58,8 @@ def test_each_configuration_s_time_is_drawn_as_its_parts_medians_stacked(tmp_pat
         write_run(tmp_path, "baseline", seed, duration_parts_s=parts)
         write_run(tmp_path, "ultra", seed, duration_parts_s={**parts, "auto": 4.0, "steps": 1.0})
         write_run(tmp_path, "advanced", seed)  # from before the parts were recorded
+    write_run(tmp_path, "advanced", 2, duration_parts_s=["start", 1.0])  # a damaged record's: left out
+    write_run(tmp_path, "advanced", 3, duration_parts_s={"start": "1 s"})
     runs = find_runs([tmp_path])
     result = compare(runs)
     rows = {r["config"]: r for r in result["rows"]}
