@@ -149,8 +149,8 @@ def build_job(cfg: DictConfig, summary: Summary, run_dir: Path | None = None) ->
         **data.counts,  # what reading the data left out or changed (samples too shallow, sequences cut, ...)
     )
     built_s = time.perf_counter() - entered
-    summary.parts_s.update(setup=built_s - measuring.seconds - reading.seconds, auto=measuring.seconds)
-    summary.parts_s["data"] = reading.seconds
+    setup_s = built_s - measuring.seconds - reading.seconds
+    summary.parts_s.update(setup=setup_s, auto=measuring.seconds, data=reading.seconds)
     non_blocking = setup.loader.non_blocking
     return Job(device, world, data, loss_fn, plan, non_blocking, model_flops, hardware_flops, peak)
 

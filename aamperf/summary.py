@@ -74,9 +74,7 @@ class Summary(dict):
             )
         if result is None:
             return
-        loop = result.times_s  # the loop's own time less its steps, validations and checkpoints: "loop"
-        self.parts_s.update(loop=loop["loop"] - loop["steps"] - loop["validation"] - loop["checkpoints"])
-        self.parts_s.update((k, loop[k]) for k in ("steps", "validation", "checkpoints"))
+        self.parts_s.update(result.times_s)  # steps, validation, checkpoints, the rest of the loop
         self.update(
             steps=result.steps,
             train_loss=result.train_loss,

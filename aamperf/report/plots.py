@@ -39,8 +39,9 @@ def duration_bars(ax, rows: list[dict[str, Any]], ticks: list[str]) -> None:
 
 
 def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> plt.Figure:
-    """Six panels: the two verdict intervals (speed-up, val-loss change), peak memory, MFU / HFU,
-    the train loss per step and the val loss over wall time from the run's start (time to quality)."""
+    """Seven panels: the two verdict intervals (speed-up, val-loss change), peak memory, MFU, the train
+    loss per step, the val loss over wall time from the run's start (time to quality), and where each
+    configuration's time went."""
     rows = result["rows"]
     labels = [r["config"] for r in rows]
     ticks = [textwrap.fill(label, 40) for label in labels]  # long override strings on several lines

@@ -30,7 +30,7 @@ from aamperf.trainer.stream import BatchStream
 LossFn = Callable[[torch.nn.Module, dict[str, Any], int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-LOOP_PARTS = ("loop", "steps", "validation", "checkpoints")
+LOOP_PARTS = ("steps", "validation", "checkpoints", "loop")
 
 
 @dataclass
@@ -47,7 +47,7 @@ class FitResult:
     resume_changes: dict[str, list] | None = None  # {key: [at the checkpoint, now]} that a resume applied
     profile: dict[str, Any] | None = None  # metrics.profile_steps: what torch.profiler saw
     alerts: list[dict[str, Any]] = field(default_factory=list)  # raised while training (aamperf/alerts.py)
-    # seconds of this process's loop: in all, in its steps, its validations, its checkpoints
+    # seconds of this process's loop: its steps, validations, checkpoints, and the rest of it ("loop")
     times_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LOOP_PARTS, 0.0))
 
     def state_dict(self) -> dict[str, Any]:
@@ -323,6 +323,7 @@ def fit(
         bar.close()
         profiler.close()
         result.nonfinite_steps = int(guards.nonfinite.total.item())
-        times.update(loop=time.perf_counter() - started, checkpoints=checkpoints.save_s)
+        times["checkpoints"] = checkpoints.save_s
+        times["loop"] = time.perf_counter() - started - sum(times[k] for k in LOOP_PARTS if k != "loop")
     result.profile = profiler.result
     return result
