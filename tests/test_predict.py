@@ -363,8 +363,10 @@ def test_a_stop_signal_ends_predict_in_one_line_with_no_file_half_written(launch
     options = {"name": "p", "module": "aamperf.predict", "tiny": False, "wait": False}
     proc, out = launch(f"run={run_dir}", "inference=fast", new_probe, **options)
     deadline = time.monotonic() + 60
-    while not (out / "predict.log").exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)  # Hydra made the directory: the command is under way
+    # Hydra's last write before the job (the log comes first, .hydra/ after it): the command is under way
+    while not (out / ".hydra" / "overrides.yaml").exists() and proc.poll() is None:
+        assert time.monotonic() < deadline, "predict did not start within 60 s"
+        time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
