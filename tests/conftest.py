@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -156,12 +157,47 @@ def launch_run(
     env = {k: v for k, v in (os.environ if env is None else env).items() if k not in RANK_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(TESTS), env.get("PYTHONPATH")]))
     if wait:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-        return Launched(proc, run_dir)
+        env["PYTHONFAULTHANDLER"] = "1"  # aborted past its timeout, each Python process prints its stacks
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd
+        )
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out, err = abort_with_stacks(proc)
+            pytest.fail(f"{shlex.join(cmd)} ran past its {timeout} s; stacks at the abort:\n{err[-8000:]}")
+        return Launched(subprocess.CompletedProcess(cmd, proc.returncode, out, err), run_dir)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd
     )
     return Launched(proc, run_dir)
+
+
+def abort_with_stacks(proc: subprocess.Popen) -> tuple[str, str]:
+    """SIGABRT to the Python processes of a launch that hangs, its children first and one at a time (their
+    stacks would interleave): with faulthandler on, each writes every thread's stack to the stderr they
+    share. Then the launch's output, killed if still alive."""
+    import psutil
+
+    def ended(process: psutil.Process) -> bool:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            return process.status() == psutil.STATUS_ZOMBIE
+        return True
+
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(proc.pid)
+        for process in [*root.children(recursive=True), root]:
+            with contextlib.suppress(psutil.Error):
+                if "python" in process.name():
+                    process.send_signal(signal.SIGABRT)
+                    deadline = time.monotonic() + 10
+                    while not ended(process) and time.monotonic() < deadline:
+                        time.sleep(0.02)
+    try:
+        return proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
 
 
 @pytest.fixture

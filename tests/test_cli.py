@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import read_summary
+from conftest import launch_run, read_summary
 from omegaconf import OmegaConf
 
 from aamperf.config import CONF_DIR
@@ -189,3 +189,13 @@ def test_the_report_command_loads_no_torch():
     code = "import sys, aamperf.compare; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False"]
+
+
+def test_a_launch_past_its_timeout_fails_with_the_stacks_of_its_processes(tmp_path):
+    child = "import time\ndef waiting_child(): time.sleep(60)\nwaiting_child()"
+    parent = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}])\n"
+    parent += "def waiting_parent(): time.sleep(60)\nwaiting_parent()"
+    hangs = [sys.executable, "-c", parent]  # the rest of launch_run's command line is its argv
+    with pytest.raises(pytest.fail.Exception, match="ran past its 2 s; stacks at the abort") as failed:
+        launch_run(cache_dir=tmp_path, run_dir=None, launcher=hangs, tiny=False, timeout=2)
+    assert "in waiting_parent" in str(failed.value) and "in waiting_child" in str(failed.value)
