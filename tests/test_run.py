@@ -284,6 +284,7 @@ def tree_pss(pid: int) -> int:
         return 0
 
 
+@pytest.mark.slow  # ~7.5 s on a 2-core AMD EPYC: the default suite stays near 10 minutes
 def test_peak_tree_pss_agrees_with_the_tree_polled_from_outside(launch):
     """With a loader worker (dataloader=tuned): the sampled peak of the tree's summed PSS, as a poller
     outside the run (this test, reading /proc/<pid>/smaps_rollup like `smem`) sees it over the loop."""

@@ -96,6 +96,7 @@ def test_files_in_checkpoints_that_are_not_aamperfs_are_left_alone(make_cfg, tmp
     assert (saved / "step_00000006.pt.bak").read_bytes() == b"a backup"
 
 
+@pytest.mark.slow  # ~6 s on a 2-core AMD EPYC: the default suite stays near 10 minutes
 def test_a_damaged_newest_checkpoint_is_kept_and_the_run_goes_on_from_the_one_before(
     make_cfg, tmp_path, caplog
 ):

@@ -140,6 +140,7 @@ def test_search_runs_trials_and_writes_a_ready_optim_level(launch):
     assert json.loads((sweep_dir / "comparison.json").read_text())["baseline"] == "optim=baseline"
 
 
+@pytest.mark.slow  # ~6 s on a 2-core AMD EPYC: the default suite stays near 10 minutes
 def test_the_search_under_torchrun_is_refused_before_anything_runs(launch):
     """Each rank would run an Optuna study of its own (and a reference run in torchrun's environment):
     once, the ranks failed to connect and then waited 6 minutes for each other."""

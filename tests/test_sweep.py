@@ -57,6 +57,7 @@ def test_sweep_ends_with_the_report_of_its_own_runs(sweep):
     assert "at the same time" not in (sweep_dir / "comparison.md").read_text()
 
 
+@pytest.mark.slow  # ~9 s on a 2-core AMD EPYC: the default suite stays near 10 minutes
 def test_the_baseline_a_refused_sweep_names_is_the_one_its_report_compares_with(tmp_path, cache_dir):
     """The fix a sweep of two values is refused with (tests/test_bad_input.py), as the user types it."""
     args = ["trainer.max_steps=1", "trainer.lr=0.001,0.0001", "compare.baseline='trainer.lr=0.0001'"]

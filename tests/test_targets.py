@@ -323,6 +323,7 @@ def test_a_numeric_column_is_a_classification_when_asked(make_cfg, tmp_path):
     assert "val_accuracy" in classified["val"]
 
 
+@pytest.mark.slow  # ~7 s on a 2-core AMD EPYC: the default suite stays near 10 minutes
 def test_an_id_column_as_target_exits_2_in_one_line(make_cfg, tmp_path, launch):
     """Through the real command line: one error line, exit code 2."""
     train_ids, val_ids = split(make_cfg)

@@ -298,6 +298,7 @@ def test_samples_without_a_target_are_counted_and_left_out(cache_dir, tmp_path, 
     assert f"5 of {len(metadata)} samples have no 'target' in data.metadata" in caplog.text
 
 
+@pytest.mark.slow  # ~11 s on a 2-core AMD EPYC: the default suite stays near 10 minutes
 def test_what_reading_the_data_leaves_out_or_changes_is_warned_in_train_log_and_counted(
     cache_dir, tmp_path, launch
 ):

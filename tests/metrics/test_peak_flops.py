@@ -164,6 +164,7 @@ def test_the_calibration_leaves_the_seeded_random_stream_alone():
     assert torch.equal(torch.rand(3), expected)
 
 
+@pytest.mark.slow  # ~7.5 s on a 2-core AMD EPYC: the default suite stays near 10 minutes
 def test_a_paused_load_watch_leaves_out_what_ran_meanwhile():
     """A spinner busy only while the watch is paused (a compile's C++ compiler) is not load; one busy
     while it watches is."""

@@ -132,6 +132,7 @@ def test_a_classification_run_reports_the_forest_s_accuracy_and_macro_f1_and_end
     assert lines[-1].startswith("  target environment: val accuracy")
 
 
+@pytest.mark.slow  # ~5.5 s on a 2-core AMD EPYC: the default suite stays near 10 minutes
 def test_a_run_without_a_target_fits_no_forest_and_never_imports_scikit_learn(launch):
     """metrics.rf_baseline=true asked for, but no target: nothing to fit; -X importtime lists every
     module the process imported."""
