@@ -33,8 +33,9 @@ WEIGHTED_CLASSES = ["data.target=environment", "loss.class_weights=[1.0,2.0,0.5,
 def trained(launch, name, *overrides, launcher=PYTHON):
     """A run of SAME_TRAINING that must complete: (its metrics lines, its summary, its directory)."""
     # a rank that aborts (CI saw one FSDP2 rank end in "terminate called without an active exception",
-    # 1 run in ~10) prints where it was: its Python stack, and the C++ one of a torch error
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1", "TORCH_SHOW_CPP_STACKTRACES": "1"}
+    # 1 run in ~10) prints where it was: its Python stack (launch_run turns faulthandler on), and the C++
+    # one of a torch error
+    env = {**os.environ, "TORCH_SHOW_CPP_STACKTRACES": "1"}
     proc, run_dir = launch(*SAME_TRAINING, *overrides, name=name, launcher=launcher, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_metrics(run_dir), read_summary(run_dir), run_dir
