@@ -366,7 +366,9 @@ def test_a_stop_signal_ends_predict_in_one_line_with_no_file_half_written(launch
     deadline = time.monotonic() + 60
     # Hydra's last write before the job (the log comes first, .hydra/ after it): the command is under way
     while not (out / ".hydra" / "overrides.yaml").exists() and proc.poll() is None:
-        assert time.monotonic() < deadline, "predict did not start within 60 s"
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"predict did not start within 60 s: {proc.communicate()[1][-3000:]}")
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
