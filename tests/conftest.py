@@ -188,7 +188,7 @@ def abort_with_stacks(proc: subprocess.Popen) -> tuple[str, str]:
         root = psutil.Process(proc.pid)
         for process in [*root.children(recursive=True), root]:
             with contextlib.suppress(psutil.Error):
-                if "python" in process.name():
+                if "python" in process.name():  # not W&B's service: Go dumps every goroutine
                     process.send_signal(signal.SIGABRT)
                     deadline = time.monotonic() + 10
                     while not ended(process) and time.monotonic() < deadline:
