@@ -1,5 +1,6 @@
 """The entry point as a user runs it: exit codes, one-line errors, the run directory."""
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from conftest import launch_run, read_summary
 from omegaconf import OmegaConf
 
 from aamperf.config import CONF_DIR
+from aamperf.predict.config import PredictConfig
 from aamperf.train import PREDICTION_GROUPS
 
 
@@ -64,6 +66,14 @@ def test_help_says_what_aamperf_is_its_groups_and_commands(launch):
     assert predict.returncode == 0 and predict.stdout.startswith("aamperf.predict: a run's trained model")
     assert "inference=baseline|fast|int8" in predict.stdout and "powered by Hydra" not in predict.stdout
     assert "compile, quantize." in predict.stdout  # prediction's groups: its help lists them
+    # its plain keys are PredictConfig's: `name.*` a section of keys, `name` one key
+    listed = predict.stdout.split("Plain keys (key=value): ", 1)[1].split(". Every key", 1)[0]
+    factories = {f.name: f.default_factory for f in dataclasses.fields(PredictConfig)}
+    for key in (k.strip() for k in listed.split(",")):
+        name = key.removesuffix(".*")
+        assert name in factories, key
+        section = factories[name] is not dataclasses.MISSING and dataclasses.is_dataclass(factories[name]())
+        assert section == key.endswith(".*"), key
 
 
 def config_groups(name: str) -> dict[str, str]:
