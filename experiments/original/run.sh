@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The original AAM (jbk708/aam) beside aamperf's levels, on one data set and one machine: README.md.
-# Usage: experiments/original/run.sh   (env: REPEATS=2, OUT=outputs/original, CONFIGS="<names below>")
+# The original AAM (jbk708/aam) beside aamperf's levels, on one data set and one machine, paired by seed:
+# README.md. Usage: experiments/original/run.sh   (env: SEEDS="0 1 2", OUT=outputs/original, CONFIGS="<names below>")
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-HERE=experiments/original OUT=${OUT:-outputs/original} REPEATS=${REPEATS:-2}
+HERE=experiments/original OUT=${OUT:-outputs/original} SEEDS=${SEEDS:-0 1 2}
 SRC=${AAM_SRC:-/tmp/aam-src} VENV=${AAM_VENV:-/tmp/aam-orig-venv}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the runs read their data from anywhere
 ASVS=128 LAYERS=2 STEPS=10  # 100 samples: 80 train = 10 steps of 8 (one epoch of the original), 20 val
 
 # the original in a scratch venv, never a dependency of aamperf
@@ -18,27 +19,43 @@ fi
 ORIG=(--table $OUT/data/table.biom --unifrac-matrix $OUT/data/unifrac.npy --rarefy-depth 1000
       --epochs 1 --batch-size 8 --embedding-dim 128 --attention-heads 4 --attention-layers $LAYERS
       --token-limit $ASVS --asv-sampling abundance --lr 1e-4 --warmup-steps 10 --weight-decay 0.01
-      --device cpu --seed 0)
+      --device cpu)
 FAST=(--mixed-precision bf16 --compile-model --attn-implementation sdpa --no-gradient-checkpointing)
 AP=(model=aam_base model.max_asvs=$ASVS model.asv_layers=$LAYERS model.sample_layers=$LAYERS
-    model.encoder_layers=$LAYERS model.count_embedding=false data=biom data.table=$PWD/$OUT/data/table.biom
-    data.unifrac=$PWD/$OUT/data/unifrac.npy data.rarefy_depth=1000 trainer.batch_size=8
+    model.encoder_layers=$LAYERS model.count_embedding=false data=biom data.table=$OUT/data/table.biom
+    data.unifrac=$OUT/data/unifrac.npy data.rarefy_depth=1000 trainer.batch_size=8
     trainer.max_steps=$STEPS trainer.lr=1e-4 trainer.warmup_steps=10 trainer.weight_decay=0.01
-    trainer.grad_clip=0 trainer.min_lr_ratio=0 trainer.progress=false metrics.log_every=1 seed=0)
+    trainer.grad_clip=0 trainer.min_lr_ratio=0 trainer.progress=false metrics.log_every=1
+    trainer.val_batches=100)  # as the original: every full batch of 8 of the val samples, in the table's order
 
 CONFIGS=${CONFIGS:-original-default baseline original-fastest basic advanced ultra}
-for rep in $(seq "$REPEATS"); do  # configurations alternate, so a slow spell of the machine hits all
+for seed in $SEEDS; do  # configurations alternate within a seed, so a slow spell of the machine hits all
+  mkdir -p $OUT/runs/seed$seed
+  # the original's split of this seed (its pretrain: scikit-learn's train_test_split(ids, test_size=0.2,
+  # random_state=seed)), validated on by both programs
+  split=$OUT/runs/seed$seed/val_samples.txt
+  "$VENV/bin/python" -c "import sys, biom; from sklearn.model_selection import train_test_split as s
+ids = list(biom.load_table(sys.argv[1]).ids(axis='sample'))
+open(sys.argv[3], 'w').write('\n'.join(s(ids, test_size=0.2, random_state=int(sys.argv[2]))[1]) + '\n')" \
+    $OUT/data/table.biom "$seed" "$split"
   for cfg in $CONFIGS; do
-    d=$OUT/runs/$rep/$cfg && rm -rf "$d" && mkdir -p "$d"
+    d=$OUT/runs/seed$seed/$cfg && rm -rf "$d" && mkdir -p "$d"
+    timed=("$VENV/bin/python" experiments/gpu_scale/time_original.py $d/steps.json -- "${ORIG[@]}" --seed "$seed")
     case $cfg in
-      original-default) cmd=("$VENV/bin/python" $HERE/time_original.py $d/steps.json -- "${ORIG[@]}" --output-dir $d/aam) ;;
-      original-fastest) cmd=("$VENV/bin/python" $HERE/time_original.py $d/steps.json -- "${ORIG[@]}" "${FAST[@]}" --output-dir $d/aam) ;;
-      *) cmd=(.venv/bin/python -m aamperf.train optim=$cfg "${AP[@]}" hydra.run.dir=$d) ;;
+      original-default) cmd=("${timed[@]}" --output-dir $d/aam) ;;
+      original-fastest) cmd=("${timed[@]}" "${FAST[@]}" --output-dir $d/aam) ;;
+      *) cmd=(.venv/bin/python -m aamperf.train optim=$cfg "${AP[@]}" seed=$seed "data.val_samples=$split"
+              hydra.run.dir=$d) ;;
     esac
-    echo "$rep $cfg"
+    echo "seed $seed: $cfg"
     cat /proc/loadavg > $d/loadavg
-    /usr/bin/time -v -o $d/time.txt "${cmd[@]}" > $d/log.txt 2>&1  # wall time and peak RSS, both alike
+    # wall time and peak RSS, both alike; aamperf starts cold (its probes, sample store), as a first run
+    AAMPERF_CACHE=$d/cache /usr/bin/time -v -o $d/time.txt "${cmd[@]}" > $d/log.txt 2>&1
     cat /proc/loadavg >> $d/loadavg
+    if [[ $cfg == original-* ]] && ! cmp -s <(sort "$split") <(sort $d/aam/val_sample_ids.txt); then
+      echo "error: $cfg validated on other samples than $split" >&2; exit 1
+    fi
   done
 done
-.venv/bin/python $HERE/summarize.py $OUT/runs | tee $OUT/table.md
+lscpu > $OUT/lscpu.txt
+.venv/bin/python $HERE/summarize.py $OUT | tee $OUT/table.md
