@@ -23,30 +23,33 @@ def write_run(out: Path, seed: int, cfg: str, steps: list[float], wall: str, val
     (run / "time.txt").write_text(GNU_TIME.format(clock=wall, kib=2**20) + f"\tExit status: {exit_status}\n")
     (run / "loadavg").write_text("1.00 0.9 0.8 2/100 1\n1.50 1.0 0.8 2/100 2\n")
     if cfg.startswith("original"):  # experiments/gpu_scale/time_original.py's record
-        losses = [{"total": 2.5, "unifrac": 0.4, "nuc": 2.1}] * len(steps)
-        record = {"step_times_s": steps, "losses": losses, "val_losses": [val_loss]}
+        record = {"step_times_s": steps, "val_losses": [val_loss]}
         (run / "steps.json").write_text(json.dumps(record))
     else:  # metrics.log_every=1: a line per step, then the summary
-        lines = [{"step": i + 1, "loss": 2.0, "step_time_s": s} for i, s in enumerate(steps)]
+        lines = [{"step": i + 1, "step_time_s": s} for i, s in enumerate(steps)]
         (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
         (run / "summary.json").write_text(json.dumps({"val_loss": val_loss}))
 
 
 def test_levels_are_paired_with_the_original_of_their_seed(tmp_path):
-    # the first SKIP steps (compile, warm-up) do not count: 100 s there changes nothing
+    # the first SKIP steps (compile, warm-up) do not count: counted, they would move each median
     for seed, (orig_step, level_step) in enumerate([(10.0, 2.0), (12.0, 3.0), (9.0, 2.25)]):
-        write_run(tmp_path, seed, "original-default", [100, 1, 1] + [orig_step] * 7, "2:00.00", 2.4)
+        write_run(tmp_path, seed, "original-default", [100] * 3 + [orig_step] * 3, "2:00.00", 2.4)
         val_loss = 2.4 * (1 - 0.05 * seed)  # 0, -5% and -10% against the original's
-        write_run(tmp_path, seed, "advanced", [100, 1, 1] + [level_step] * 7, "0:30.00", val_loss)
+        write_run(tmp_path, seed, "advanced", [100] * 3 + [level_step] * 3, "0:30.00", val_loss)
+        write_run(tmp_path, seed, "basic", [orig_step] * 6, "1:00.00", 2.4 * (1.1 + 0.01 * seed))  # +10-12%
     write_run(tmp_path, 0, "ultra", [1.0] * 10, "0:20.00", 2.0, exit_status=1)  # failed: not a figure
 
     runs = summarize.read_runs(tmp_path)
-    assert set(runs) == {"original-default", "advanced"}  # the failed run is left out
+    assert set(runs) == {"original-default", "advanced", "basic"}  # the failed run is left out
     assert [runs["advanced"][s]["step_s"] for s in range(3)] == [2.0, 3.0, 2.25]
     assert runs["original-default"][0]["wall_s"] == 120.0
     assert math.isclose(runs["advanced"][0]["rss_gib"], 1.0)
 
-    row = next(line for line in summarize.to_markdown(runs).splitlines() if line.startswith("| advanced"))
+    table = summarize.to_markdown(runs).splitlines()
+    basic = next(line for line in table if line.startswith("| basic"))
+    assert basic.rstrip(" |").endswith(": worse"), basic  # its whole interval beyond +2%
+    row = next(line for line in table if line.startswith("| advanced"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     # speed: 5x, 4x and 4x by seed (paired), not the 10.33 / 2.42 of the medians
     speed = math.exp(sum(map(math.log, [5.0, 4.0, 4.0])) / 3)

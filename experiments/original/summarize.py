@@ -34,18 +34,16 @@ def read_run(run: Path) -> dict | None:
     rss_kib = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
     if (run / "steps.json").is_file():  # the original, timed by experiments/gpu_scale/time_original.py
         r = json.loads((run / "steps.json").read_text())
-        steps, train_loss, val_loss = r["step_times_s"], r["losses"][-1]["total"], r["val_losses"][-1]
+        steps, val_loss = r["step_times_s"], r["val_losses"][-1]
     else:
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         steps = [r["step_time_s"] for r in rows if "step_time_s" in r]  # metrics.log_every=1: every step
-        train_loss = [r["loss"] for r in rows if "step_time_s" in r][-1]
         val_loss = json.loads((run / "summary.json").read_text())["val_loss"]
     load = [float(line.split()[0]) for line in (run / "loadavg").read_text().splitlines()]
     return {
         "step_s": statistics.median(steps[SKIP:]),
         "wall_s": wall,
         "rss_gib": rss_kib / 2**20,
-        "train_loss": train_loss,
         "val_loss": val_loss,
         "load": load,
     }
