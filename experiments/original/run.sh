@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 HERE=experiments/original OUT=${OUT:-outputs/original} SEEDS=${SEEDS:-0 1 2}
 SRC=${AAM_SRC:-/tmp/aam-src} VENV=${AAM_VENV:-/tmp/aam-orig-venv}
+for s in $SEEDS; do  # before anything is written: a seed is the original's --seed and aamperf's seed=
+  [[ $s =~ ^[0-9]+$ ]] || { echo "error: SEEDS='$SEEDS': each seed a whole number >= 0 (SEEDS=\"0 1 2\")" >&2; exit 2; }
+done
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the runs read their data from anywhere
 ASVS=128 LAYERS=2 STEPS=10  # 100 samples: 80 train = 10 steps of 8 (one epoch of the original), 20 val
 
@@ -39,7 +42,11 @@ ids = list(biom.load_table(sys.argv[1]).ids(axis='sample'))
 open(sys.argv[3], 'w').write('\n'.join(s(ids, test_size=0.2, random_state=int(sys.argv[2]))[1]) + '\n')" \
     $OUT/data/table.biom "$seed" "$split"
   for cfg in $CONFIGS; do
-    d=$OUT/runs/seed$seed/$cfg && rm -rf "$d" && mkdir -p "$d"
+    d=$OUT/runs/seed$seed/$cfg
+    if grep -qs "Exit status: 0" "$d/time.txt"; then  # a finished run is kept: delete its directory to redo it
+      echo "seed $seed: $cfg kept ($d)"; continue
+    fi
+    rm -rf "$d" && mkdir -p "$d"  # an unfinished one starts again
     timed=("$VENV/bin/python" experiments/gpu_scale/time_original.py $d/steps.json -- "${ORIG[@]}" --seed "$seed")
     case $cfg in
       original-default) cmd=("${timed[@]}" --output-dir $d/aam) ;;
