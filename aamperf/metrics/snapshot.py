@@ -26,9 +26,9 @@ HISTORY_ENTRIES = 100_000  # CUDA allocator events kept, the oldest dropped beyo
 RECORDING = {"context": "all", "stacks": "python"}
 # where the model recomputes in eager Python (torch.utils.checkpoint: memory=full, ops, every_k), that
 # recording fails inside the recompute's dropout (SystemError; torch 2.11+cu130, H200s, 2026-11-27 and 28:
-# the recording test in tests/gpu/test_cuda_parts.py); stacks only for the blocks live as the file is
-# written passed there: memory_viz's timeline then has no stacks, and the record no allocating lines
-RECORDING_UNDER_RECOMPUTE = {"context": "state", "stacks": "python"}
+# the recording test in tests/gpu/test_cuda_parts.py); stacks for the allocations alone (none for the
+# frees) passed there (2026-11-28, seed 3's H200), and they are all the peak's sources need
+RECORDING_UNDER_RECOMPUTE = {"context": "alloc", "stacks": "python"}
 
 
 PEAK_SOURCES = 12  # the places that allocated the most of what was held at the peak, in the record
@@ -128,7 +128,7 @@ class MemorySnapshot:
         self._start = time.perf_counter()
         if self.device.type == "cuda":
             # Python frames only: C++ stacks cost each allocation an unwind, and memory_viz names the
-            # Python lines (RECORDING_UNDER_RECOMPUTE: why a recomputing model gets fewer)
+            # Python lines (RECORDING_UNDER_RECOMPUTE: why a recomputing model's frees have none)
             self._start_bytes = torch.cuda.memory_allocated(self.device)
             torch.cuda.memory._record_memory_history(**self.recording, max_entries=HISTORY_ENTRIES)
             self._recording = True
@@ -167,10 +167,7 @@ class MemorySnapshot:
             index = torch.cuda.current_device() if self.device.index is None else self.device.index
             events = history["device_traces"][index]
             if len(events) < HISTORY_ENTRIES:  # whole: none of the steps' events dropped
-                peak = peak_sources(events, self._start_bytes)
-                if self.recording is RECORDING_UNDER_RECOMPUTE:  # events without stacks: no lines to name
-                    del peak["sources"], peak["other_sources_bytes"]
-                self.result["peak"] = peak
+                self.result["peak"] = peak_sources(events, self._start_bytes)
         else:
             self._prof.__exit__(None, None, None)
             name = f"memory_timeline{suffix}.json"
