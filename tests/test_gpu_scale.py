@@ -198,3 +198,20 @@ def test_seeds_pooled_from_a_directory_without_a_table_is_one_error_line(tmp_pat
         err = capsys.readouterr().err
         said = f"error: {tmp_path / 'table.json'}: not all tables summarize.py wrote"
         assert err.startswith(said) and err.count("\n") == 1, err
+
+
+def test_run_sh_refuses_a_profiled_name_it_does_not_run_before_writing_anything(tmp_path):
+    """PROFILED names the configurations that profile: a misspelt one would profile nothing, silently."""
+    import subprocess
+
+    out = tmp_path / "out"
+    env = {"PATH": "/usr/bin:/bin", "PROFILED": "ultra ultra-budgte", "DRY": "1"}
+    proc = subprocess.run(
+        ["bash", str(REPO / "experiments/gpu_scale/run.sh"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and not out.exists()
+    assert proc.stderr.startswith("error: PROFILED: 'ultra-budgte' is not one of aamperf's configurations")
+    assert proc.stderr.count("\n") == 1

@@ -12,8 +12,9 @@
 #   trainer.overlap_steps=false), TIME_LIMIT_S (no run begins
 #   after it, each is stopped at it), WHEELS=.whl (experiments/gpu_scale/wheels.sh: installs without network),
 #   ORIG_ATTN=sdpa (the original's --attn-implementation in its fastest flags), PROFILE_STEPS=3 (the first
-#   seed's ultra run profiles that many steady steps: summary.json's profile, kernels by GPU time; 0: none),
-#   SNAPSHOT=1 (that run also records 2 steps of the CUDA allocator's history: the table says what held
+#   seed's runs of PROFILED profile that many steady steps: summary.json's profile, kernels by GPU time;
+#   0: none), PROFILED="ultra" (aamperf's configurations, names as in CONFIGS),
+#   SNAPSHOT=1 (those runs also record 2 steps of the CUDA allocator's history: the table says what held
 #   their peak, by the line that allocated it; memory_snapshot.pickle for pytorch.org/memory_viz)
 # Exit: 0 every run finished; 1 one failed or was cut off (the table says which); 2 no GPU.
 set -euo pipefail
@@ -21,7 +22,12 @@ cd "$(dirname "$0")/../.."
 HERE=experiments/gpu_scale
 out=${1:-outputs/gpu_scale/$(date +%Y-%m-%d_%H-%M-%S)}
 SEEDS=${SEEDS:-0 1} WHEELS=${WHEELS:-.whl} ORIG_ATTN=${ORIG_ATTN:-sdpa} PROFILE_STEPS=${PROFILE_STEPS:-3}
-SNAPSHOT=${SNAPSHOT:-0}
+SNAPSHOT=${SNAPSHOT:-0} PROFILED=${PROFILED-ultra}
+AAMPERF_CONFIGS=" baseline basic advanced ultra ultra-packed ultra-ops ultra-full ultra-budget ultra-compiled ultra-graphs ultra-ops-compiled ultra-full-compiled ultra-waited ultra-auto "
+for p in $PROFILED; do
+  [[ $AAMPERF_CONFIGS == *" $p "* ]] ||
+    { echo "error: PROFILED: '$p' is not one of aamperf's configurations:$AAMPERF_CONFIGS: set PROFILED to some of them, or empty" >&2; exit 2; }
+done
 CONFIGS=${CONFIGS:-original-fastest ultra original-default baseline advanced ultra-auto}
 LATER_CONFIGS=${LATER_CONFIGS-original-fastest ultra}
 venvs=/tmp/gpu_scale
@@ -121,11 +127,12 @@ for seed in $SEEDS; do  # configurations alternate within each seed: a slow spel
         esac
         cmd=($aamperf -m aamperf.train optim=ultra "${AP[@]}" "${change[@]}" trainer.batch_size=8 trainer.max_steps=$STEPS seed=$seed "hydra.run.dir=$d") ;;
       ultra-auto) cmd=($aamperf -m aamperf.train optim=ultra "${AP[@]}" trainer.batch_size=auto trainer.max_steps=$AUTO_STEPS seed=$seed "hydra.run.dir=$d") ;;
-      baseline | basic | advanced | ultra) cmd=($aamperf -m aamperf.train optim=$cfg "${AP[@]}" trainer.batch_size=8 trainer.max_steps=$STEPS seed=$seed "hydra.run.dir=$d")
-        if [[ $cfg == ultra && $seed == "${SEEDS%% *}" ]]; then cmd+=(metrics.profile_steps=$PROFILE_STEPS)
-          if ((SNAPSHOT)); then cmd+=(metrics.memory_snapshot=true); fi; fi ;;
+      baseline | basic | advanced | ultra) cmd=($aamperf -m aamperf.train optim=$cfg "${AP[@]}" trainer.batch_size=8 trainer.max_steps=$STEPS seed=$seed "hydra.run.dir=$d") ;;
       *) echo "error: CONFIGS: unknown configuration '$cfg' (original-default original-fastest baseline basic advanced ultra ultra-packed ultra-ops ultra-full ultra-budget ultra-compiled ultra-graphs ultra-ops-compiled ultra-full-compiled ultra-waited ultra-auto)" >&2; exit 2 ;;
     esac
+    if [[ " $PROFILED " == *" $cfg "* && $seed == "${SEEDS%% *}" ]]; then cmd+=(metrics.profile_steps=$PROFILE_STEPS)
+      if ((SNAPSHOT)); then cmd+=(metrics.memory_snapshot=true); fi
+    fi
     limit=()
     if [[ -n ${TIME_LIMIT_S:-} ]]; then
       left=$((TIME_LIMIT_S - (SECONDS - start)))
