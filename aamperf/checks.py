@@ -41,6 +41,11 @@ def check_config(cfg: DictConfig) -> None:
         problems.append(f"trainer.batch_size={t.batch_size} must be >= 2 (UniFrac compares pairs of samples)")
     if t.max_steps <= 0:
         problems.append(f"trainer.max_steps={t.max_steps} must be > 0")
+    if t.val_batch_size is not None and t.val_batch_size < 2:
+        problems.append(
+            f"trainer.val_batch_size={t.val_batch_size} must be >= 2 (UniFrac compares pairs of samples), "
+            "or null: the training micro-batch"
+        )
     if t.grad_accum_steps < 1:
         problems.append(f"trainer.grad_accum_steps={t.grad_accum_steps} must be >= 1")
     elif isinstance(t.batch_size, int) and t.batch_size >= 2 and t.batch_size // t.grad_accum_steps < 2:

@@ -219,6 +219,9 @@ class TrainerConfig:
     max_nonfinite: int = 10  # non-finite steps in a row (each skipped) before the run stops as aborted
     val_every: int = 50  # steps between validations (and one at the end)
     val_batches: int = 4  # batches per validation, so validation cost does not grow with data
+    # samples per validation batch (all ranks); null: the training micro-batch. The UniFrac part of a val
+    # loss is over the pairs inside each batch, so runs at other batch sizes compare at the same one
+    val_batch_size: int | None = None
     checkpoint_every: int = 0  # steps between checkpoints in <run dir>/checkpoints; 0: none
     keep_last: int = 2  # checkpoints kept, newest first
     resume: Resume = Resume.disabled  # auto: go on from the newest checkpoint of this run directory

@@ -84,6 +84,7 @@ def build_job(cfg: DictConfig, summary: Summary, run_dir: Path | None = None) ->
             pad_to=setup.pad_to,
             rank=world.rank,
             world_size=world.world_size,
+            val_batch_size=tc.val_batch_size,
         )
     model, loss_fn = build_model(cfg, device, world, data, summary)
     host_batches, batch_s = timed_batches(data.train_loader, cfg.metrics.flop_batches)
@@ -143,6 +144,7 @@ def build_job(cfg: DictConfig, summary: Summary, run_dir: Path | None = None) ->
         n_params=sum(p.numel() for p in model.parameters()),
         n_train=data.n_train,
         n_val=data.n_val,
+        val_batch_size=data.val_loader.batch_size,  # the UniFrac part of a val loss: the pairs in a batch
         unifrac_mode=data.unifrac_mode,
         unifrac_cached=data.unifrac_cached,
         samples_cached=data.samples_cached,

@@ -89,6 +89,7 @@ CONFIG_CASES = {
     ),
     "batch size neither a number nor auto": (["trainer.batch_size=big"], "must be an integer >= 2 or auto"),
     "no non-finite step allowed": (["trainer.max_nonfinite=0"], "trainer.max_nonfinite=0 must be >= 1"),
+    "validation batches of one": (["trainer.val_batch_size=1"], "trainer.val_batch_size=1 must be >= 2"),
     "confidence of 95, not 0.95": (["compare.confidence=95"], "compare.confidence=95.0 must be between 0"),
     "memory stop at 0": (["memory.max_fraction=0"], "memory.max_fraction=0.0 must be in (0, 1]"),
     "batch-size budget of all memory": (

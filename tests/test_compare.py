@@ -36,6 +36,23 @@ def make_run(root, name, overrides, validations=(), data_seed=0, **summary):
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
+def make_seeds(root, name: str, samples_per_s: float, config: dict, **summary) -> None:
+    """Seeds 0-2 of configuration `name` (`optim=<name>`), on data seed 0, val loss 2.0; `config`: the rest of
+    its summary's config."""
+    for seed in range(3):
+        make_run(
+            root,
+            f"{name}{seed}",
+            [f"optim={name}", f"seed={seed}"],
+            optim=name,
+            seed=seed,
+            samples_per_s=samples_per_s + seed * 0.1,
+            val_loss=2.0,
+            config={"data": {"seed": 0}, "optim": name, "seed": seed, **config},
+            **summary,
+        )
+
+
 BASE_VAL = (2.00, 2.02, 1.98)  # the baseline's final val loss per seed
 
 
@@ -301,18 +318,7 @@ def test_a_config_whose_phases_applied_the_baselines_choices_is_called_the_same_
         ),
     }
     for name, (run_phases, config) in configs.items():
-        for seed in range(3):
-            make_run(
-                tmp_path,
-                f"{name}{seed}",
-                [f"optim={name}", f"seed={seed}"],
-                optim=name,
-                seed=seed,
-                samples_per_s=(10.0 if name == "advanced" else 11.0) + seed * 0.1,
-                val_loss=2.0,
-                phases=run_phases,
-                config={"data": {"seed": 0}, "optim": name, "seed": seed, **config},
-            )
+        make_seeds(tmp_path, name, 10.0 if name == "advanced" else 11.0, config, phases=run_phases)
     rows = {r["config"]: r for r in compare(find_runs([tmp_path]), baseline="optim=advanced")["rows"]}
     assert rows["optim=ultra"]["same_training"]
     assert rows["optim=ultra"]["verdict"].startswith("the same training as the baseline")
@@ -320,6 +326,28 @@ def test_a_config_whose_phases_applied_the_baselines_choices_is_called_the_same_
     for other in ("optim=ultra_lr", "optim=fp32"):
         assert not rows[other]["same_training"]
         assert rows[other]["verdict"].startswith("faster at equal quality")
+
+
+def test_runs_validated_in_batches_of_another_size_get_no_quality_verdict(tmp_path):
+    """The UniFrac part of a val loss is over the pairs inside a batch: batch 32 validated in batches of 32
+    does not compare with batch 8's (the fix: trainer.val_batch_size); without a UniFrac part it does."""
+    configs = {  # name: (the run's val batch, its loss config)
+        "b8": (8, {}),
+        "b32": (32, {}),
+        "b32_val8": (8, {}),
+        "b32_nounifrac": (32, {"unifrac_weight": 0.0}),
+    }
+    for name, (val_batch, loss) in configs.items():
+        make_seeds(tmp_path, name, 10.0 if name == "b8" else 20.0, {"loss": loss}, val_batch_size=val_batch)
+    rows = {r["config"]: r for r in compare(find_runs([tmp_path]), baseline="optim=b8")["rows"]}
+    assert rows["optim=b32"]["val_batches_differ"] == [(32, 8)]
+    assert rows["optim=b32"]["verdict"].startswith(
+        "undecided: validated in batches of 32 against the baseline's 8"
+    )
+    assert rows["optim=b32"]["verdict"].endswith("run both with trainer.val_batch_size=8")
+    for same in ("optim=b32_val8", "optim=b32_nounifrac"):
+        assert not rows[same]["val_batches_differ"]
+        assert rows[same]["verdict"].startswith("faster at equal quality"), rows[same]["verdict"]
 
 
 def test_the_report_names_the_machine_and_warns_when_runs_come_from_two(tmp_path):

@@ -110,21 +110,28 @@ def test_without_dropout_the_cached_step_is_one_forward_of_the_whole_batch(make_
 def test_accumulated_steps_train_as_the_whole_batch(make_cfg, tmp_path):
     """The issue's figures: with micro-batches taken on their own, step 1's UniFrac part was 0.39 against
     the whole batch's 0.49 (the pairs inside each micro-batch only). Without dropout (drawn otherwise for
-    a micro-batch), every step of 8 in 2 or 4 micro-batches is the step of 8: its loss, parts and norm."""
+    a micro-batch), every step of 8 in 2 or 4 micro-batches is the step of 8: its loss, parts and norm; and
+    validated in batches of 8 (trainer.val_batch_size), its val loss is the step of 8's too."""
     # flop_batches=1: the FLOP count's batches take one permutation of the sampler's whatever the micro-batch
     # (more, and a pass of 8's batches ends inside them, one of 2's does not: the next permutation differs)
     same = ["model.dropout=0", "trainer.batch_size=8", "trainer.max_steps=4", "metrics.flop_batches=1"]
-    train(make_cfg(*same), tmp_path / "whole")
+    whole_summary = train(make_cfg(*same), tmp_path / "whole")
     whole = read_metrics(tmp_path / "whole")
     for k in (2, 4):
-        train(make_cfg(*same, f"trainer.grad_accum_steps={k}"), tmp_path / f"in_{k}")
+        summary = train(
+            make_cfg(*same, f"trainer.grad_accum_steps={k}", "trainer.val_batch_size=8"), tmp_path / f"in_{k}"
+        )
         rows = read_metrics(tmp_path / f"in_{k}")
         assert [r["step"] for r in rows] == [r["step"] for r in whole] == [1, 2, 3, 4]
-        # (not val_loss: validation batches are micro-batches, its UniFrac pairs those of 8 / k samples)
         for key in ("loss", "loss_unifrac", "loss_nucleotide", "loss_target", "grad_norm"):
             got, want = [r[key] for r in rows], [r[key] for r in whole]
             assert got == pytest.approx(want, rel=1e-4), (k, key)
         assert [r["samples_per_s"] * r["step_time_s"] for r in rows] == pytest.approx([8] * 4)
+        assert summary["val_batch_size"] == whole_summary["val_batch_size"] == min(8, summary["n_val"])
+        assert summary["val_loss"] == pytest.approx(whole_summary["val_loss"], rel=1e-4)
+    # left to the micro-batch, a validation batch holds 4 samples (its UniFrac part their pairs): another loss
+    summary = train(make_cfg(*same, "trainer.grad_accum_steps=2"), tmp_path / "micro")
+    assert summary["val_batch_size"] == 4 and summary["val_loss"] != pytest.approx(whole_summary["val_loss"])
 
 
 def test_a_resumed_stream_of_whole_steps_goes_on_at_the_step_it_stopped_at(make_cfg):

@@ -154,9 +154,11 @@ def make_loaders(
     seed: int,
     loader: DictConfig,
     val_samples: str | None = None,
+    val_batch_size: int | None = None,
 ) -> tuple[DataLoader, DataLoader]:
     """Train loader (seeded shuffle) and val loader; both drop the last partial batch (UniFrac: pairs).
     `val_samples`: the data.val_samples file the split came from (None: data.val_fraction's), for the errors.
+    `val_batch_size`: the val loader's batch (trainer.val_batch_size; None: `batch_size`).
 
     The shuffle has a generator of its own (`loader.sampler.generator`, one permutation per pass),
     apart from the DataLoader's, from which torch draws worker seeds at each new iterator: so the
@@ -192,7 +194,7 @@ def make_loaders(
     )
     # a val set smaller than one batch is still used, as one batch of all of it (split evenly over ranks)
     world = collate.world_size
-    val_batch = min(batch_size, len(val_idx)) // world * world
+    val_batch = min(val_batch_size or batch_size, len(val_idx)) // world * world
     if val_batch < max(2, world):
         raise UserError(
             f"only {len(val_idx)} validation samples for {world} ranks (UniFrac needs >= 2 per batch); "
@@ -277,6 +279,7 @@ class Data:
     dataset: SampleDataset
     collate: Collate
     val_samples: str | None = None  # data.val_samples: the file that lists the validation samples, or None
+    val_batch_size: int | None = None  # trainer.val_batch_size: the val loader's batch (None: the training's)
 
 
 def rebatch(data: Data, batch_size: int, seed: int, loader: DictConfig) -> None:
@@ -290,6 +293,7 @@ def rebatch(data: Data, batch_size: int, seed: int, loader: DictConfig) -> None:
         seed=seed,
         loader=loader,
         val_samples=data.val_samples,
+        val_batch_size=data.val_batch_size,
     )
 
 
@@ -310,13 +314,15 @@ def build_data(
     pad_to: int | None | Literal["max", "bucket"] = "max",
     rank: int = 0,
     world_size: int = 1,
+    val_batch_size: int | None = None,
 ) -> Data:
     """data config -> loaders: read (or simulate), rarefy, UniFrac (cached), tokenize, split.
 
     `cfg` is the `data` node, `loader` the `dataloader` node. `data.seed` drives rarefaction and the
     split (the same data for every run of a sweep), unless data.val_samples lists the validation samples;
     `seed`, the run's, drives the batch order.
-    `batch_size` is the global batch of one forward pass; `rank` of `world_size` encodes its slice.
+    `batch_size` is the global batch of one forward pass; `rank` of `world_size` encodes its slice;
+    `val_batch_size` the validation's (None: `batch_size`).
     `pad_to`: the `S` of a batch: "max" pads every batch to data.max_asvs (fixed shapes, as the original
     AAM), None each batch to its longest sample (`aamperf.phases.aam_ops.collate_pad_to`), "bucket" to
     its longest sample rounded up to `bucket_size` (at most data.max_asvs), an int to that many ASVs
@@ -361,7 +367,7 @@ def build_data(
     collate = Collate(samples.tokens, unifrac, pad_to, rank, world_size, bucket_cap, samples.branch_lengths)
     train_loader, val_loader = make_loaders(
         dataset, collate, train_idx, val_idx, batch_size=batch_size, seed=seed, loader=loader,
-        val_samples=val_samples,
+        val_samples=val_samples, val_batch_size=val_batch_size,
     )  # fmt: skip
     spec = None if target is None else fit_target(cfg, files["metadata"], dataset, train_idx, val_idx)
     target = dataset.target  # a classification's: class indices among the training samples' classes
@@ -398,6 +404,7 @@ def build_data(
         dataset=dataset,
         collate=collate,
         val_samples=val_samples,
+        val_batch_size=val_batch_size,
     )
 
 

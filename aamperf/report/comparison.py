@@ -269,15 +269,26 @@ def quality_figures(group: Group, base: Group, quality: Interval | None, few: bo
     }
 
 
+def val_batch(run: Run) -> int | None:
+    """The samples in each of the run's validation batches where its val loss has a UniFrac part (over the
+    pairs inside a batch, so it depends on the batch's size); None where it has none, or the run's record
+    is from before summary.json held it."""
+    weight = ((run.summary.get("config") or {}).get("loss") or {}).get("unifrac_weight", 1.0)
+    return run.summary.get("val_batch_size") if weight else None
+
+
 def validity(group: Group, pairs: list[tuple[Run, Run]], beside: set[Path]) -> dict[str, Any]:
     """What could make the comparison say less than it seems: failed runs, pairs that trained the same
-    way, pairs timed while another run shared their host."""
+    way, pairs timed while another run shared their host, pairs validated in batches of other sizes."""
+    sizes = [(val_batch(r), val_batch(b)) for r, b in pairs]
     return {
         "errors": [f"{r.path.name}: {r.summary.get('error')}" for r in group.runs if r not in group.ok_runs],
         # every pair trained the same way (the same phases applied after `auto`, the same config else)
         "same_training": bool(pairs) and all(same_training(r, b) for r, b in pairs),
         # pairs whose run or baseline run ran at the same time as another run on its host
         "overlapped_pairs": sum(r.path in beside or b.path in beside for r, b in pairs),
+        # [run's, baseline's] validation batch of each pair whose val losses do not compare (UniFrac's pairs)
+        "val_batches_differ": sorted({(a, b) for a, b in sizes if a and b and a != b}),
     }
 
 
@@ -302,6 +313,14 @@ def verdict(
             f"undecided: {row['overlapped_pairs']} of {n} pairs ran at the same time as other runs on one "
             "machine, so their timings measure the contention as much as the configuration; run the jobs "
             "one at a time (Hydra's basic launcher, the default)",
+            None,
+        )
+    if row["val_batches_differ"]:
+        run_batch, base_batch = row["val_batches_differ"][0]
+        return (
+            f"undecided: validated in batches of {run_batch} against the baseline's {base_batch}, and the "
+            "UniFrac part of a val loss is over the pairs inside a batch, so the val losses do not compare; "
+            f"run both with trainer.val_batch_size={base_batch}",
             None,
         )
     if speed is None or quality is None or n < MIN_PAIRS:

@@ -181,6 +181,24 @@ def test_small_val_set_is_one_batch_and_too_small_is_an_error(cache_dir):
         build_data(data_cfg(cache_dir, val_fraction=0.0), batch_size=4, seed=0, loader=LOADER)
 
 
+def test_validation_batches_keep_their_size_when_the_training_batch_changes(cache_dir):
+    """trainer.val_batch_size: batch 16 validated in batches of 8 holds batch 8's val batches, pair for pair
+    (the UniFrac part of a val loss), and the batch-size finder's new loaders keep it."""
+    from aamperf.data.dataset import rebatch
+
+    def val_batches(data):
+        return [b["sample_idx"].tolist() for b in data.val_loader]
+
+    b8 = build_data(data_cfg(cache_dir), batch_size=8, seed=0, loader=LOADER)
+    b16 = build_data(data_cfg(cache_dir), batch_size=16, seed=0, loader=LOADER, val_batch_size=8)
+    assert b16.train_loader.batch_size == 16 and val_batches(b16) == val_batches(b8)
+    assert len(val_batches(b8)[0]) == 8
+    rebatch(b16, 4, seed=0, loader=LOADER)
+    assert b16.train_loader.batch_size == 4 and val_batches(b16) == val_batches(b8)
+    unset = build_data(data_cfg(cache_dir), batch_size=16, seed=0, loader=LOADER)
+    assert unset.val_loader.batch_size == min(16, unset.n_val)  # null: the training batch
+
+
 def test_collate_pad_to_none_pads_to_the_longest_sample():
     collate = Collate(torch.full((3, 151), 5, dtype=torch.uint8), torch.eye(2), pad_to=None)
     items = [
