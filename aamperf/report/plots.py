@@ -33,7 +33,7 @@ def duration_bars(ax, rows: list[dict[str, Any]], ticks: list[str]) -> None:
         label = f" {total:.3g} s" if r.get("duration_parts_s") else " n/a"
         ax.text(total, y, label, va="center", fontsize=8)
     ax.margins(x=0.15)
-    ax.set_title("where the time went (s from the start; each part's median)")
+    ax.set_title("where the time went\n(s from the start; each part's median)")  # inside the figure's edge
     if names:  # under the bars, which it would cover inside
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.04), ncol=5, frameon=False)
 
@@ -46,7 +46,8 @@ def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> plt.Figu
     labels = [r["config"] for r in rows]
     ticks = [textwrap.fill(label, 40) for label in labels]  # long override strings on several lines
     colors = ["tab:gray" if r["config"] == result["baseline"] else f"C{i}" for i, r in enumerate(rows)]
-    fig = plt.figure(figsize=(28, 4 + 1.2 * len(rows)))
+    lines = max(tick.count("\n") + 1 for tick in ticks)  # the tallest label: each row must hold it
+    fig = plt.figure(figsize=(28, 4 + len(rows) * max(1.2, 0.5 * lines)))
     grid = fig.add_gridspec(2, 4)
     axes = np.array([[fig.add_subplot(grid[row, col]) for col in range(3)] for row in range(2)])
 
@@ -136,7 +137,9 @@ def plot_comparison(result: dict[str, Any], groups: list, out: Path) -> plt.Figu
             f"\n{len(overlapped)} runs ran at the same time as another run: their speeds are not comparable"
         )
     fig.suptitle(title, color="tab:red" if overlapped else "black")
-    fig.tight_layout(rect=(0, min(0.4, 0.02 + 0.14 * legend_rows / fig.get_figheight()), 1, 1))
+    height = fig.get_figheight()  # the legend's lines below, the title's above (tight_layout leaves it out)
+    top = 1 - 0.2 * (title.count("\n") + 1) / height
+    fig.tight_layout(rect=(0, min(0.4, 0.02 + 0.14 * legend_rows / height), 1, top))
     write_atomic(out, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
     return fig  # closed: its artists can still be inspected

@@ -1,5 +1,6 @@
 """aamperf/report/plots.py: the comparison figure shows every run's curves."""
 
+import itertools
 import json
 
 from aamperf.report import compare, find_runs, group_runs
@@ -80,3 +81,39 @@ def test_each_configuration_s_time_is_drawn_as_its_parts_medians_stacked(tmp_pat
     assert segments["optim=ultra", "auto"] == (3.5, 4.0) and segments["optim=ultra", "steps"] == (7.5, 1.0)
     totals = {text.get_text() for text in parts_ax.texts}
     assert totals == {" 11 s", " 8.5 s", " n/a"}
+
+
+def test_long_configuration_labels_do_not_run_into_each_other(tmp_path):
+    """The exact-batch study's labels: five overrides each, on five lines; the figure grows to hold them."""
+    overrides = [
+        "trainer.batch_size=32",
+        "trainer.max_steps=100",
+        "trainer.warmup_steps=5",
+        "trainer.val_every=6 metrics.log_every=6",
+    ]
+    for i, extra in enumerate(
+        ["", "trainer.lr=2e-4", "trainer.grad_accum_steps=4", "trainer.grad_accum_steps=4 lr"]
+    ):
+        for seed in (0, 1):
+            run = tmp_path / f"c{i}_{seed}"
+            write_run(tmp_path, f"c{i}_", seed)
+            names = overrides + extra.split() if i else ["trainer.batch_size=8"]
+            (run / ".hydra" / "overrides.yaml").write_text(
+                "".join(f"- {o}\n" for o in [*names, f"seed={seed}"])
+            )
+    runs = find_runs([tmp_path])
+    fig = plot_comparison(
+        compare(runs, baseline="trainer.batch_size=8"), group_runs(runs), tmp_path / "f.png"
+    )
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # the figure as it was saved: drawn, its text laid out
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    for ax in (fig.axes[0], fig.axes[-1]):  # a bar panel, and the time each part took
+        boxes = sorted(
+            (label.get_window_extent(renderer) for label in ax.get_yticklabels() if label.get_text()),
+            key=lambda box: box.y0,
+        )
+        assert len(boxes) == 4
+        assert all(low.y1 <= high.y0 for low, high in itertools.pairwise(boxes)), [b.bounds for b in boxes]
