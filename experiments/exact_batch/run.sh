@@ -8,8 +8,10 @@
 #   b32-exact     batch 32 as 4 micro-batches of 8 (gradient caching: UniFrac over all 32 x 31 pairs, the
 #                 memory of batch 8), 100 steps, warm-up 5, validation every 6 steps
 #   b32-exact-lr  the same at twice the learning rate (2e-4: the square-root rule for 4x the batch, Adam)
-# (Batch 32 in one pass is not among them: its validation batches would be of 32, and the UniFrac part of a
-# val loss depends on the pairs a batch holds; the micro-batches validate in batches of 8, as batch 8 does.)
+#   b32-lr        batch 32 in one pass at 2e-4: the same pairs and gradients as b32-exact-lr (dropout apart),
+#                 4x the activations of batch 8: what filling the device with a larger batch gives
+# Every run validates in batches of 8 (conf/experiment/exact_batch.yaml: trainer.val_batch_size), so the
+# UniFrac part of each val loss is over the same pairs.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-outputs/exact_batch/$(date +%Y-%m-%d_%H-%M-%S)}
@@ -19,10 +21,11 @@ declare -A CONFIG=(
   [b8]="trainer.batch_size=8"
   [b32-exact]="${B32[*]} trainer.grad_accum_steps=4"
   [b32-exact-lr]="${B32[*]} trainer.grad_accum_steps=4 trainer.lr=2e-4"
+  [b32-lr]="${B32[*]} trainer.lr=2e-4"
 )
 lscpu | grep -E "^Model name" || true
 for seed in $seeds; do
-  for name in b8 b32-exact b32-exact-lr; do
+  for name in b8 b32-exact b32-exact-lr b32-lr; do
     # shellcheck disable=SC2086  # the configuration's overrides, one word each
     python -m aamperf.train experiment=exact_batch ${CONFIG[$name]} "seed=$seed" trainer.progress=false \
       "hydra.run.dir=$out/${name}_seed$seed"
