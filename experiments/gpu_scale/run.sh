@@ -9,7 +9,8 @@
 #   ultra-full, ultra-budget, ultra-compiled, ultra-graphs, ultra-ops-compiled, ultra-full-compiled,
 #   ultra-waited: ultra at batch 8 with aam_ops=packed, memory=ops / full / budget (with compile=default),
 #   compile=default, compile=reduce_overhead, memory=ops / full with compile=default,
-#   trainer.overlap_steps=false), TIME_LIMIT_S (no run begins
+#   trainer.overlap_steps=false; ultra-big: ultra at a batch of BIG=48 over the same samples, 1/6 the steps,
+#   the learning rate x sqrt(6), warm-up over the same samples), TIME_LIMIT_S (no run begins
 #   after it, each is stopped at it), WHEELS=.whl (experiments/gpu_scale/wheels.sh: installs without network),
 #   ORIG_ATTN=sdpa (the original's --attn-implementation in its fastest flags), PROFILE_STEPS=3 (the first
 #   seed's runs of PROFILED profile that many steady steps: summary.json's profile, kernels by GPU time;
@@ -23,7 +24,7 @@ HERE=experiments/gpu_scale
 out=${1:-outputs/gpu_scale/$(date +%Y-%m-%d_%H-%M-%S)}
 SEEDS=${SEEDS:-0 1} WHEELS=${WHEELS:-.whl} ORIG_ATTN=${ORIG_ATTN:-sdpa} PROFILE_STEPS=${PROFILE_STEPS:-3}
 SNAPSHOT=${SNAPSHOT:-0} PROFILED=${PROFILED-ultra}
-AAMPERF_CONFIGS=" baseline basic advanced ultra ultra-packed ultra-ops ultra-full ultra-budget ultra-compiled ultra-graphs ultra-ops-compiled ultra-full-compiled ultra-waited ultra-auto "
+AAMPERF_CONFIGS=" baseline basic advanced ultra ultra-packed ultra-ops ultra-full ultra-budget ultra-compiled ultra-graphs ultra-ops-compiled ultra-full-compiled ultra-waited ultra-big ultra-auto "
 for p in $PROFILED; do
   [[ $AAMPERF_CONFIGS == *" $p "* ]] ||
     { echo "error: PROFILED: '$p' is not one of aamperf's configurations:$AAMPERF_CONFIGS: set PROFILED to some of them, or empty" >&2; exit 2; }
@@ -35,13 +36,13 @@ venvs=/tmp/gpu_scale
 if [[ -n ${DRY:-} ]]; then  # every path of the real run on this CPU, at toy sizes
   device=cpu base=.venv/bin/python STEPS=${STEPS:-6} AUTO_STEPS=${AUTO_STEPS:-4}
   data=(48 300 30 500 1000)  # samples, ASVs, mean richness, rarefaction depth, reads simulated
-  D=32 HEADS=2 LAYERS=1 ASVS=64
+  D=32 HEADS=2 LAYERS=1 ASVS=64 BIG=${BIG:-16}
 else
   command -v nvidia-smi >/dev/null && nvidia-smi -L | grep -q "GPU " ||
     { echo "error: no NVIDIA GPU here (nvidia-smi): run on a GPU machine, or DRY=1 for the CPU dry run" >&2; exit 2; }
   device=cuda base=python3 STEPS=${STEPS:-200} AUTO_STEPS=${AUTO_STEPS:-30}
   data=(400 3000 600 8000 20000)  # median 420 real ASVs per sample after rarefaction (162-952)
-  D=128 HEADS=4 LAYERS=4 ASVS=1024  # aam_base: the original's CLI defaults
+  D=128 HEADS=4 LAYERS=4 ASVS=1024 BIG=${BIG:-48}  # aam_base: the original's CLI defaults
 fi
 mkdir -p "$out/runs"
 out=$(cd "$out" && pwd)  # absolute: the runs read their data from it
@@ -85,6 +86,9 @@ n=$(wc -l <"$out/data/unifrac.ids.txt")
 # epochs of it, and aamperf's batch-8 runs take as many steps
 per_epoch=$(((n - (n + 4) / 5) / 8)) epochs=$(((STEPS + per_epoch - 1) / per_epoch))
 STEPS=$((epochs * per_epoch))
+if [[ " $CONFIGS $LATER_CONFIGS " == *" ultra-big "* ]] && ((STEPS * 8 % BIG)); then
+  echo "error: BIG=$BIG does not divide the $((STEPS * 8)) samples of $STEPS steps of 8: set BIG to a divisor of them" >&2; exit 2
+fi
 echo "$n samples: $STEPS steps of 8 ($epochs epochs of the original), ultra-auto $AUTO_STEPS steps"
 
 ORIG=(--table "$out/data/table.biom" --unifrac-matrix "$out/data/unifrac.npy" --rarefy-depth "${data[3]}"
@@ -94,7 +98,8 @@ FAST=(--mixed-precision bf16 --compile-model --tf32 --attn-implementation "$ORIG
 AP=(model=aam_base model.embedding_dim=$D model.num_heads=$HEADS model.max_asvs=$ASVS model.asv_layers=$LAYERS
     model.sample_layers=$LAYERS model.encoder_layers=$LAYERS data=biom "data.table=$out/data/table.biom"
     "data.unifrac=$out/data/unifrac.npy" "data.rarefy_depth=${data[3]}" trainer.warmup_steps=10
-    trainer.grad_clip=0 trainer.min_lr_ratio=0 trainer.progress=false device=$device)
+    trainer.grad_clip=0 trainer.min_lr_ratio=0 trainer.progress=false device=$device
+    trainer.val_batch_size=8)  # every run validates in batches of 8: its val loss over the same UniFrac pairs
 
 status=0 first=1
 for seed in $SEEDS; do  # configurations alternate within each seed: a slow spell hits all of them
@@ -126,11 +131,15 @@ for seed in $SEEDS; do  # configurations alternate within each seed: a slow spel
           *) change=("memory=${cfg#ultra-}") ;;
         esac
         cmd=($aamperf -m aamperf.train optim=ultra "${AP[@]}" "${change[@]}" trainer.batch_size=8 trainer.max_steps=$STEPS seed=$seed "hydra.run.dir=$d") ;;
+      ultra-big)  # the same samples in fewer, larger steps; Adam's square-root rule for the learning rate
+        lr=$(awk "BEGIN { printf \"%.3g\", 1e-4 * sqrt($BIG / 8) }")
+        cmd=($aamperf -m aamperf.train optim=ultra "${AP[@]}" trainer.batch_size=$BIG trainer.max_steps=$((STEPS * 8 / BIG)) trainer.lr=$lr trainer.warmup_steps=$(((10 * 8 + BIG - 1) / BIG)) seed=$seed "hydra.run.dir=$d") ;;
       ultra-auto) cmd=($aamperf -m aamperf.train optim=ultra "${AP[@]}" trainer.batch_size=auto trainer.max_steps=$AUTO_STEPS seed=$seed "hydra.run.dir=$d") ;;
       baseline | basic | advanced | ultra) cmd=($aamperf -m aamperf.train optim=$cfg "${AP[@]}" trainer.batch_size=8 trainer.max_steps=$STEPS seed=$seed "hydra.run.dir=$d") ;;
-      *) echo "error: CONFIGS: unknown configuration '$cfg' (original-default original-fastest baseline basic advanced ultra ultra-packed ultra-ops ultra-full ultra-budget ultra-compiled ultra-graphs ultra-ops-compiled ultra-full-compiled ultra-waited ultra-auto)" >&2; exit 2 ;;
+      *) echo "error: CONFIGS: unknown configuration '$cfg' (original-default original-fastest baseline basic advanced ultra ultra-packed ultra-ops ultra-full ultra-budget ultra-compiled ultra-graphs ultra-ops-compiled ultra-full-compiled ultra-waited ultra-big ultra-auto)" >&2; exit 2 ;;
     esac
-    if [[ " $PROFILED " == *" $cfg "* && $seed == "${SEEDS%% *}" ]]; then cmd+=(metrics.profile_steps=$PROFILE_STEPS)
+    # (PROFILE_STEPS=0: no override, so every seed's run of a configuration is alike for aamperf.compare)
+    if [[ " $PROFILED " == *" $cfg "* && $seed == "${SEEDS%% *}" ]] && ((PROFILE_STEPS > 0)); then cmd+=(metrics.profile_steps=$PROFILE_STEPS)
       if ((SNAPSHOT)); then cmd+=(metrics.memory_snapshot=true); fi
     fi
     limit=()

@@ -30,7 +30,7 @@ REFERENCE = "original-fastest"
 ORDER = ["original-default", "original-fastest", "baseline", "basic", "advanced", "ultra"]
 ORDER += ["ultra-packed", "ultra-ops", "ultra-full", "ultra-budget"]  # ultra with one change each
 ORDER += ["ultra-compiled", "ultra-graphs", "ultra-ops-compiled", "ultra-full-compiled", "ultra-waited"]
-ORDER += ["ultra-auto"]
+ORDER += ["ultra-big", "ultra-auto"]
 GIB = 2**30
 CONFIDENCE = 0.95
 
