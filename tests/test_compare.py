@@ -350,6 +350,31 @@ def test_runs_validated_in_batches_of_another_size_get_no_quality_verdict(tmp_pa
         assert rows[same]["verdict"].startswith("faster at equal quality"), rows[same]["verdict"]
 
 
+def test_runs_from_before_the_val_batch_was_recorded_are_judged_by_their_micro_batch(tmp_path):
+    """Their validation batches were their training micro-batches: at most the validation set, a multiple
+    of the ranks; where nothing says, nothing is claimed."""
+    trainer = {  # name: (its config's trainer node, its summary's other fields)
+        "b8": ({"batch_size": 8}, {}),
+        "b32_in_4": ({"batch_size": 32, "grad_accum_steps": 4}, {}),  # micro-batches of 8: as batch 8's
+        "b32": ({"batch_size": 32}, {}),
+        "b16_few_val": ({"batch_size": 16}, {"n_val": 8}),  # one batch of the 8 validation samples
+        "auto": ({"batch_size": "auto"}, {"batch_finder": {"micro_batch": 24}}),
+        "unknown": ({"batch_size": "auto"}, {}),  # a finder's record missing: not judged
+    }
+    for name, (node, more) in trainer.items():
+        make_seeds(tmp_path, name, 10.0 if name == "b8" else 20.0, {"trainer": node}, **{"n_val": 51, **more})
+    rows = {r["config"]: r for r in compare(find_runs([tmp_path]), baseline="optim=b8")["rows"]}
+    differ = {name: rows[f"optim={name}"]["val_batches_differ"] for name in trainer}
+    assert differ == {
+        "b8": [],
+        "b32_in_4": [],
+        "b32": [(32, 8)],
+        "b16_few_val": [],
+        "auto": [(24, 8)],
+        "unknown": [],
+    }
+
+
 def test_the_report_names_the_machine_and_warns_when_runs_come_from_two(tmp_path):
     from aamperf.report import to_markdown
 

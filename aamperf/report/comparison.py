@@ -271,10 +271,22 @@ def quality_figures(group: Group, base: Group, quality: Interval | None, few: bo
 
 def val_batch(run: Run) -> int | None:
     """The samples in each of the run's validation batches where its val loss has a UniFrac part (over the
-    pairs inside a batch, so it depends on the batch's size); None where it has none, or the run's record
-    is from before summary.json held it."""
-    weight = ((run.summary.get("config") or {}).get("loss") or {}).get("unifrac_weight", 1.0)
-    return run.summary.get("val_batch_size") if weight else None
+    pairs inside a batch, so it depends on the batch's size); None where it has none, or it is not known.
+    A run from before summary.json held it validated in its training micro-batches, as the data loader
+    made them then (at most the validation set, a multiple of the ranks)."""
+    s = run.summary
+    config = s.get("config") or {}
+    if not (config.get("loss") or {}).get("unifrac_weight", 1.0):
+        return None
+    if "val_batch_size" in s:
+        return s["val_batch_size"]
+    trainer = config.get("trainer") or {}
+    batch, accum = trainer.get("batch_size"), trainer.get("grad_accum_steps", 1)
+    micro = (s.get("batch_finder") or {}).get("micro_batch") or (
+        batch // accum if isinstance(batch, int) and accum else None
+    )
+    n_val, world = s.get("n_val"), s.get("world_size") or 1
+    return min(micro, n_val) // world * world if micro and n_val else None
 
 
 def validity(group: Group, pairs: list[tuple[Run, Run]], beside: set[Path]) -> dict[str, Any]:
