@@ -200,12 +200,33 @@ def test_seeds_pooled_from_a_directory_without_a_table_is_one_error_line(tmp_pat
         assert err.startswith(said) and err.count("\n") == 1, err
 
 
-def test_run_sh_refuses_a_profiled_name_it_does_not_run_before_writing_anything(tmp_path):
-    """PROFILED names the configurations that profile: a misspelt one would profile nothing, silently."""
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        (
+            "PROFILED",
+            "ultra ultra-budgte",
+            "error: PROFILED: 'ultra-budgte' is not one of aamperf's configurations",
+        ),
+        (
+            "CONFIGS",
+            "ultra ultra-fulll",
+            "error: CONFIGS / LATER_CONFIGS: unknown configuration 'ultra-fulll'",
+        ),
+        (
+            "LATER_CONFIGS",
+            "original-fast",
+            "error: CONFIGS / LATER_CONFIGS: unknown configuration 'original-fast'",
+        ),
+    ],
+)
+def test_run_sh_refuses_a_name_it_does_not_run_before_writing_anything(tmp_path, variable, value, said):
+    """A misspelt PROFILED name would profile nothing, silently; a misspelt configuration used to stop the
+    script only once the venvs and data were made and the runs before it had run."""
     import subprocess
 
     out = tmp_path / "out"
-    env = {"PATH": "/usr/bin:/bin", "PROFILED": "ultra ultra-budgte", "DRY": "1"}
+    env = {"PATH": "/usr/bin:/bin", variable: value, "DRY": "1"}
     proc = subprocess.run(
         ["bash", str(REPO / "experiments/gpu_scale/run.sh"), str(out)],
         env=env,
@@ -213,5 +234,4 @@ def test_run_sh_refuses_a_profiled_name_it_does_not_run_before_writing_anything(
         text=True,
     )
     assert proc.returncode == 2 and not out.exists()
-    assert proc.stderr.startswith("error: PROFILED: 'ultra-budgte' is not one of aamperf's configurations")
-    assert proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(said) and proc.stderr.count("\n") == 1, proc.stderr

@@ -24,13 +24,18 @@ HERE=experiments/gpu_scale
 out=${1:-outputs/gpu_scale/$(date +%Y-%m-%d_%H-%M-%S)}
 SEEDS=${SEEDS:-0 1} WHEELS=${WHEELS:-.whl} ORIG_ATTN=${ORIG_ATTN:-sdpa} PROFILE_STEPS=${PROFILE_STEPS:-3}
 SNAPSHOT=${SNAPSHOT:-0} PROFILED=${PROFILED-ultra}
+# aamperf's configurations (each one's command: the case below), spaced for whole-word matches
 AAMPERF_CONFIGS=" baseline basic advanced ultra ultra-packed ultra-ops ultra-full ultra-budget ultra-compiled ultra-graphs ultra-ops-compiled ultra-full-compiled ultra-waited ultra-big ultra-auto "
-for p in $PROFILED; do
+CONFIGS=${CONFIGS:-original-fastest ultra original-default baseline advanced ultra-auto}
+LATER_CONFIGS=${LATER_CONFIGS-original-fastest ultra}
+for p in $PROFILED; do  # names checked before anything is written
   [[ $AAMPERF_CONFIGS == *" $p "* ]] ||
     { echo "error: PROFILED: '$p' is not one of aamperf's configurations:$AAMPERF_CONFIGS: set PROFILED to some of them, or empty" >&2; exit 2; }
 done
-CONFIGS=${CONFIGS:-original-fastest ultra original-default baseline advanced ultra-auto}
-LATER_CONFIGS=${LATER_CONFIGS-original-fastest ultra}
+for c in $CONFIGS $LATER_CONFIGS; do
+  [[ " original-default original-fastest$AAMPERF_CONFIGS" == *" $c "* ]] ||
+    { echo "error: CONFIGS / LATER_CONFIGS: unknown configuration '$c' (original-default original-fastest$AAMPERF_CONFIGS)" >&2; exit 2; }
+done
 venvs=/tmp/gpu_scale
 
 if [[ -n ${DRY:-} ]]; then  # every path of the real run on this CPU, at toy sizes
@@ -136,7 +141,6 @@ for seed in $SEEDS; do  # configurations alternate within each seed: a slow spel
         cmd=($aamperf -m aamperf.train optim=ultra "${AP[@]}" trainer.batch_size=$BIG trainer.max_steps=$((STEPS * 8 / BIG)) trainer.lr=$lr trainer.warmup_steps=$(((10 * 8 + BIG - 1) / BIG)) seed=$seed "hydra.run.dir=$d") ;;
       ultra-auto) cmd=($aamperf -m aamperf.train optim=ultra "${AP[@]}" trainer.batch_size=auto trainer.max_steps=$AUTO_STEPS seed=$seed "hydra.run.dir=$d") ;;
       baseline | basic | advanced | ultra) cmd=($aamperf -m aamperf.train optim=$cfg "${AP[@]}" trainer.batch_size=8 trainer.max_steps=$STEPS seed=$seed "hydra.run.dir=$d") ;;
-      *) echo "error: CONFIGS: unknown configuration '$cfg' (original-default original-fastest baseline basic advanced ultra ultra-packed ultra-ops ultra-full ultra-budget ultra-compiled ultra-graphs ultra-ops-compiled ultra-full-compiled ultra-waited ultra-big ultra-auto)" >&2; exit 2 ;;
     esac
     # (PROFILE_STEPS=0: no override, so every seed's run of a configuration is alike for aamperf.compare)
     if [[ " $PROFILED " == *" $cfg "* && $seed == "${SEEDS%% *}" ]] && ((PROFILE_STEPS > 0)); then cmd+=(metrics.profile_steps=$PROFILE_STEPS)
