@@ -146,6 +146,15 @@ def test_attention_auto_takes_the_faster_implementation(sdpa_s, chosen):
     assert decision["chose"] == chosen and f"{sdpa_s:.2f}x the math's time" in decision["reason"]
 
 
+@pytest.mark.parametrize(("sdpa_s", "chosen"), [(1.06, "sdpa"), (1.10, "sdpa"), (1.12, "math")])
+def test_attention_auto_leaves_a_near_tie_to_sdpa_and_says_so(sdpa_s, chosen):
+    # the math keeps its probabilities for backward: it must be MIN_MATH_GAIN quicker to be chosen
+    answer = {"backends": ["flash", "math"], "sdpa_s": sdpa_s, "math_s": 1.0}
+    decision = choose_attention(CPU, Injected(attention=answer), torch.bfloat16, (4, 2, 16, 8))
+    assert decision["chose"] == chosen
+    assert ("a near tie" in decision["reason"]) == (chosen == "sdpa")
+
+
 def test_attention_auto_for_inference_asks_for_a_forward_pass_alone():
     probe = Injected(attention={"backends": ["math"], "sdpa_s": 0.5, "math_s": 1.0})
     decision = choose_attention(CPU, probe, torch.float32, (4, 2, 16, 8), backward=False)

@@ -96,6 +96,7 @@ def test_the_whole_model_within_a_budget_keeps_the_gradients(tiny, make_cfg):
     assert_budgets_keep_less_and_the_gradients(*tiny, make_cfg)
 
 
+@pytest.mark.slow  # 26 s of cold inductor compiles (a fresh clone); the budget's parts stay in the fast suite
 def test_a_run_records_its_budget_and_the_next_job_runs_without_it(make_cfg, tmp_path):
     summary = train(make_cfg("memory=budget", "compile=default"), tmp_path / "budget")
     assert summary["status"] == "completed"
