@@ -30,6 +30,7 @@ DataSource = choices("DataSource", "simulated", "biom")
 UnifracMode = choices("UnifracMode", "batch", "precomputed")
 Dtype = choices("Dtype", "fp32", "bf16", "fp16", "auto")
 MatmulPrecision = choices("MatmulPrecision", "highest", "high", "medium")
+Residual = choices("Residual", "fp32", "autocast")
 CompileMode = choices("CompileMode", "disabled", "default", "reduce-overhead", "max-autotune", "auto")
 AttentionImpl = choices("AttentionImpl", "math", "sdpa", "auto")
 SdpaBackend = choices("SdpaBackend", "flash", "efficient", "cudnn", "math")
@@ -111,6 +112,9 @@ class PrecisionConfig:
     dtype: Dtype = Dtype.fp32  # fp16 needs CUDA (its GradScaler has no CPU use here); auto: measured
     # torch.set_float32_matmul_precision; high lets CUDA use TF32 for fp32 matmuls
     matmul_precision: MatmulPrecision = MatmulPrecision.highest
+    # the transformer stacks' residual stream and LayerNorms under autocast: fp32 (autocast's own rule), or in
+    # the autocast dtype (2-byte activations, no casts around the norms)
+    residual: Residual = Residual.fp32
 
 
 @dataclass

@@ -4,6 +4,9 @@
 # alternating within each seed (a change of machine load falls on all of them), then the report.
 #   experiments/run_paired.sh EXPERIMENT [OUT_DIR] [LEVELS] [SEEDS] [-- extra overrides]
 #   experiments/run_paired.sh convergence outputs/convergence "baseline advanced ultra" "0 1 2"
+# A "level" with an '=' is an override in place of a level (the level then among the extra overrides),
+# and the first of them is the report's baseline:
+#   experiments/run_paired.sh headline OUT "precision.residual=fp32 precision.residual=autocast" "0 1 2" -- optim=advanced
 # EXPERIMENT `default` runs the default configuration (aam_small, 100 steps), no experiment file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,8 +21,11 @@ study=("experiment=$experiment")
 lscpu | grep -E "^Model name" || true
 for seed in $seeds; do
   for optim in $levels; do
-    python -m aamperf.train "${study[@]}" "optim=$optim" "seed=$seed" trainer.progress=false \
-      "hydra.run.dir=$out/${optim}_seed$seed" "$@"
+    choice=("optim=$optim") name=$optim
+    [[ $optim == *=* ]] && choice=("$optim") name=${optim//[=.]/_}
+    python -m aamperf.train "${study[@]}" "${choice[@]}" "seed=$seed" trainer.progress=false \
+      "hydra.run.dir=$out/${name}_seed$seed" "$@"
   done
 done
-python -m aamperf.compare "$out"
+first=${levels%% *}
+if [[ $first == *=* ]]; then python -m aamperf.compare "$out" --baseline "$first"; else python -m aamperf.compare "$out"; fi

@@ -24,6 +24,22 @@ def key_padding_mask(real: Tensor) -> Tensor:
     return keep[:, None, None, :]
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm, or with `in_autocast_dtype` set (`precision.residual=autocast`) and autocast on: in
+    the autocast dtype, bf16 or fp16 in and out (the kernels accumulate in fp32), where autocast itself
+    would run it in fp32 and the next Linear cast its output back. Its parameters stay fp32."""
+
+    in_autocast_dtype = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.in_autocast_dtype and torch.is_autocast_enabled(x.device.type)):
+            return super().forward(x)
+        dtype = torch.get_autocast_dtype(x.device.type)
+        with torch.autocast(x.device.type, enabled=False):
+            weight, bias = self.weight.to(dtype), self.bias.to(dtype)
+            return F.layer_norm(x.to(dtype), self.normalized_shape, weight, bias, self.eps)
+
+
 class MathAttention(nn.Module):
     """softmax(q k^T / sqrt(d) + mask) v, written out. The attention phase swaps this module.
 
@@ -75,9 +91,9 @@ class Block(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, ffn_mult: int, dropout: float):
         super().__init__()
-        self.ln_attn = nn.LayerNorm(dim)
+        self.ln_attn = LayerNorm(dim)
         self.attn = SelfAttention(dim, num_heads, dropout)
-        self.ln_ffn = nn.LayerNorm(dim)
+        self.ln_ffn = LayerNorm(dim)
         self.ffn = nn.Sequential(
             nn.Linear(dim, ffn_mult * dim),
             nn.GELU(),
@@ -93,17 +109,23 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """A stack of pre-LN blocks and a final LayerNorm. `blocks` is where checkpointing wraps."""
+    """A stack of pre-LN blocks and a final LayerNorm. `blocks` is where checkpointing wraps. With
+    `autocast_stream` set (`precision.residual=autocast`) and autocast on, the residual stream is carried
+    in the autocast dtype (2 bytes an element) instead of fp32."""
+
+    autocast_stream = False
 
     def __init__(self, dim: int, num_heads: int, num_layers: int, ffn_mult: int, dropout: float):
         super().__init__()
         self.blocks = nn.ModuleList(Block(dim, num_heads, ffn_mult, dropout) for _ in range(num_layers))
-        self.ln_f = nn.LayerNorm(dim)
+        self.ln_f = LayerNorm(dim)
 
     def forward(self, x: Tensor, real: Tensor | Packing | None) -> Tensor:
         """x: [N, L, D]; real: [N, L] bool, False on padding positions (masked as keys), or None (no
         padding: no mask); or x [T, D] packed as `real` says."""
         mask = key_padding_mask(real) if isinstance(real, Tensor) else real
+        if self.autocast_stream and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         for block in self.blocks:
             x = block(x, mask)
         return self.ln_f(x)
@@ -115,7 +137,7 @@ class AttentionPooling(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         self.score = nn.Linear(dim, 1)
-        self.norm = nn.LayerNorm(dim)
+        self.norm = LayerNorm(dim)
 
     def forward(self, x: Tensor, real: Tensor | Packing | None) -> Tensor:
         """x: [N, L, D]; real: [N, L] bool or None (every position real) -> [N, D]; or x [T, D] packed

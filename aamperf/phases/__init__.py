@@ -33,7 +33,14 @@ from aamperf.phases.distributed import check_comm_hook, grad_sync, wrap_model
 from aamperf.phases.dropout import apply_dropout
 from aamperf.phases.memory import apply_checkpointing, apply_cuda_memory, budget_unused, check_memory
 from aamperf.phases.optimizer import build_optimizer
-from aamperf.phases.precision import DTYPES, apply_precision, check_precision, confirm_precision, step_times
+from aamperf.phases.precision import (
+    DTYPES,
+    apply_precision,
+    apply_residual,
+    check_precision,
+    confirm_precision,
+    step_times,
+)
 from aamperf.phases.record import skipped
 from aamperf.phases.system import apply_channels_last, apply_system
 from aamperf.probe import Probe, compile_block
@@ -103,6 +110,7 @@ def apply_phases(
     the steps will train the heads on cached embeddings (aamperf/trainer/cached.py), which compile=auto does
     not compile: a trial would time the whole model's steps, which the run never takes."""
     autocast, scaler, records["precision"] = apply_precision(cfg.precision, device)
+    records["precision"].update(apply_residual(model, cfg.precision))
     records["attention"] = apply_attention(model, cfg.attention, device)
     records["dropout"] = apply_dropout(model, cfg.dropout, device)  # after attention: reaches its dropout too
     records["aam_ops"] = apply_aam_ops(model, cfg.aam_ops)
@@ -111,6 +119,7 @@ def apply_phases(
     if precision is not None and precision["chose"] != "fp32" and device.type == "cuda":
         if confirm_low_precision(model, cfg, device, warmup, precision, micro_batch):  # turned to fp32
             autocast, scaler, records["precision"] = apply_precision(cfg.precision, device)
+            records["precision"].update(apply_residual(model, cfg.precision))
     step = partial(warmup, model, autocast, scaler)
     if cfg.compile.mode == "auto" and heads_only:
         reason = (

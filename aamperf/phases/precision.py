@@ -8,8 +8,10 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
 from aamperf.metrics.flops import DTYPES  # one home: precision.dtype -> the torch dtype
+from aamperf.model.layers import LayerNorm, Transformer
 from aamperf.phases.record import applied, skipped
 from aamperf.probe import timed
 
@@ -40,6 +42,28 @@ def apply_precision(
         scaler,
         applied(dtype=cfg.dtype, grad_scaler=scaler.is_enabled(), matmul_precision=cfg.matmul_precision),
     )
+
+
+def apply_residual(model: nn.Module, cfg: DictConfig) -> dict[str, Any]:
+    """precision.residual=autocast: each Transformer stack of `model` carries its residual stream in the
+    autocast dtype and each aamperf LayerNorm normalizes in it (`aamperf.model.layers`), where autocast
+    would keep both in fp32 (4 bytes an element, a cast before every Linear that reads a norm). Decided at
+    each forward by whether autocast is on, so fp32 steps (precision=fp32, or a low precision declined by
+    `confirm_low_precision`) stay fp32. The fields it adds to the precision phase's record."""
+    if cfg.residual == "fp32":
+        return {"residual": "fp32"}
+    stacks = [m for m in model.modules() if isinstance(m, Transformer)]
+    norms = [m for m in model.modules() if isinstance(m, LayerNorm)]
+    for module in stacks:
+        module.autocast_stream = True
+    for module in norms:
+        module.in_autocast_dtype = True
+    fields = {"residual": "autocast", "residual_stacks": len(stacks), "residual_norms": len(norms)}
+    if not stacks and not norms:
+        fields["residual_note"] = "the model has no aamperf Transformer or LayerNorm: nothing changed"
+    elif cfg.dtype == "fp32":
+        fields["residual_note"] = "precision fp32: no autocast dtype, the stream stays fp32"
+    return fields
 
 
 # A low-precision step must be this much faster than fp32's to be kept: it may cost quality, fp32 not.

@@ -19,7 +19,7 @@ from aamperf.phases.aam_ops import apply_aam_ops
 from aamperf.phases.attention import apply_attention
 from aamperf.phases.auto import apply_decisions, choose_attention, choose_precision
 from aamperf.phases.compile import apply_compile, auto_compile, cached_decision, compile_on_ranks
-from aamperf.phases.precision import DTYPES, apply_precision
+from aamperf.phases.precision import DTYPES, apply_precision, apply_residual
 from aamperf.phases.record import applied, skipped
 from aamperf.predict.target import SavedTarget, in_own_units, probabilities
 from aamperf.probe import Probe, compile_block, model_shapes
@@ -42,6 +42,7 @@ def apply_levels(
     decisions = main_decides(lambda: decide_auto(cfg, device, model_cfg, batch))
     apply_decisions(cfg, decisions)
     autocast, _, records["precision"] = apply_precision(cfg.precision, device)
+    records["precision"].update(apply_residual(model, cfg.precision))
     records["attention"] = apply_attention(model, cfg.attention)
     records["aam_ops"] = apply_aam_ops(model, cfg.aam_ops)
     records["quantize"] = apply_quantize(model, cfg.quantize.mode, autocast)

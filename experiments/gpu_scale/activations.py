@@ -12,8 +12,9 @@ a bool mask (`torch.native_dropout`, CUDA's fused dropout; a CPU's nn.Dropout ke
 activation's dtype). Autocast in `--dtype` (bf16 or fp16: 2 bytes either way).
 
 Usage: python experiments/gpu_scale/activations.py DATA_DIR [CHANGES] [--batch 8] [--dtype bf16] [--json OUT]
-CHANGES: overrides on ultra, e.g. `memory=full`, `memory=budget compile=default` (default: as the H200 ran
-it at 234 steps, eager, nothing recomputed). DATA_DIR: run.sh's `$OUT_DIR/data`, or
+CHANGES: overrides on ultra, e.g. `memory=full`, `memory=budget compile=default`,
+`precision.residual=autocast` (default: as the H200 ran it at 234 steps, eager, nothing recomputed).
+DATA_DIR: run.sh's `$OUT_DIR/data`, or
 `python experiments/original/prepare.py DIR 400 3000 600 8000 20000`.
 """
 
@@ -42,6 +43,7 @@ from aamperf.model.layers import MathAttention
 from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to, set_full_length
 from aamperf.phases.compile import apply_compile
 from aamperf.phases.memory import apply_checkpointing
+from aamperf.phases.precision import apply_residual
 
 GIB = 2**30
 
@@ -75,13 +77,13 @@ def as_on_gpu(model: nn.Module) -> None:
 
 # what each module of a block keeps for backward (its saved tensors), by its path in the block
 KEEPS = {
-    "ln_attn": "LayerNorm before attention: its input (the residual stream, fp32)",
-    "attn.qkv": "qkv Linear: its input (the LayerNorm's output, cast)",
+    "ln_attn": "LayerNorm before attention: its input (the residual stream)",
+    "attn.qkv": "qkv Linear: its input (the LayerNorm's output, cast where the norm ran in fp32)",
     "attn.attend": "attention kernel: q, k, v and its output (the log-sum-exp in fp32)",
     "attn.out": "output Linear: its input (where not the kernel's output itself)",
     "dropout": "dropout on the attention branch: its mask",
-    "ln_ffn": "LayerNorm before the FFN: its input (the residual stream, fp32)",
-    "ffn.0": "FFN's first Linear: its input (the LayerNorm's output, cast)",
+    "ln_ffn": "LayerNorm before the FFN: its input (the residual stream)",
+    "ffn.0": "FFN's first Linear: its input (the LayerNorm's output, cast where the norm ran in fp32)",
     "ffn.1": "GELU: its input (the first Linear's output, 4 D wide)",
     "ffn.2": "dropout after the GELU: its mask (4 D wide)",
     "ffn.3": "FFN's second Linear: its input (the GELU's output after dropout, 4 D wide)",
@@ -127,6 +129,7 @@ def count(
         pad_to=collate_pad_to(cfg.aam_ops, cfg.data.max_asvs),
     )  # fmt: skip
     set_full_length(model, data.collate.tokens)  # as the job does: ultra keeps the masks (aam_ops=fast)
+    apply_residual(model, cfg.precision)  # precision.residual=autocast: the stream and norms in `dtype`
     apply_aam_ops(model, cfg.aam_ops)
     as_on_gpu(model)
     loss_fn = instantiate(cfg.loss)

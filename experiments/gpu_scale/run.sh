@@ -7,9 +7,9 @@
 #   the finder's batch), SEEDS="0 1", CONFIGS (the first seed's; names below), LATER_CONFIGS (the other
 #   seeds': "original-fastest ultra", the pair the issue's bar is about; also ultra-packed, ultra-ops,
 #   ultra-full, ultra-budget, ultra-compiled, ultra-graphs, ultra-ops-compiled, ultra-full-compiled,
-#   ultra-waited: ultra at batch 8 with aam_ops=packed, memory=ops / full / budget (with compile=default),
-#   compile=default, compile=reduce_overhead, memory=ops / full with compile=default,
-#   trainer.overlap_steps=false; ultra-big: ultra at a batch of BIG=48 over the same samples, 1/6 the steps,
+#   ultra-waited, ultra-residual: ultra at batch 8 with aam_ops=packed, memory=ops / full / budget (with
+#   compile=default), compile=default, compile=reduce_overhead, memory=ops / full with compile=default,
+#   trainer.overlap_steps=false, precision.residual=autocast; ultra-big: ultra at a batch of BIG=48 over the same samples, 1/6 the steps,
 #   the learning rate x sqrt(6), warm-up over the same samples), TIME_LIMIT_S (no run begins
 #   after it, each is stopped at it), WHEELS=.whl (experiments/gpu_scale/wheels.sh: installs without network),
 #   ORIG_ATTN=sdpa (the original's --attn-implementation in its fastest flags), PROFILE_STEPS=3 (the first
@@ -25,7 +25,7 @@ out=${1:-outputs/gpu_scale/$(date +%Y-%m-%d_%H-%M-%S)}
 SEEDS=${SEEDS:-0 1} WHEELS=${WHEELS:-.whl} ORIG_ATTN=${ORIG_ATTN:-sdpa} PROFILE_STEPS=${PROFILE_STEPS:-3}
 SNAPSHOT=${SNAPSHOT:-0} PROFILED=${PROFILED-ultra}
 # aamperf's configurations (each one's command: the case below), spaced for whole-word matches
-AAMPERF_CONFIGS=" baseline basic advanced ultra ultra-packed ultra-ops ultra-full ultra-budget ultra-compiled ultra-graphs ultra-ops-compiled ultra-full-compiled ultra-waited ultra-big ultra-auto "
+AAMPERF_CONFIGS=" baseline basic advanced ultra ultra-packed ultra-ops ultra-full ultra-budget ultra-compiled ultra-graphs ultra-ops-compiled ultra-full-compiled ultra-waited ultra-residual ultra-big ultra-auto "
 CONFIGS=${CONFIGS:-original-fastest ultra original-default baseline advanced ultra-auto}
 LATER_CONFIGS=${LATER_CONFIGS-original-fastest ultra}
 for p in $PROFILED; do  # names checked before anything is written
@@ -118,7 +118,7 @@ for seed in $SEEDS; do  # configurations alternate within each seed: a slow spel
       original-default) cmd=($original $HERE/time_original.py "$d/steps.json" -- "${ORIG[@]}" --seed "$seed" --output-dir "$d/aam") ;;
       original-fastest) cmd=($original $HERE/time_original.py "$d/steps.json" -- "${ORIG[@]}" "${FAST[@]}" --seed "$seed" --output-dir "$d/aam") ;;
       ultra-packed | ultra-ops | ultra-full | ultra-budget | ultra-compiled | ultra-graphs \
-      | ultra-ops-compiled | ultra-full-compiled | ultra-waited)
+      | ultra-ops-compiled | ultra-full-compiled | ultra-waited | ultra-residual)
         # ultra with one change of issue 41 part 2 / 4, at batch 8
         case $cfg in
           ultra-packed) change=(aam_ops=packed) ;;
@@ -133,6 +133,9 @@ for seed in $SEEDS; do  # configurations alternate within each seed: a slow spel
           ultra-full-compiled) change=(memory=full compile=default) ;;
           # each step waits for its own GPU work (one host sync a step, as before trainer.overlap_steps)
           ultra-waited) change=(trainer.overlap_steps=false) ;;
+          # the residual stream and LayerNorms in the autocast dtype (the profile: fp32 norms and casts ~28%
+          # of the kernel time)
+          ultra-residual) change=(precision.residual=autocast) ;;
           *) change=("memory=${cfg#ultra-}") ;;
         esac
         cmd=($aamperf -m aamperf.train optim=ultra "${AP[@]}" "${change[@]}" trainer.batch_size=8 trainer.max_steps=$STEPS seed=$seed "hydra.run.dir=$d") ;;
