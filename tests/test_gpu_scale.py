@@ -3,6 +3,7 @@ run directories written as run.sh and the two programs write them (records of kn
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,9 @@ def test_ratios_are_paired_by_seed_and_end_to_end_needs_the_same_samples(tmp_pat
     write_run(tmp_path, "ultra_seed1", 40, **aamperf_summary(0.100), duration_parts_s=parts)
     write_run(tmp_path, "ultra-auto_seed0", 60, **aamperf_summary(0.2, batch=64, auto=True))
     write_run(tmp_path, "advanced_seed0", 0, exit_code=124)  # cut off by TIME_LIMIT_S
+    write_run(tmp_path, "ultra-unlisted_seed0", 50, **aamperf_summary(0.025))  # a name not in ORDER
     rows = {r["config"]: r for r in summarize.summarize(tmp_path)["rows"]}
+    assert list(rows)[-1] == "ultra-unlisted" and rows["ultra-unlisted"]["speedup"] == pytest.approx([4.0])
 
     assert rows["original-fastest"]["step_s"] == [0.1, 0.2]  # the first 3 steps (compile) left out
     assert rows["ultra"]["speedup"] == pytest.approx([4.0, 2.0])  # not 0.1 / 0.1 across seeds
@@ -235,3 +238,9 @@ def test_run_sh_refuses_a_name_it_does_not_run_before_writing_anything(tmp_path,
     )
     assert proc.returncode == 2 and not out.exists()
     assert proc.stderr.startswith(said) and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_every_configuration_run_sh_runs_has_its_place_in_the_table():
+    script = (REPO / "experiments/gpu_scale/run.sh").read_text()
+    names = re.search(r'^AAMPERF_CONFIGS="([^"]*)"', script, re.M).group(1).split()
+    assert names and set(names) <= set(summarize.ORDER), set(names) - set(summarize.ORDER)

@@ -30,9 +30,16 @@ REFERENCE = "original-fastest"
 ORDER = ["original-default", "original-fastest", "baseline", "basic", "advanced", "ultra"]
 ORDER += ["ultra-packed", "ultra-ops", "ultra-full", "ultra-budget"]  # ultra with one change each
 ORDER += ["ultra-compiled", "ultra-graphs", "ultra-ops-compiled", "ultra-full-compiled", "ultra-waited"]
-ORDER += ["ultra-big", "ultra-auto"]
+ORDER += ["ultra-residual", "ultra-big", "ultra-auto"]
+
 GIB = 2**30
 CONFIDENCE = 0.95
+
+
+def in_order(configs) -> list[str]:
+    """The configuration names of `configs` in the table's order: ORDER's, then any other sorted (a name
+    run.sh learns before this list does is shown, not dropped)."""
+    return [c for c in ORDER if c in configs] + sorted(c for c in configs if c not in ORDER)
 
 
 def read_run(run: Path) -> dict[str, Any]:
@@ -118,7 +125,7 @@ def summarize(out: Path) -> dict[str, Any]:
     }
     ref = runs.get(REFERENCE, {})
     rows = []
-    for cfg in [c for c in ORDER if c in runs]:
+    for cfg in in_order(runs):
         done = {seed: r for seed, r in runs[cfg].items() if r["exit_code"] == 0}
         paired = [(r, ref[s]) for s, r in done.items() if ref.get(s, {}).get("exit_code") == 0]
         same_steps = [(r, o) for r, o in paired if r["steps"] * r["batch"] == o["steps"] * o["batch"]]
@@ -157,13 +164,13 @@ def summarize(out: Path) -> dict[str, Any]:
     result["rows"] = rows
     result["memory_peaks"] = {
         f"{cfg} seed {seed}": r["memory_peak"]
-        for cfg in [c for c in ORDER if c in runs]
+        for cfg in in_order(runs)
         for seed, r in runs[cfg].items()
         if r.get("memory_peak")
     }
     result["duration_parts"] = {  # launch to exit beside the run's own duration and its parts
         f"{cfg} seed {seed}": {"wall_s": r["wall_s"], **r["duration_parts"]}
-        for cfg in [c for c in ORDER if c in runs]
+        for cfg in in_order(runs)
         for seed, r in runs[cfg].items()
         if r.get("duration_parts")
     }
@@ -273,7 +280,7 @@ def pooled(tables: list[dict[str, Any]]) -> dict[str, Any]:
     ref = seeds.get(REFERENCE, {})
     samples = {row["config"]: (row["batch"], row["steps"]) for table in tables for row in table["rows"]}
     pairs, other_samples = {}, []
-    for cfg in [c for c in ORDER if c in seeds and c != REFERENCE]:
+    for cfg in [c for c in in_order(seeds) if c != REFERENCE]:
         if samples[cfg] != samples.get(REFERENCE):  # its end to end and losses are of other samples
             other_samples.append(cfg)
             continue
