@@ -103,17 +103,16 @@ def timed(
 
 
 def timed_in_turn(
-    first: Callable[[], Any], second: Callable[[], Any], device: torch.device, trials: int, min_s: float = 0.0
-) -> tuple[list[float], list[float]]:
-    """Seconds of each call of two warm functions called in turn: `trials` pairs, and more until each
-    one's add up to `min_s`. A slow or quick spell of the machine falls on both alike, not on one of
-    them, which matters for their ratio (what the compile probe's reader uses)."""
-    a: list[float] = []
-    b: list[float] = []
-    while len(a) < trials or min(sum(a), sum(b)) < min_s:
-        a.append(_seconds(first, device))
-        b.append(_seconds(second, device))
-    return a, b
+    *fns: Callable[[], Any], device: torch.device, trials: int, min_s: float = 0.0
+) -> tuple[list[float], ...]:
+    """Seconds of each call of warm functions called in turn: `trials` rounds, and more until each one's
+    add up to `min_s`. A slow or quick spell of the machine falls on all of them alike, not on one, which
+    matters for their ratios (what the compile and attention probes' readers use)."""
+    times: tuple[list[float], ...] = tuple([] for _ in fns)
+    while len(times[0]) < trials or min(map(sum, times)) < min_s:
+        for fn, seconds in zip(fns, times, strict=True):
+            seconds.append(_seconds(fn, device))
+    return times
 
 
 def iqr_spread(values: list[float]) -> float:
@@ -217,12 +216,15 @@ def measure_attention(
         modules.append(SDPAttention(p, [*fused, "math"]))
     apply_dropout(modules, OmegaConf.create({"impl": dropout[1]}), device)
     watch = LoadWatch()
-    math_s = timed(step(modules[0]), device, min_s=MIN_WATCH_S / 2)
-    sdpa_s = timed(step(modules[1]), device, min_s=MIN_WATCH_S / 2)
+    calls = [step(module) for module in modules]
+    for call in calls:
+        call()  # warm: a first call's allocations and kernel choices are not a step's
+    # in turn: timed one after the other, a near tie chose SDPA in one run and the math in the next
+    # (the default job's shape: 0.98x, 1.06x and 1.21x on one 2-core AVX-512 EPYC, 2026-11-28)
+    math_s, sdpa_s, *rest = timed_in_turn(*calls, device=device, trials=TRIALS, min_s=MIN_WATCH_S / 2)
     extra: dict[str, Any] = {}
-    if len(modules) == 3:
-        no_cudnn_s = timed(step(modules[2]), device, min_s=MIN_WATCH_S / 2)
-        extra = {"sdpa_no_cudnn_s": statistics.median(no_cudnn_s), "no_cudnn_backends": [*fused, "math"]}
+    if rest:
+        extra = {"sdpa_no_cudnn_s": statistics.median(rest[0]), "no_cudnn_backends": [*fused, "math"]}
     if device.type == "cuda":
         # AAM's ASV rows change from batch to batch unless bucketed: a call at a row count not seen
         # before, each candidate after its warm calls above (the allocator's blocks are large enough)
@@ -337,7 +339,7 @@ def measure_compile(
         # 49-55 s (experiments/compile/cold_compile.py --probe)
         watch = LoadWatch()
         eager_s, compiled_s = timed_in_turn(
-            step(module), step(compiled), device, trials=PAIRED_TRIALS, min_s=MIN_WATCH_S / 2
+            step(module), step(compiled), device=device, trials=PAIRED_TRIALS, min_s=MIN_WATCH_S / 2
         )
     except Exception as exc:  # a missing C compiler, an unsupported device: compile does not work here
         error = one_line(f"{type(exc).__name__}: {exc}")[:300]
