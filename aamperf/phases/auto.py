@@ -35,7 +35,8 @@ MIN_MATMUL_GAIN = 1.15  # autocast adds casts around every matmul: a smaller mat
 # step. At the headline's shape ([256, 4, 151, 32], bf16, dropout 0.1; 2-core AVX-512 EPYC, 2026-11-28) the
 # probe in a run said 1.00x, 1.12x and 1.16x, and 8 repeats in one process 0.96-1.20x (in turn); whole steps
 # with SDPA ran 0.97x [0.85, 1.05] the math's (a tie, 5 paired seeds) at 0.81x the peak memory
-# (experiments/headline/attention-tie-avx512bf16-2026-11-28.md). Runs at such ratios chose either.
+# (experiments/headline/attention-tie-avx512bf16-2026-11-28.md). Runs at such ratios chose either. Training
+# only: a forward pass alone (prediction) keeps nothing for backward, and takes the quicker.
 MIN_MATH_GAIN = 1.25
 DEFAULT_ATTENTION = (32, 4, 128, 32)  # [N, heads, L, head_dim] for a model whose config does not say
 
@@ -93,7 +94,8 @@ def choose_attention(
         costs["sdpa_no_cudnn"] = answer["sdpa_no_cudnn_s"]
     sdpa = min((c for c in costs if c != "math"), key=costs.__getitem__)  # the quicker SDPA
     ratio = costs[sdpa] / costs["math"]
-    choice = "sdpa" if ratio <= MIN_MATH_GAIN else "math"
+    margin = MIN_MATH_GAIN if backward else 1.0  # inference keeps nothing for backward: the quicker one
+    choice = "sdpa" if ratio <= margin else "math"
     timed = "forward+backward" if backward else "forward"
     if backward and dropout[0]:
         timed += f" with dropout {dropout[0]:g}"
@@ -106,7 +108,7 @@ def choose_attention(
     no_cudnn = choice == "sdpa" and sdpa != "sdpa"  # "here: math" needs no word on cuDNN
     if no_cudnn:
         reason += f" without cuDNN (with it {costs['sdpa'] / costs['math']:.2f}x)"
-    if 1.0 < ratio <= MIN_MATH_GAIN:
+    if 1.0 < ratio <= margin:
         reason += f" (a near tie: the math keeps its probabilities and must be {MIN_MATH_GAIN:.2f}x quicker)"
     extra = {"sdpa_backends": answer["no_cudnn_backends"]} if no_cudnn else {}
     if new_shape:

@@ -153,6 +153,11 @@ def test_attention_auto_leaves_a_near_tie_to_sdpa_and_says_so(sdpa_s, chosen):
     decision = choose_attention(CPU, Injected(attention=answer), torch.bfloat16, (4, 2, 16, 8))
     assert decision["chose"] == chosen
     assert ("a near tie" in decision["reason"]) == (chosen == "sdpa")
+    # prediction's forward pass alone keeps nothing for backward: the quicker one
+    inference = choose_attention(
+        CPU, Injected(attention=answer), torch.bfloat16, (4, 2, 16, 8), backward=False
+    )
+    assert inference["chose"] == "math" and "a near tie" not in inference["reason"]
 
 
 def test_attention_auto_for_inference_asks_for_a_forward_pass_alone():
