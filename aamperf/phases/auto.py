@@ -36,8 +36,8 @@ MIN_MATMUL_GAIN = 1.15  # autocast adds casts around every matmul: a smaller mat
 # probe in a run said 1.00x, 1.12x and 1.16x, and 8 repeats in one process 0.96-1.20x (in turn); whole steps
 # with SDPA ran 0.97x [0.85, 1.05] the math's (a tie, 5 paired seeds) at 0.81x the peak memory
 # (experiments/headline/attention-tie-avx512bf16-2026-11-28.md). Runs at such ratios chose either. At
-# aam_small's shape it is a trade: steps 0.95x [0.92, 0.97] at 0.91x the peak (experiments/default/), where the
-# probe said 1.05x (1.04x at the headline's): it cannot tell the two apart, and the margin prefers the memory.
+# aam_small's shape it is a trade: steps 0.95x [0.92, 0.97] at 0.91x the peak (experiments/default/), where
+# the probe said 1.05x (1.04x at the headline's): it cannot tell the two apart; the margin prefers memory.
 # Training only: a forward pass alone (prediction) keeps nothing for backward, and takes the quicker.
 MIN_MATH_GAIN = 1.25
 DEFAULT_ATTENTION = (32, 4, 128, 32)  # [N, heads, L, head_dim] for a model whose config does not say
