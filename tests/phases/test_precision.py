@@ -93,6 +93,19 @@ def test_a_run_records_the_stream_and_trains(make_cfg, tmp_path):
     assert phase["dtype"] == "bf16" and phase["residual"] == "autocast" and phase["residual_stacks"] >= 2
 
 
+def test_a_flagged_layer_norm_runs_in_the_autocast_dtype_and_a_plain_one_in_fp32():
+    torch.manual_seed(0)
+    plain, flagged = LayerNorm(64), LayerNorm(64)
+    flagged.in_autocast_dtype = True
+    x = torch.randn(5, 64) * 3 + 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept, low = plain(x), flagged(x)
+    assert kept.dtype == torch.float32 and low.dtype == torch.bfloat16  # autocast's rule, and the option's
+    torch.testing.assert_close(low.float(), kept, rtol=0.02, atol=0.02)
+    assert flagged.weight.dtype == torch.float32  # the parameters stay fp32
+    assert torch.equal(flagged(x), plain(x))  # no autocast: nothing changes
+
+
 def test_a_block_with_its_norms_in_bf16_compiles_whole_and_matches_eager():
     torch.manual_seed(0)
     block = Block(32, 2, 4, dropout=0.0)
