@@ -33,11 +33,13 @@ MIN_MATMUL_GAIN = 1.15  # autocast adds casts around every matmul: a smaller mat
 # The math must beat SDPA by this much to be chosen: it keeps its [rows, heads, L, L] probabilities for
 # backward (SDPA keeps none), nearer ratios are the probe's own noise, and the attention alone is not the
 # step. At the headline's shape ([256, 4, 151, 32], bf16, dropout 0.1; 2-core AVX-512 EPYC, 2026-11-28) the
-# probe in a run said 1.00x, 1.12x and 1.16x, and 8 repeats in one process 0.96-1.20x (in turn); whole steps
+# probe in a run said 1.00x, 1.12x and 1.16x, and 8 repeats in turn 0.92-1.13x (experiments/headline/
+# attention_probe.py, tcmalloc preloaded as in a run); whole steps
 # with SDPA ran 0.97x [0.85, 1.05] the math's (a tie, 5 paired seeds) at 0.81x the peak memory
 # (experiments/headline/attention-tie-avx512bf16-2026-11-28.md). Runs at such ratios chose either. At
 # aam_small's shape it is a trade: steps 0.95x [0.92, 0.97] at 0.91x the peak (experiments/default/), where
-# the probe said 1.05x (1.04x at the headline's): it cannot tell the two apart; the margin prefers memory.
+# the probe's medians are 1.05-1.09x (1.04-1.07x at the headline's): it cannot tell the two apart; the
+# margin prefers memory.
 # Training only: a forward pass alone (prediction) keeps nothing for backward, and takes the quicker.
 MIN_MATH_GAIN = 1.25
 DEFAULT_ATTENTION = (32, 4, 128, 32)  # [N, heads, L, head_dim] for a model whose config does not say
