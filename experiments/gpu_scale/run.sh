@@ -9,8 +9,9 @@
 #   ultra-full, ultra-budget, ultra-compiled, ultra-graphs, ultra-ops-compiled, ultra-full-compiled,
 #   ultra-waited, ultra-residual: ultra at batch 8 with aam_ops=packed, memory=ops / full / budget (with
 #   compile=default), compile=default, compile=reduce_overhead, memory=ops / full with compile=default,
-#   trainer.overlap_steps=false, precision.residual=autocast; ultra-big: ultra at a batch of BIG=48 over the same samples, 1/6 the steps,
-#   the learning rate x sqrt(6), warm-up over the same samples), TIME_LIMIT_S (no run begins
+#   trainer.overlap_steps=false, precision.residual=autocast; ultra-big: ultra at a batch of BIG=48 over
+#   BIG_PASSES=2 times batch 8's samples (the time to batch 8's quality, not only the same samples),
+#   validated as often in samples, the learning rate x sqrt(BIG / 8), warm-up over the same samples), TIME_LIMIT_S (no run begins
 #   after it, each is stopped at it), WHEELS=.whl (experiments/gpu_scale/wheels.sh: installs without network),
 #   ORIG_ATTN=sdpa (the original's --attn-implementation in its fastest flags), PROFILE_STEPS=3 (the first
 #   seed's runs of PROFILED profile that many steady steps: summary.json's profile, kernels by GPU time;
@@ -23,7 +24,7 @@ cd "$(dirname "$0")/../.."
 HERE=experiments/gpu_scale
 out=${1:-outputs/gpu_scale/$(date +%Y-%m-%d_%H-%M-%S)}
 SEEDS=${SEEDS:-0 1} WHEELS=${WHEELS:-.whl} ORIG_ATTN=${ORIG_ATTN:-sdpa} PROFILE_STEPS=${PROFILE_STEPS:-3}
-SNAPSHOT=${SNAPSHOT:-0} PROFILED=${PROFILED-ultra}
+SNAPSHOT=${SNAPSHOT:-0} PROFILED=${PROFILED-ultra} BIG_PASSES=${BIG_PASSES:-2}
 # aamperf's configurations (each one's command: the case below), spaced for whole-word matches
 AAMPERF_CONFIGS=" baseline basic advanced ultra ultra-packed ultra-ops ultra-full ultra-budget ultra-compiled ultra-graphs ultra-ops-compiled ultra-full-compiled ultra-waited ultra-residual ultra-big ultra-auto "
 CONFIGS=${CONFIGS:-original-fastest ultra original-default baseline advanced ultra-auto}
@@ -139,9 +140,11 @@ for seed in $SEEDS; do  # configurations alternate within each seed: a slow spel
           *) change=("memory=${cfg#ultra-}") ;;
         esac
         cmd=($aamperf -m aamperf.train optim=ultra "${AP[@]}" "${change[@]}" trainer.batch_size=8 trainer.max_steps=$STEPS seed=$seed "hydra.run.dir=$d") ;;
-      ultra-big)  # the same samples in fewer, larger steps; Adam's square-root rule for the learning rate
+      ultra-big)  # fewer, larger steps over BIG_PASSES x the samples, validated every ~400 samples as batch 8
+        # is (every 50 steps): time to batch 8's quality. Adam's square-root rule for the learning rate
         lr=$(awk "BEGIN { printf \"%.3g\", 1e-4 * sqrt($BIG / 8) }")
-        cmd=($aamperf -m aamperf.train optim=ultra "${AP[@]}" trainer.batch_size=$BIG trainer.max_steps=$((STEPS * 8 / BIG)) trainer.lr=$lr trainer.warmup_steps=$(((10 * 8 + BIG - 1) / BIG)) seed=$seed "hydra.run.dir=$d") ;;
+        cmd=($aamperf -m aamperf.train optim=ultra "${AP[@]}" trainer.batch_size=$BIG trainer.max_steps=$((BIG_PASSES * STEPS * 8 / BIG))
+             trainer.val_every=$(((50 * 8 + BIG - 1) / BIG)) trainer.lr=$lr trainer.warmup_steps=$(((10 * 8 + BIG - 1) / BIG)) seed=$seed "hydra.run.dir=$d") ;;
       ultra-auto) cmd=($aamperf -m aamperf.train optim=ultra "${AP[@]}" trainer.batch_size=auto trainer.max_steps=$AUTO_STEPS seed=$seed "hydra.run.dir=$d") ;;
       baseline | basic | advanced | ultra) cmd=($aamperf -m aamperf.train optim=$cfg "${AP[@]}" trainer.batch_size=8 trainer.max_steps=$STEPS seed=$seed "hydra.run.dir=$d") ;;
     esac
