@@ -102,6 +102,29 @@ def test_ratios_are_paired_by_seed_and_end_to_end_needs_the_same_samples(tmp_pat
     assert "| ultra seed 0 |" not in table
 
 
+def test_each_change_is_paired_with_ultra_of_its_own_seed(tmp_path):
+    """The one-change rows (ultra-graphs, ultra-residual, ...) against ultra of the same seed: a seed
+    without ultra, or where the change did not finish, is left out, never paired across seeds."""
+    (tmp_path / "machine.txt").write_text("NVIDIA H200, 143771 MiB, 580.159.04\ntorch 2.11.0 CUDA 13.0\n")
+    write_run(tmp_path, "ultra_seed0", 50, **aamperf_summary(0.050))
+    write_run(tmp_path, "ultra_seed1", 40, **{**aamperf_summary(0.040), "peak_device_bytes": 2**31})
+    write_run(tmp_path, "ultra-graphs_seed0", 100, **{**aamperf_summary(0.040), "peak_device_bytes": 2**29})
+    write_run(tmp_path, "ultra-graphs_seed1", 0, exit_code=124)  # cut off: no pair
+    write_run(tmp_path, "ultra-residual_seed2", 30, **aamperf_summary(0.010))  # no ultra of seed 2
+    write_run(tmp_path, "ultra-big_seed1", 40, **aamperf_summary(0.120, batch=48))
+    result = summarize.summarize(tmp_path)
+    found = {c["config"]: c for c in result["against_ultra"]}
+    assert list(found) == ["ultra-graphs", "ultra-big"]
+    graphs, big = found["ultra-graphs"], found["ultra-big"]
+    assert graphs["seeds"] == ["0"] and graphs["samples_per_s_x"] == pytest.approx([1.25])
+    assert graphs["peak_x"] == pytest.approx([0.5]) and graphs["wall_x"] == pytest.approx([2.0])
+    # batch 48 in 120 ms against seed 1's batch 8 in 40 ms: 400 / 200 samples/s; 1 GiB against 2
+    assert big["samples_per_s_x"] == pytest.approx([2.0]) and big["peak_x"] == pytest.approx([0.5])
+    table = summarize.to_markdown(result)
+    assert "| ultra-graphs | 8 | 0 | 40.0 | 1.25x | 0.50x | 2.00x | 40 | 2.000 / 2.100 (2.000 / 2.100) |" in table
+    assert "| ultra-big | 48 | 1 | 120.0 | 2.00x | 0.50x | 1.00x |" in table
+
+
 @pytest.mark.slow  # about 25 s (aam_base's steps on a CPU): the default suite stays near 10 minutes
 def test_the_activation_count_finds_what_each_kernel_keeps_on_a_real_batch(tmp_path):
     """activations.py on the dry run's data: the attention kernel keeps q, k, v and its output (2 bytes a

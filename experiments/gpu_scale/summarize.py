@@ -9,7 +9,8 @@ batch 8, the same model at the same shapes for every configuration) x samples/s 
 bf16 peak (aamperf/metrics/gpu_peaks.py; on a CPU, the peak aamperf's run calibrated); HFU = the FLOPs
 aamperf's run executed per sample (its hardware_flops_per_step: each distinct ASV of a batch encoded once,
 recomputation counted) x samples/s / the same peak. Ratios are to
-original-fastest, within each seed (paired), then the median over seeds [min, max].
+original-fastest, within each seed (paired), then the median over seeds [min, max]; each `ultra-*`
+configuration (ultra with one change) also against ultra of the same seed (`against_ultra`).
 Usage: python summarize.py OUT_DIR   (writes OUT_DIR/table.json, prints the markdown table)
        python summarize.py --seeds DIR...   (several OUT_DIRs' table.json, one seed or more each: each
        configuration against original-fastest per seed, and the mean over seeds with its 95% interval)
@@ -112,6 +113,40 @@ def spread(values: list[float], spec: str, scale: float = 1) -> str:
     return f"{statistics.median(v):{spec}} [{min(v):{spec}}, {max(v):{spec}}]"
 
 
+def against_ultra(runs: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
+    """Each `ultra-*` configuration (ultra with one change) against ultra of the same seed, run on the
+    same machine in the same OUT_DIR: its samples/s and its training peak over ultra's (paired by seed),
+    its GPU busy and losses beside ultra's. Seeds where either did not finish are left out."""
+    ultra = {s: r for s, r in runs.get("ultra", {}).items() if r["exit_code"] == 0}
+    found = []
+    for cfg in in_order(runs):
+        if not cfg.startswith("ultra-"):
+            continue
+        pairs = [(r, ultra[s]) for s, r in runs[cfg].items() if r["exit_code"] == 0 and s in ultra]
+        if not pairs:
+            continue
+        found.append(
+            {
+                "config": cfg,
+                "seeds": sorted(s for s, r in runs[cfg].items() if r["exit_code"] == 0 and s in ultra),
+                "batch": sorted({r["batch"] for r, _ in pairs}),
+                "step_s": [r["step_s"] for r, _ in pairs],
+                "samples_per_s_x": [r["samples_per_s"] / u["samples_per_s"] for r, u in pairs],
+                "peak_x": [
+                    r["peak_device_bytes"] / u["peak_device_bytes"]
+                    for r, u in pairs
+                    if r["peak_device_bytes"] and u["peak_device_bytes"]
+                ],
+                "wall_x": [r["wall_s"] / u["wall_s"] for r, u in pairs],
+                "gpu_busy_percent": [r["gpu_busy"] for r, _ in pairs if r.get("gpu_busy") is not None],
+                "losses": [
+                    (r["train_loss"], r["val_loss"], u["train_loss"], u["val_loss"]) for r, u in pairs
+                ],
+            }
+        )
+    return found
+
+
 def summarize(out: Path) -> dict[str, Any]:
     machine = (out / "machine.txt").read_text().splitlines()
     device = "cpu" if "CUDA None" in machine[-1] else machine[0].split(",")[0].strip()
@@ -162,6 +197,7 @@ def summarize(out: Path) -> dict[str, Any]:
         )
     result = {"machine": machine, "device": device, "peak_flops": peak, "peak_source": peak_source}
     result["rows"] = rows
+    result["against_ultra"] = against_ultra(runs)
     result["memory_peaks"] = {
         f"{cfg} seed {seed}": r["memory_peak"]
         for cfg in in_order(runs)
@@ -222,6 +258,37 @@ def to_markdown(result: dict[str, Any]) -> str:
         " the peak of training and validation (`setup_peak_device_bytes`; before 7072adc: in that peak)."
         " GPU busy: pynvml's utilization over the run.",
     ]
+    changes = result.get("against_ultra") or []
+    if changes:
+        lines += [
+            "",
+            "**Each change against ultra of the same seed** (paired; the same machine and OUT_DIR; x: its "
+            "figure over ultra's, median over seeds [min, max]; samples/s higher is faster, training peak "
+            "lower is less memory; end to end includes each run's probes, cached after the machine's first):",
+            "",
+            "| configuration | batch | seeds | steady step ms | x ultra's samples/s "
+            "| x ultra's training peak | x ultra's end to end | GPU busy % "
+            "| train / val loss at end (ultra's) |",
+            "|---" * 9 + "|",
+        ]
+        for c in changes:
+            losses = "; ".join(
+                f"{t:.3f} / {'n/a' if v is None else format(v, '.3f')} ({ut:.3f} / "
+                f"{'n/a' if uv is None else format(uv, '.3f')})"
+                for t, v, ut, uv in c["losses"]
+            )
+            cells = [
+                c["config"],
+                "/".join(map(str, c["batch"])),
+                " ".join(c["seeds"]),
+                spread(c["step_s"], ".1f", 1e3),
+                spread(c["samples_per_s_x"], ".2f") + "x",
+                spread(c["peak_x"], ".2f") + ("x" if c["peak_x"] else ""),
+                spread(c["wall_x"], ".2f") + "x",
+                spread(c["gpu_busy_percent"], ".0f"),
+                losses,
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     parts = result.get("duration_parts") or {}
     names = list(dict.fromkeys(n for p in parts.values() for n in p if n != "wall_s"))  # the runs' order
     if parts:
