@@ -440,7 +440,8 @@ def test_compile_auto_on_a_device_that_compiled_nothing_weighs_the_run_against_t
     assert len(probed) == (0 if by_import else 1)
     if by_import:
         assert f"(at least {import_s} s: importing torch's compiler, measured here)" in record["reason"]
-        assert probe.cached("eager_step", {"context": "c"})["eager_step_s"] < import_s / 3
+        # the step it timed (the record's: one timed under load, e.g. beside another suite, is not cached)
+        assert 0 < record["auto"]["eager_step_s"] < import_s / 3
     else:
         assert "ran 1.30x its eager time" in record["reason"]  # the block probe decided
     if least_step_s == 10.0:
