@@ -121,7 +121,8 @@ def test_each_change_is_paired_with_ultra_of_its_own_seed(tmp_path):
     # batch 48 in 120 ms against seed 1's batch 8 in 40 ms: 400 / 200 samples/s; 1 GiB against 2
     assert big["samples_per_s_x"] == pytest.approx([2.0]) and big["peak_x"] == pytest.approx([0.5])
     table = summarize.to_markdown(result)
-    assert "| ultra-graphs | 8 | 0 | 40.0 | 1.25x | 0.50x | 2.00x | 40 | 2.000 / 2.100 (2.000 / 2.100) |" in table
+    row = "| ultra-graphs | 8 | 0 | 40.0 | 1.25x | 0.50x | 2.00x | 40 | 2.000 / 2.100 (2.000 / 2.100) |"
+    assert row in table
     assert "| ultra-big | 48 | 1 | 120.0 | 2.00x | 0.50x | 1.00x |" in table
 
 
