@@ -122,13 +122,15 @@ def against_ultra(runs: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
     for cfg in in_order(runs):
         if not cfg.startswith("ultra-"):
             continue
-        pairs = [(r, ultra[s]) for s, r in runs[cfg].items() if r["exit_code"] == 0 and s in ultra]
-        if not pairs:
+        done = {s: r for s, r in sorted(runs[cfg].items()) if r["exit_code"] == 0}
+        paired = {s: (r, ultra[s]) for s, r in done.items() if s in ultra}
+        if not paired:
             continue
+        pairs = list(paired.values())
         found.append(
             {
                 "config": cfg,
-                "seeds": sorted(s for s, r in runs[cfg].items() if r["exit_code"] == 0 and s in ultra),
+                "seeds": list(paired),
                 "batch": sorted({r["batch"] for r, _ in pairs}),
                 "step_s": [r["step_s"] for r, _ in pairs],
                 "samples_per_s_x": [r["samples_per_s"] / u["samples_per_s"] for r, u in pairs],
