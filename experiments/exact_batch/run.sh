@@ -20,15 +20,16 @@ cd "$(dirname "$0")/../.."
 out=${1:-outputs/exact_batch/$(date +%Y-%m-%d_%H-%M-%S)}
 seeds=${2:-0 1 2}
 configs=${CONFIGS:-b8 b32-exact b32-exact-lr b32-lr}
-B32=(trainer.batch_size=32 trainer.max_steps=100 trainer.warmup_steps=5 trainer.val_every=6 metrics.log_every=6)
-X2=(trainer.batch_size=32 trainer.max_steps=200 trainer.warmup_steps=5 trainer.val_every=6 metrics.log_every=6)
+b32() {  # batch 32 for $1 steps: warm-up and validation as often in samples as batch 8's
+  echo "trainer.batch_size=32 trainer.max_steps=$1 trainer.warmup_steps=5 trainer.val_every=6 metrics.log_every=6"
+}
 declare -A CONFIG=(
   [b8]="trainer.batch_size=8"
-  [b32-exact]="${B32[*]} trainer.grad_accum_steps=4"
-  [b32-exact-lr]="${B32[*]} trainer.grad_accum_steps=4 trainer.lr=2e-4"
-  [b32-lr]="${B32[*]} trainer.lr=2e-4"
-  [b32-exact-lr-x2]="${X2[*]} trainer.grad_accum_steps=4 trainer.lr=2e-4"
-  [b32-lr-x2]="${X2[*]} trainer.lr=2e-4"
+  [b32-exact]="$(b32 100) trainer.grad_accum_steps=4"
+  [b32-exact-lr]="$(b32 100) trainer.grad_accum_steps=4 trainer.lr=2e-4"
+  [b32-lr]="$(b32 100) trainer.lr=2e-4"
+  [b32-exact-lr-x2]="$(b32 200) trainer.grad_accum_steps=4 trainer.lr=2e-4"
+  [b32-lr-x2]="$(b32 200) trainer.lr=2e-4"
 )
 for name in $configs; do
   [[ -n ${CONFIG[$name]+x} ]] || { echo "error: CONFIGS: unknown configuration '$name' (${!CONFIG[*]})" >&2; exit 2; }
