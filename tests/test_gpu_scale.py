@@ -245,6 +245,7 @@ def test_seeds_pooled_from_a_directory_without_a_table_is_one_error_line(tmp_pat
             "original-fast",
             "error: CONFIGS / LATER_CONFIGS: unknown configuration 'original-fast'",
         ),
+        ("BIG_PASSES", "1.5", "error: BIG_PASSES=1.5 must be a whole number >= 1"),
     ],
 )
 def test_run_sh_refuses_a_name_it_does_not_run_before_writing_anything(tmp_path, variable, value, said):

@@ -37,6 +37,8 @@ for c in $CONFIGS $LATER_CONFIGS; do
   [[ " original-default original-fastest$AAMPERF_CONFIGS" == *" $c "* ]] ||
     { echo "error: CONFIGS / LATER_CONFIGS: unknown configuration '$c' (original-default original-fastest$AAMPERF_CONFIGS)" >&2; exit 2; }
 done
+[[ $BIG_PASSES =~ ^[1-9][0-9]*$ ]] ||
+  { echo "error: BIG_PASSES=$BIG_PASSES must be a whole number >= 1 (ultra-big's samples, in batch 8's runs')" >&2; exit 2; }
 venvs=/tmp/gpu_scale
 
 if [[ -n ${DRY:-} ]]; then  # every path of the real run on this CPU, at toy sizes
