@@ -56,6 +56,33 @@ def test_a_clean_calibration_is_cached_for_this_machine_and_used_when_a_later_on
     assert not list(tmp_path.glob(".*tmp"))  # each writer's temporary file was renamed
 
 
+def test_a_clean_reading_below_the_machines_best_uses_the_best_and_keeps_it(tmp_path):
+    """A clean reading can fall short of the machine's peak (here: one core's rate for half a second)
+    but not exceed it: the best clean figure is the peak, and only a better one replaces it."""
+    cache = tmp_path / "peak.json"
+    key = machine_key("bf16", torch.get_num_threads())
+    peak_flops(CPU, "bf16", cache, calibrate=fake_calibration(4e11, None))
+    peak, record = peak_flops(CPU, "bf16", cache, calibrate=fake_calibration(2e11, None))
+    assert peak == 4e11 and record["status"] == "best_cached" and record["peak_flops"] == 2e11
+    assert "0.50x the best this machine measured" in record["reason"]
+    assert json.loads(cache.read_text())[key]["peak_flops"] == 4e11  # the low reading did not replace it
+    peak, record = peak_flops(CPU, "bf16", cache, calibrate=fake_calibration(4.2e11, None))
+    assert peak == 4.2e11 and record["status"] == "this_run" and "4e+11 before" in record["reason"]
+    assert json.loads(cache.read_text())[key]["peak_flops"] == 4.2e11
+
+
+@pytest.mark.parametrize(
+    "entry", [{"peak_flops": "fast"}, {"peak_flops": 0}, {"peak_flops": -1e9}, [1e18], 1e18]
+)
+def test_a_damaged_cache_entry_is_no_peak(tmp_path, entry):
+    cache = tmp_path / "peak.json"
+    cache.write_text(json.dumps({machine_key("fp32", torch.get_num_threads()): entry}))
+    peak, record = peak_flops(CPU, "fp32", cache, calibrate=fake_calibration(1e9, "busy"))
+    assert peak == 1e9 and record["status"] == "this_run_under_load"  # not the entry's figure
+    peak, record = peak_flops(CPU, "fp32", cache, calibrate=fake_calibration(3e9, None))
+    assert peak == 3e9 and record["status"] == "this_run"  # and a clean reading replaces it
+
+
 def test_a_figure_cached_on_another_machine_is_not_used(tmp_path):
     cache = tmp_path / "peak.json"
     key = machine_key("fp32", torch.get_num_threads())
