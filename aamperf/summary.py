@@ -91,11 +91,16 @@ class Summary(dict):
     def completed(self, job, model_flops: float, hardware_flops: float) -> None:
         """Status completed, with the figures only a whole run has: compile time, MFU / HFU."""
         self["status"] = "completed"
-        # Compilation done in the compile phase's warm-up counts too, not only the warm-up steps' excess
-        # (a compile=auto trial whose compile the run did not keep is in auto_s instead).
+        # A compiled run: the compile phase's warm-up and the warm-up steps' excess over the median step
+        # (the lazy compiles of new shapes). An eager one compiled nothing: its warm-up's excess (first
+        # allocations, caches) is warmup_excess_s alone. A compile=auto trial whose compile the run did not
+        # keep is in auto_s.
         compiled = job.plan.records["compile"]
-        if self.get("compile_time_s") is not None and compiled["status"] == "applied":
-            self["compile_time_s"] += compiled.get("compile_time_s", 0.0)
+        self["compile_time_s"] = (
+            compiled.get("compile_time_s", 0.0) + (self.get("warmup_excess_s") or 0.0)
+            if compiled["status"] == "applied"
+            else 0.0
+        )
         # Achieved FLOP/s over the timed steps against the peak of the matmuls' dtype; above 1: null + why.
         step_time, peak = self["step_time_s"], job.peak_flops
         mfu, hfu = utilization(model_flops, step_time, peak), utilization(hardware_flops, step_time, peak)

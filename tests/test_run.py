@@ -48,6 +48,7 @@ SUMMARY_KEYS = {
     "setup_peak_device_bytes",
     "data_wait_frac",
     "compile_time_s",
+    "warmup_excess_s",
     "auto_s",
     "time_to_first_step_s",
     "train_loss",

@@ -82,10 +82,11 @@ class StepMeter:
         measured_s = sum(self.step_times_s)
         n = len(self.step_times_s)
         median = statistics.median(self.step_times_s) if n else None
-        # Extra time of the warm-up steps over a typical (median) step: compilation and cache warm-up.
-        compile_s = None
+        # Extra time of the warm-up steps over a typical (median) step: compilation where the run compiles
+        # (its compile_time_s: `Summary.completed`), first allocations and cache warm-up in any run.
+        excess_s = None
         if median is not None:
-            compile_s = max(0.0, sum(self.warmup_times_s) - median * len(self.warmup_times_s))
+            excess_s = max(0.0, sum(self.warmup_times_s) - median * len(self.warmup_times_s))
         return {
             "timed_steps": n,
             "timed_s": measured_s,
@@ -94,6 +95,6 @@ class StepMeter:
             "step_time_s": measured_s / n if n else None,
             "step_time_median_s": median,
             "data_wait_frac": self.data_wait_s / measured_s if measured_s else None,
-            "compile_time_s": compile_s,
+            "warmup_excess_s": excess_s,
             "time_to_first_step_s": self.time_to_first_step_s,
         }

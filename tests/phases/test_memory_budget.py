@@ -100,6 +100,11 @@ def test_the_whole_model_within_a_budget_keeps_the_gradients(tiny, make_cfg):
 def test_a_run_records_its_budget_and_the_next_job_runs_without_it(make_cfg, tmp_path):
     summary = train(make_cfg("memory=budget", "compile=default"), tmp_path / "budget")
     assert summary["status"] == "completed"
+    # the compile phase's warm-up and the warm-up steps' excess (lazy compiles): both are compiling
+    assert (
+        summary["compile_time_s"]
+        == summary["phases"]["compile"]["compile_time_s"] + summary["warmup_excess_s"]
+    )
     phase = summary["phases"]["checkpointing"]
     assert phase["status"] == "applied" and phase["mode"] == "budget" and phase["activation_budget"] == 0.5
     assert functorch_config.activation_memory_budget == 0.5  # the compiled graphs' budget
@@ -112,8 +117,10 @@ def test_a_run_records_its_budget_and_the_next_job_runs_without_it(make_cfg, tmp
 def test_a_budget_with_nothing_compiled_says_so(make_cfg, tmp_path, caplog):
     train(make_cfg("memory=budget", "compile=auto"), tmp_path)  # 3 steps: too few to pay for a compile
     assert "every activation kept (memory=full or ops recompute in eager)" in caplog.text
-    phases = read_summary(tmp_path)["phases"]
+    summary = read_summary(tmp_path)
+    phases = summary["phases"]
     assert phases["compile"]["status"] == "skipped"
+    assert summary["compile_time_s"] == 0.0 and summary["warmup_excess_s"] >= 0  # nothing compiled
     assert phases["checkpointing"]["status"] == "skipped"
     reason = phases["checkpointing"]["reason"]
     assert reason.startswith(
