@@ -89,6 +89,8 @@ def check_config(cfg: DictConfig) -> None:
         problems.append(f"metrics.monitor_interval_s={m.monitor_interval_s} must be > 0 (seconds)")
     if m.profile_steps < 0:
         problems.append(f"metrics.profile_steps={m.profile_steps} must be >= 0 (0: no profile)")
+    if cfg.dropout.threads is not None and cfg.dropout.threads < 1:
+        problems.append(f"dropout.threads={cfg.dropout.threads} must be >= 1, or null: torch's thread count")
     if cfg.distributed.timeout_s <= 0:
         problems.append(f"distributed.timeout_s={cfg.distributed.timeout_s} must be > 0 (seconds)")
     if m.peak_flops is not None and not m.peak_flops > 0:

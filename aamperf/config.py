@@ -142,6 +142,8 @@ class DropoutConfig:
     """How dropout masks are drawn (`aamperf/phases/dropout.py`)."""
 
     impl: DropoutImpl = DropoutImpl.standard  # torch's Bernoulli; fast: 16 random bits per element (CPU)
+    # fast: threads that draw the masks' random words (the same words on any number); null: torch's threads
+    threads: int | None = None
 
 
 @dataclass

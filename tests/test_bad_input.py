@@ -57,6 +57,7 @@ CONFIG_CASES = {
     "negative seed": (["seed=-1"], "seed=-1 must be an integer from 0 to 4294967295"),
     "seed above 32 bits": (["data.seed=99999999999"], "data.seed=99999999999 must be an integer from 0"),
     "negative lr": (["trainer.lr=-0.001"], "trainer.lr=-0.001 must be > 0"),
+    "no threads to draw the masks": (["dropout=fast", "dropout.threads=0"], "dropout.threads=0 must be >= 1"),
     "unknown device": (["device=tpu"], "device=tpu is not one of auto, cpu, cuda, cuda:N"),
     "unknown allocator": (["system.allocator=jemalloc"], "system.allocator=jemalloc is not one of tcmalloc"),
     "more ASVs than model positions": (["data.max_asvs=32"], "raise model.max_asvs"),

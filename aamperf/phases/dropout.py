@@ -1,7 +1,12 @@
 """Dropout masks from a cheaper random source. On CPU, drawing one Bernoulli sample per element is
 the largest single cost of an AAM training step (the attention weights alone are rows x heads x
 151 x 151 per layer); this phase cuts each mask from 64-bit random words instead: 16 random bits per
-element, one generator call per four elements, the same keep probability (to 1/65536)."""
+element, one generator call per four elements, the same keep probability (to 1/65536). torch draws
+a CPU tensor's random numbers one after another from one generator (its random_ kernel is serial),
+so the words are drawn in fixed blocks, each from a generator of its own, on several threads."""
+
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from omegaconf import DictConfig
@@ -9,13 +14,58 @@ from torch import Tensor, nn
 
 from aamperf.phases.record import applied, skipped
 
+# Words per block: each block's generator is seeded by one draw from the default generator, so the
+# words depend on the seed alone, never on the threads drawing them (2 MiB: 1M mask elements).
+BLOCK_WORDS = 2**18
+_pool: ThreadPoolExecutor | None = None
 
-def keep_mask(shape: torch.Size, p: float, device: torch.device) -> Tensor:
-    """Bool mask, each element True with probability 1 - p (rounded to a multiple of 1/65536)."""
+
+def _threads_pool(threads: int) -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None or _pool._max_workers != threads:
+        if _pool is not None:
+            _pool.shutdown(wait=False)
+        _pool = ThreadPoolExecutor(threads, thread_name_prefix="aamperf-masks")
+    return _pool
+
+
+def _forget_pool() -> None:  # a forked child (a loader worker) has none of the parent's threads
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def random_words(n: int, device: torch.device, threads: int | None = None) -> Tensor:
+    """n full-range int64 words from the default (seeded) generator's stream: on CPU in blocks of
+    BLOCK_WORDS, each from its own generator seeded from that stream, drawn on `threads` threads
+    (None: torch's thread count); the same words on any number of threads. On a GPU, and inside
+    torch.compile's graphs, one call to the default generator."""
+    words = torch.empty(n, dtype=torch.int64, device=device)
+    if device.type != "cpu" or torch.compiler.is_compiling():
+        return words.random_(-(2**63), None)
+    blocks = list(words.split(BLOCK_WORDS))
+    seeds = torch.empty(len(blocks), dtype=torch.int64).random_(0, 2**62).tolist()
+
+    def draw(i: int) -> None:
+        blocks[i].random_(-(2**63), None, generator=torch.Generator().manual_seed(seeds[i]))
+
+    threads = min(len(blocks), threads or torch.get_num_threads())
+    if threads <= 1:
+        for i in range(len(blocks)):
+            draw(i)
+    else:  # random_ releases the GIL: the blocks are drawn at once
+        list(_threads_pool(threads).map(draw, range(len(blocks))))
+    return words
+
+
+def keep_mask(shape: torch.Size, p: float, device: torch.device, threads: int | None = None) -> Tensor:
+    """Bool mask, each element True with probability 1 - p (rounded to a multiple of 1/65536); its
+    words drawn on `threads` threads (`random_words`)."""
     n = shape.numel()
-    # Full-range int64 words (from the default, seeded generator) viewed as four uniform int16 each.
-    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), None)
-    bits = words.view(torch.int16)[:n].view(shape)
+    # Full-range int64 words viewed as four uniform int16 each.
+    bits = random_words((n + 3) // 4, device, threads).view(torch.int16)[:n].view(shape)
     return bits >= -(2**15) + round(p * 2**16)
 
 
@@ -23,7 +73,7 @@ def draw_keep(dropout: nn.Dropout, shape: torch.Size, dtype: torch.dtype, device
     """The bool keep mask `dropout` would draw for an input of `shape` and `dtype`, from the same random
     stream: FastDropout's words, or the Bernoulli draw of torch's own dropout."""
     if isinstance(dropout, FastDropout):
-        return keep_mask(shape, dropout.p, device)
+        return keep_mask(shape, dropout.p, device, dropout.threads)
     return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1 - dropout.p).bool()
 
 
@@ -73,12 +123,17 @@ class MaskedScale(torch.autograd.Function):
 
 
 class FastDropout(nn.Dropout):
-    """nn.Dropout with its mask from `keep_mask`: same distribution, another random stream."""
+    """nn.Dropout with its mask from `keep_mask`: same distribution, another random stream; its words
+    drawn on `threads` threads (None: torch's)."""
+
+    def __init__(self, p: float = 0.5, threads: int | None = None) -> None:
+        super().__init__(p)
+        self.threads = threads
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0:
             return x
-        keep = keep_mask(x.shape, self.p, x.device)
+        keep = keep_mask(x.shape, self.p, x.device, self.threads)
         # fp32: 1 byte an element kept for backward instead of 4 (fp32 advanced at the headline's batch:
         # 2.59 -> 2.0 GiB peak RSS, experiments/memory/). 2-byte dtypes: a multiplier in x's dtype (2 bytes
         # kept), where where() trained slower (bf16 `optim=advanced`, default run, three paired runs on
@@ -98,8 +153,8 @@ def apply_dropout(model: nn.Module, cfg: DictConfig, device: torch.device) -> di
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if type(child) is nn.Dropout and child.p > 0:
-                setattr(parent, name, FastDropout(child.p))
+                setattr(parent, name, FastDropout(child.p, cfg.get("threads")))
                 replaced += 1
     if not replaced:
         return skipped("the model has no active nn.Dropout")
-    return applied(modules=replaced)
+    return applied(modules=replaced, threads=cfg.get("threads") or torch.get_num_threads())

@@ -1,6 +1,7 @@
 """Each fp32 phase gives the baseline's loss and gradients; bf16 stays close over several steps."""
 
 import copy
+import multiprocessing
 
 import pytest
 import torch
@@ -196,6 +197,49 @@ def test_fast_dropout_keeps_the_distribution():
     y.sum().backward()
     torch.testing.assert_close(x.grad, y.detach())  # gradient flows through kept elements only, scaled
     assert torch.equal(drop.eval()(x), x)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_fast_dropout_masks_are_the_same_on_any_number_of_threads(threads):
+    """The words are drawn in blocks, each from a generator seeded from the default stream: the seed alone
+    decides the mask (a run gives the same losses with dropout.threads=1), and the stream moves on."""
+    from aamperf.phases.dropout import BLOCK_WORDS, keep_mask
+
+    shape = torch.Size([4, 3 * 4 * BLOCK_WORDS + 5])  # 4 mask elements a word: 12 blocks and a short one
+    torch.manual_seed(0)
+    one = keep_mask(shape, 0.1, torch.device("cpu"), threads=1)
+    after_one = torch.randint(2**30, (4,))
+    torch.manual_seed(0)
+    many = keep_mask(shape, 0.1, torch.device("cpu"), threads=threads)
+    assert torch.equal(one, many) and torch.equal(torch.randint(2**30, (4,)), after_one)
+    # no block repeats another (each its own generator), and the keep share is 1 - p in each
+    blocks = one.view(-1)[: 12 * 4 * BLOCK_WORDS].view(12, -1)
+    assert len({tuple(b[:64].tolist()) for b in blocks}) == 12
+    assert (blocks.float().mean(1) - 0.9).abs().max() < 0.002  # 1M draws a block: sd 0.0003
+
+
+def _masks_in_a_forked_child(queue) -> None:
+    from aamperf.phases.dropout import BLOCK_WORDS, keep_mask
+
+    torch.set_num_threads(1)  # as a loader worker does: OpenMP's threads do not survive a fork
+    keep = keep_mask(torch.Size([8 * BLOCK_WORDS]), 0.1, torch.device("cpu"), threads=2)
+    queue.put(keep.float().mean().item())
+
+
+def test_a_process_forked_after_masks_were_drawn_on_threads_draws_its_own():
+    """A loader worker forked from a run that drew masks on threads has none of those threads: it makes
+    its own pool instead of waiting on the parent's forever."""
+    from aamperf.phases.dropout import BLOCK_WORDS, keep_mask
+
+    keep_mask(torch.Size([8 * BLOCK_WORDS]), 0.1, torch.device("cpu"), threads=2)  # the pool's threads run
+    fork = multiprocessing.get_context("fork")
+    queue = fork.Queue()
+    child = fork.Process(target=_masks_in_a_forked_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    alive = child.is_alive()
+    child.kill()
+    assert not alive and child.exitcode == 0 and abs(queue.get(timeout=5) - 0.9) < 0.01
 
 
 def test_fast_dropout_phase_reaches_every_dropout_and_keeps_eval_exact(make_cfg):
