@@ -17,16 +17,16 @@ from aamperf.phases.record import applied, skipped
 # Words per block: each block's generator is seeded by one draw from the default generator, so the
 # words depend on the seed alone, never on the threads drawing them (2 MiB: 1M mask elements).
 BLOCK_WORDS = 2**18
-_pool: ThreadPoolExecutor | None = None
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (its threads, the pool)
 
 
 def _threads_pool(threads: int) -> ThreadPoolExecutor:
     global _pool
-    if _pool is None or _pool._max_workers != threads:
+    if _pool is None or _pool[0] != threads:
         if _pool is not None:
-            _pool.shutdown(wait=False)
-        _pool = ThreadPoolExecutor(threads, thread_name_prefix="aamperf-masks")
-    return _pool
+            _pool[1].shutdown(wait=False)
+        _pool = threads, ThreadPoolExecutor(threads, thread_name_prefix="aamperf-masks")
+    return _pool[1]
 
 
 def _forget_pool() -> None:  # a forked child (a loader worker) has none of the parent's threads
@@ -51,8 +51,8 @@ def random_words(n: int, device: torch.device, threads: int | None = None) -> Te
     def draw(i: int) -> None:
         blocks[i].random_(-(2**63), None, generator=torch.Generator().manual_seed(seeds[i]))
 
-    threads = min(len(blocks), threads or torch.get_num_threads())
-    if threads <= 1:
+    threads = threads or torch.get_num_threads()
+    if threads == 1 or len(blocks) == 1:
         for i in range(len(blocks)):
             draw(i)
     else:  # random_ releases the GIL: the blocks are drawn at once
