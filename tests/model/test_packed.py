@@ -154,7 +154,7 @@ def test_the_phase_drops_the_masks_only_where_the_data_is_full_length(make_cfg, 
     for full_length in (True, False):
         net = model()
         set_full_length(net, batch(full_length)["table"])
-        with caplog.at_level(logging.WARNING, logger="aamperf.phases.aam_ops"):
+        with caplog.at_level(logging.INFO, logger="aamperf.phases.aam_ops"):
             record = apply_aam_ops(net, ops)
         assert net.pack_samples and record["sample_level"] == "packed"
         assert net.unmasked_asvs == full_length and record["asv_masks"] == (not full_length)

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from aamperf.data import build_data
 from aamperf.device import to_device
 from aamperf.model.aam import bucket_size
-from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to
+from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to, set_full_length
 
 MAX_ASVS = 32  # above the tiny data's mean richness (20): the batch has padding rows
 OPTIONS = {"plain": "real", "padding_aware": "real", "dedup": "unique", "fast": "unique"}
@@ -67,10 +67,14 @@ def test_every_option_gives_the_plain_embeddings_loss_and_gradients(tiny, make_c
     cfg, model, loss_fn, fixed, longest, bucketed = tiny
     expected = run(model, loss_fn, fixed)
     other = copy.deepcopy(model)
+    set_full_length(other, fixed["tokens"][fixed["asv_ids"] >= 0])  # as a run does, from its data
+    assert other.full_length_asvs  # the simulated ASVs: 150 bp, no PAD inside
     ops = make_cfg(f"aam_ops={option}").aam_ops
     record = apply_aam_ops(other, ops)
     bucket = option == "fast"
-    assert record == {"status": "applied", "reason": None, "asv_rows": OPTIONS[option], "bucket": bucket}
+    want = {"status": "applied", "reason": None, "asv_rows": OPTIONS[option], "bucket": bucket}
+    assert record == ({**want, "asv_masks": False} if option == "fast" else want)
+    assert other.unmasked_asvs == (option == "fast")
     batch = {None: longest, "bucket": bucketed}.get(collate_pad_to(ops, MAX_ASVS), fixed)
     assert_same(run(other, loss_fn, batch), expected)
     if ops.skip_padding:  # and the same loss on the batch padded to max_asvs

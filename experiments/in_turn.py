@@ -1,0 +1,91 @@
+"""Two ways of one training step, timed in one process and in turn: a forward + backward of a level's model
+on one batch, switching a setting of the built model between steps (a change of machine load falls on both).
+Each pair is a setting that keeps the results: the same masks or the same math, so only the time differs.
+
+  mask-threads  the fast dropout's random words drawn on one thread (dropout.threads=1) against the run's
+                threads (null): the same masks, from the same seed
+  asv-masks     the ASV encoder with its masks (aam_ops.unmask_full_length=false) against without them, on
+                data whose ASVs are all full length: the same outputs
+
+Usage: LD_PRELOAD=libtcmalloc_minimal.so.4 python experiments/in_turn.py PAIR [PAIRS=20] [overrides]
+(tcmalloc preloaded as `system=tuned` runs it; the overrides follow `optim=advanced`, e.g.
+`experiment=headline` for the headline's shapes; without one, the default job's).
+"""
+
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from aamperf.config import CONF_DIR, register_configs
+from aamperf.device import to_device
+from aamperf.job import build_job
+from aamperf.metrics.flops import cpu_description
+from aamperf.metrics.timing import StepMeter
+from aamperf.phases.dropout import FastDropout
+from aamperf.summary import Summary
+
+
+def mask_threads(model: torch.nn.Module):
+    drops = [m for m in model.modules() if isinstance(m, FastDropout)]
+
+    def use(one: bool) -> None:
+        for m in drops:
+            m.threads = 1 if one else None
+
+    return use, ("dropout.threads=1", "dropout.threads=null")
+
+
+def asv_masks(model: torch.nn.Module):
+    aam = next(m for m in model.modules() if hasattr(m, "unmasked_asvs"))
+    assert aam.full_length_asvs, "the data has ASVs shorter than full length: the masks cannot go"
+
+    def use(masked: bool) -> None:
+        aam.unmasked_asvs = not masked
+
+    return use, ("aam_ops.unmask_full_length=false", "aam_ops.unmask_full_length=true")
+
+
+PAIRS = {"mask-threads": mask_threads, "asv-masks": asv_masks}
+
+
+def main() -> None:
+    pair, pairs = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 20
+    register_configs()
+    with tempfile.TemporaryDirectory() as cache, initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=["optim=advanced", f"data.cache_dir={cache}", *sys.argv[3:]])
+        job = build_job(cfg, Summary(cfg, StepMeter(0), "process", []))
+    model, plan = job.plan.model, job.plan
+    use, names = PAIRS[pair](model)
+    batch = to_device(next(iter(job.data.train_loader)), job.device)
+
+    def step(first: bool) -> tuple[float, float]:
+        use(first)
+        torch.manual_seed(0)  # the same dropout masks both ways
+        start = time.perf_counter()
+        with plan.autocast():
+            loss, _ = job.loss_fn(model, batch, 0)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start, loss.item()
+
+    losses = {step(True)[1], step(False)[1]}  # warm-up, and the two ways' losses
+    times = {True: [], False: []}
+    for i in range(pairs):
+        for first in (True, False) if i % 2 == 0 else (False, True):
+            times[first].append(step(first)[0])
+    ratios = [a / b for a, b in zip(times[True], times[False], strict=True)]
+    print(f"{cpu_description()}; torch threads {torch.get_num_threads()}; the two losses {sorted(losses)}")
+    for first, name in ((True, names[0]), (False, names[1])):
+        print(f"{name}: median {statistics.median(times[first]):.4f} s a forward + backward")
+    print(
+        f"{names[0]}'s time over {names[1]}'s: median {statistics.median(ratios):.3f}, "
+        f"range {min(ratios):.3f}-{max(ratios):.3f} over {pairs} pairs"
+    )
+
+
+if __name__ == "__main__":
+    main()
