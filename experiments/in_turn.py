@@ -14,7 +14,6 @@ Usage: LD_PRELOAD=libtcmalloc_minimal.so.4 python experiments/in_turn.py PAIR [P
 
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -55,8 +54,8 @@ PAIRS = {"mask-threads": mask_threads, "asv-masks": asv_masks}
 def main() -> None:
     pair, pairs = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 20
     register_configs()
-    with tempfile.TemporaryDirectory() as cache, initialize_config_dir(str(CONF_DIR), version_base=None):
-        cfg = compose("config", overrides=["optim=advanced", f"data.cache_dir={cache}", *sys.argv[3:]])
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=["optim=advanced", *sys.argv[3:]])
         job = build_job(cfg, Summary(cfg, StepMeter(0), "process", []))
     model, plan = job.plan.model, job.plan
     use, names = PAIRS[pair](model)
@@ -72,13 +71,14 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - start, loss.item()
 
-    losses = {step(True)[1], step(False)[1]}  # warm-up, and the two ways' losses
+    losses = step(True)[1], step(False)[1]  # warm-up, and the two ways' losses
     times = {True: [], False: []}
     for i in range(pairs):
         for first in (True, False) if i % 2 == 0 else (False, True):
             times[first].append(step(first)[0])
     ratios = [a / b for a, b in zip(times[True], times[False], strict=True)]
-    print(f"{cpu_description()}; torch threads {torch.get_num_threads()}; the two losses {sorted(losses)}")
+    print(f"{cpu_description()}; torch threads {torch.get_num_threads()}")
+    print(f"losses: {names[0]} {losses[0]!r}, {names[1]} {losses[1]!r}")
     for first, name in ((True, names[0]), (False, names[1])):
         print(f"{name}: median {statistics.median(times[first]):.4f} s a forward + backward")
     print(

@@ -129,7 +129,8 @@ def test_each_change_is_paired_with_ultra_of_its_own_seed(tmp_path):
 @pytest.mark.slow  # about 25 s (aam_base's steps on a CPU): the default suite stays near 10 minutes
 def test_the_activation_count_finds_what_each_kernel_keeps_on_a_real_batch(tmp_path):
     """activations.py on the dry run's data: the attention kernel keeps q, k, v and its output (2 bytes a
-    channel each) and the mask as a bias, the GELU its 4 D wide input, for each encoded ASV row's tokens."""
+    channel each; no mask: the data's ASVs are all full length, which aam_ops=fast unmasks), the GELU its
+    4 D wide input, for each encoded ASV row's tokens."""
     import subprocess
     import sys
 
@@ -144,7 +145,7 @@ def test_the_activation_count_finds_what_each_kernel_keeps_on_a_real_batch(tmp_p
     found = activations.count(data, 8, torch.bfloat16, 1, [], depth=500)
     parts = {(p["stack"], p["part"], p["dtype"]): p["bytes"] for p in found["parts"]}
     tokens = found["encoded_rows"] * 151 * 4  # rows x tokens x layers (aam_base: D 128, 4 layers)
-    assert parts[("asv_encoder", "attn.attend", "bfloat16")] == tokens * (4 * 128 * 2 + 2)
+    assert parts[("asv_encoder", "attn.attend", "bfloat16")] == tokens * 4 * 128 * 2
     assert parts[("asv_encoder", "ffn.1", "bfloat16")] == tokens * 4 * 128 * 2
     assert parts[("asv_encoder", "ffn.2", "bool")] == tokens * 4 * 128
     assert found["kept_bytes"] == sum(parts.values())

@@ -128,7 +128,7 @@ def count(
         cfg.data, batch_size=batch, seed=0, loader=cfg.dataloader,
         pad_to=collate_pad_to(cfg.aam_ops, cfg.data.max_asvs),
     )  # fmt: skip
-    set_full_length(model, data.collate.tokens)  # as the job does: ultra keeps the masks (aam_ops=fast)
+    set_full_length(model, data.collate.tokens)  # as the job does: fast drops the ASV encoder's masks here
     apply_residual(model, cfg.precision)  # precision.residual=autocast: the stream and norms in `dtype`
     apply_aam_ops(model, cfg.aam_ops)
     as_on_gpu(model)
