@@ -337,8 +337,8 @@ def peak_flops(
     cache_file = Path(cache_file)
     cached = read_json_cache(cache_file).get(key)
     figure = cached.get("peak_flops") if isinstance(cached, dict) else None
-    if not isinstance(figure, int | float) or not figure > 0:
-        cached = None  # none, or an entry damaged by hand: not a figure to use
+    if isinstance(figure, bool) or not isinstance(figure, int | float) or not figure > 0:
+        cached = None  # none, or an entry damaged by hand (true is no figure either): not a figure to use
     reading = f"this run's calibration ({record['peak_flops']:.3g} FLOP/s)"
     if record["under_load"] is None and (cached is None or record["peak_flops"] >= cached["peak_flops"]):
         entry = {

@@ -72,7 +72,8 @@ def test_a_clean_reading_below_the_machines_best_uses_the_best_and_keeps_it(tmp_
 
 
 @pytest.mark.parametrize(
-    "entry", [{"peak_flops": "fast"}, {"peak_flops": 0}, {"peak_flops": -1e9}, [1e18], 1e18]
+    "entry",
+    [{"peak_flops": "fast"}, {"peak_flops": True}, {"peak_flops": 0}, {"peak_flops": -1e9}, [1e18], 1e18],
 )
 def test_a_damaged_cache_entry_is_no_peak(tmp_path, entry):
     cache = tmp_path / "peak.json"
