@@ -81,6 +81,8 @@ def test_the_runs_own_samples_one_row_each_with_the_pairwise_unifrac_of_their_em
     assert base["embedding_cosine_min"] == pytest.approx(1.0) and base["unifrac_mae"] == 0
     latency = summary["batch_latency_s"]
     assert summary["samples_per_s"] > 0 and latency["p95"] >= latency["p50"] > 0
+    # freed blocks kept for the next batch (glibc here): every job of a bench sweep alike
+    assert summary["malloc"]["status"] == "applied" and summary["malloc"]["mmap_threshold"] == 2**30
 
 
 @pytest.mark.slow  # over 12 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
@@ -376,3 +378,67 @@ def test_a_stop_signal_ends_predict_in_one_line_with_no_file_half_written(launch
     left = "stopped before all predictions were written (each file is whole or absent): run it again"
     assert err.strip().splitlines()[-1] == f"interrupted: SIGINT received; {left}"
     assert sorted(p.name for p in out.iterdir()) == [".hydra", "predict.log"]  # no predictions
+
+
+def test_the_asv_encoder_drops_its_masks_in_the_chunks_whose_asvs_are_all_full_length(trained_run, tmp_path):
+    """aam_ops.unmask_full_length decided per chunk of samples: a short ASV (100 bp) only in the table's last
+    sample masks the last chunk alone, and every chunk gives the masked model's embeddings."""
+    import biom
+    import h5py
+
+    run_dir, trained = trained_run
+    files = ensure_simulated(SimParams(30, 64, 4, 20, 2000, seed=7), tmp_path / "cache")
+    table = biom.load_table(str(files["table"]))
+    short = str(table.ids(axis="observation")[0])[:100]
+    counts = np.zeros((1, table.shape[1]), dtype=np.int64)
+    counts[0, -1] = 1500  # the last sample's most abundant ASV after rarefaction
+    extra = biom.Table(counts, [short], list(table.ids()))
+    path = tmp_path / "short.biom"
+    with h5py.File(path, "w") as f:
+        table.concat([extra], axis="observation").to_hdf5(f, "test")
+    register_predict_configs()
+
+    def run(name: str, *overrides: str) -> tuple[dict, np.ndarray]:
+        common = [f"run={run_dir}", f"data.table={path}", "batch_size=4", "chunk_samples=7", "device=cpu"]
+        common += [f"probe.cache={tmp_path / 'probe.json'}", "progress=false"]
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = compose("predict", overrides=[*common, *overrides])
+        summary = predict(cfg, tmp_path / name)
+        return summary, pd.read_csv(tmp_path / name / "embeddings.tsv", sep="\t", index_col=0).to_numpy()
+
+    masked, want = run("masked")
+    unmasked, got = run("unmasked", "aam_ops.unmask_full_length=true")
+    record = unmasked["phases"]["aam_ops"]
+    assert unmasked["chunks"] == 4 and record["asv_masks"] is True
+    assert record["asv_masks_kept"].startswith("1 of 4 chunks of samples have ASVs with PAD inside")
+    assert "asv_masks" not in masked["phases"]["aam_ops"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # the whole table at once holds the short ASV: the masks kept, said as for a run's data
+    whole, _ = run("whole", "aam_ops.unmask_full_length=true", "chunk_samples=0")
+    assert whole["phases"]["aam_ops"]["asv_masks_kept"].startswith("the samples have ASVs with PAD inside")
+
+
+def test_a_benchmark_report_tells_two_jobs_of_one_level_apart_and_names_its_reference(tmp_path):
+    """Two jobs of inference=fast differing in one override: two rows labelled by it, speed-ups over the
+    first job (the sweep has no baseline) and said so, the fastest named by its label."""
+    import yaml
+
+    from aamperf.predict.bench import report, to_markdown
+
+    for num, (unmask, p50_s) in enumerate((("True", 0.02), ("False", 0.01))):
+        job = tmp_path / f"{num}_job"
+        (job / ".hydra").mkdir(parents=True)
+        overrides = ["run=outputs/train", "inference=fast", f"aam_ops.unmask_full_length={unmask}"]
+        (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([*overrides, "bench.enabled=True"]))
+        figures = {"p50_s": p50_s, "p95_s": 2 * p50_s, "samples_per_s": 32 / p50_s, "peak_rss_bytes": 2**30}
+        summary = {"inference": "fast", "device": "cpu", "bench": {"32": figures}}
+        summary["quality"] = {"embedding_cosine_min": 1.0, "target_mae": 0.0}
+        (job / "summary.json").write_text(json.dumps(summary))
+    cfg = OmegaConf.create({"bench": {"min_cosine": 0.999, "max_target_mae_std": 0.01}})
+    result = report(tmp_path, cfg)
+    labels = [row["label"] for row in result["rows"]]
+    assert labels == ["fast aam_ops.unmask_full_length=true", "fast aam_ops.unmask_full_length=false"]
+    assert result["reference"] == labels[0] and [r["32"]["speedup"] for r in result["rows"]] == [1.0, 2.0]
+    assert result["fastest_keeping_quality"] == labels[1]
+    text = to_markdown(result)
+    assert "(x first)" in text and f"over the first row ({labels[0]})" in text and "nan" not in text

@@ -49,6 +49,16 @@ def set_full_length(model: nn.Module, token_table: Tensor) -> None:
         model.full_length_asvs = bool((token_table != PAD).all())
 
 
+def unmask_for(model: nn.Module, cfg: DictConfig, token_table: Tensor) -> bool:
+    """New data for an AAM `model` already set up by apply_aam_ops (prediction's next chunk of samples, with
+    its own ASVs): its ASV encoder unmasked where `cfg` (the aam_ops node) asks and every ASV of this token
+    table is full length, masked again where one is not. Returns whether it runs unmasked."""
+    set_full_length(model, token_table)
+    if hasattr(model, "unmasked_asvs"):
+        model.unmasked_asvs = bool(cfg.unmask_full_length and model.full_length_asvs)
+    return bool(getattr(model, "unmasked_asvs", False))
+
+
 def apply_aam_ops(model: nn.Module, cfg: DictConfig) -> dict:
     """Set the ASV encoder's row strategy on the AAM `model`. `cfg` is the `aam_ops` node.
 

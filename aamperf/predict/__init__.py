@@ -33,7 +33,8 @@ from aamperf.interrupts import stop_if_signalled
 from aamperf.metrics.flops import cpu_description
 from aamperf.metrics.monitor import peak_rss, reset_peak_rss
 from aamperf.model import AAM
-from aamperf.phases.system import given, thread_record, threads_for_quota
+from aamperf.phases.aam_ops import set_full_length, unmask_for
+from aamperf.phases.system import apply_malloc, given, thread_record, threads_for_quota
 from aamperf.predict.bench import latencies
 from aamperf.predict.categorical import attach_categories, category_record, check_metadata
 from aamperf.predict.export import export_model
@@ -83,6 +84,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         raise UserError(problem)
     device = resolve_device(cfg.device)
     threads = thread_record(threads_for_quota(given()[1]))  # a cgroup's CPU quota, as a run takes it
+    malloc = apply_malloc(cfg.reuse_freed_memory)  # every job of a sweep alike, the first included
     if cfg.timeout_s <= 0:
         raise UserError(
             f"timeout_s={cfg.timeout_s} must be > 0 (seconds a collective may wait under torchrun)"
@@ -128,6 +130,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         model_cfg = OmegaConf.create(payload["config"]["model"])
         total = len(samples.ids) if chunks == [None] else sum(len(chunk) for chunk in chunks)
         calls = -(-total // (warm if auto_batch else cfg.batch_size))  # forward passes: compile=auto's stake
+        set_full_length(model, samples.tokens)  # the first chunk's ASVs: aam_ops.unmask_full_length's check
         autocast, phases = apply_levels(model, cfg, device, model_cfg, first_batch, calls, world)
         found = None
         if auto_batch:  # measured with the level applied: what it keeps in memory is what counts
@@ -138,6 +141,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             if rounded != chunks:
                 chunks = rounded
                 samples = read_chunk(data_cfg, keep_unlabelled=True, sample_ids=chunks[0])
+                unmask_for(model, cfg.aam_ops, samples.tokens)
         summary = {
             "status": "completed",
             "batch_finder": found,
@@ -145,6 +149,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             "inference": cfg.inference,
             "phases": phases,
             "threads": threads,
+            "malloc": malloc,
             "device": str(device),
             "cpu": cpu_description() if device.type == "cpu" else None,
             "world_size": world.world_size,
@@ -170,6 +175,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
                 model, autocast, data_cfg, chunks, samples, cfg, device, world, read_chunk
             )
             summary.update(n_samples=len(read["ids"]), too_shallow=read["too_shallow"])
+            record_chunk_masks(phases["aam_ops"], cfg.aam_ops, read["unmasked"])
             if world.is_main:  # the first samples through the fp32 eager model too
                 summary["quality"] = check_quality(mine, samples, cfg, device, target)
             parts = gather_shares(out_dir, mine, world)
@@ -221,9 +227,10 @@ def predict_chunks(
     the output; what was read: every sample's id, the samples too shallow). `read_chunk`: how a chunk is
     read (with its categories where the model is conditioned)."""
     shares: list[dict] = []
-    read: dict[str, list] = {"ids": [], "too_shallow": []}
+    read: dict[str, list] = {"ids": [], "too_shallow": [], "unmasked": []}
     for k, chunk in enumerate(chunks):
         samples = first if k == 0 else read_chunk(data_cfg, keep_unlabelled=True, sample_ids=chunk)
+        read["unmasked"].append(unmask_for(model, cfg.aam_ops, samples.tokens))  # this chunk's ASVs decide
         share = batch_share(len(samples.ids), cfg.batch_size, world)
         part = apply_model(model, autocast, samples, share, cfg, device, cfg.progress and world.is_main)
         part["rows"] = torch.arange(share.start, share.stop) + len(read["ids"])
@@ -241,6 +248,21 @@ def predict_chunks(
         key: concat([part[key] for part in shares]) for key in ("embedding", "predicted", "latencies", "rows")
     }
     return mine, read
+
+
+def record_chunk_masks(record: dict, cfg: DictConfig, unmasked: list[bool]) -> None:
+    """aam_ops.unmask_full_length decided per chunk of samples (each has its own ASVs): the aam_ops record
+    says over all of them whether the ASV encoder kept its masks, and in how many chunks."""
+    if not cfg.unmask_full_length or "asv_masks" not in record:
+        return
+    kept = unmasked.count(False)
+    record["asv_masks"] = kept > 0
+    record.pop("asv_masks_kept", None)
+    if kept:
+        where = (
+            "the samples have" if len(unmasked) == 1 else f"{kept} of {len(unmasked)} chunks of samples have"
+        )
+        record["asv_masks_kept"] = f"{where} ASVs with PAD inside (under 150 bp, or ambiguous bases)"
 
 
 def read_categorized_samples(data_cfg: DictConfig, vocabularies=None, **options: Any):

@@ -18,7 +18,7 @@ from aamperf.files import write_atomic, write_json_atomic
 from aamperf.metrics.monitor import peak_rss, release_freed_memory, reset_peak_rss
 from aamperf.predict.config import DEFAULT_MAX_PROBABILITY_DIFF
 from aamperf.predict.levels import forward
-from aamperf.report.runs import find_runs
+from aamperf.report.runs import Run, canonical, find_runs
 
 
 def latencies(model, autocast, batches: dict[int, dict], cfg: DictConfig) -> dict[str, dict[str, float]]:
@@ -71,36 +71,57 @@ def keeps_quality(
     return q.get("embedding_cosine_min", 0) >= min_cosine and target_kept
 
 
+# a job's overrides that say nothing about its level: not part of a row's label
+UNLABELLED = ("run=", "inference=", "bench.", "progress=", "hydra.", "device=", "probe.", "quality_samples=")
+
+
+def row_labels(runs: list[Run]) -> list[str]:
+    """Each job's level, and the overrides that set it apart from the sweep's other jobs of that level
+    (`fast aam_ops.unmask_full_length=true`): two jobs of one level are two rows, not one name twice."""
+    keys = [[canonical(o) for o in run.overrides if not o.startswith(UNLABELLED)] for run in runs]
+    labels = []
+    for run, key in zip(runs, keys, strict=True):
+        level = run.summary["inference"]
+        others = [k for r, k in zip(runs, keys, strict=True) if r.summary["inference"] == level]
+        common = set.intersection(*(set(k) for k in others))
+        labels.append(" ".join([level, *(o for o in key if o not in common)]))
+    return labels
+
+
 def report(sweep_dir: Path, cfg: DictConfig) -> dict[str, Any]:
-    """The levels of a benchmark sweep side by side: latency and speed-up over inference=baseline per
-    batch size, peak memory, quality; the fastest level at the largest batch that keeps quality."""
-    runs = [run.summary for run in find_runs([sweep_dir], predictions=True) if run.summary.get("bench")]
+    """The levels of a benchmark sweep side by side: latency and speed-up per batch size over the sweep's
+    inference=baseline (its first job without one), peak memory, quality; the fastest row at the largest
+    batch that keeps quality."""
+    runs = [run for run in find_runs([sweep_dir], predictions=True) if run.summary.get("bench")]
     if not runs:
         raise ValueError(f"no benchmark summary under {sweep_dir} (bench.enabled=true)")
-    base = next((r for r in runs if r["inference"] == "baseline"), None)
+    labels = row_labels(runs)
+    base = next((i for i, r in enumerate(runs) if r.summary["inference"] == "baseline"), 0)
     bounds = {
         "min_cosine": cfg.bench.min_cosine,
         "max_target_mae_std": cfg.bench.max_target_mae_std,
         "max_probability_diff": cfg.bench.get("max_probability_diff", DEFAULT_MAX_PROBABILITY_DIFF),
     }
     rows = []
-    for run in runs:
+    for run, label in zip(runs, labels, strict=True):
+        summary = run.summary
         row = {
-            "inference": run["inference"],
-            "keeps_quality": keeps_quality(run, **bounds),
+            "label": label,
+            "inference": summary["inference"],
+            "keeps_quality": keeps_quality(summary, **bounds),
         }
-        row["quality"] = run.get("quality")
-        for size, figures in run["bench"].items():
+        row["quality"] = summary.get("quality")
+        for size, figures in summary["bench"].items():
             row[size] = dict(figures)
-            if base is not None:
-                row[size]["speedup"] = base["bench"][size]["p50_s"] / figures["p50_s"]
+            row[size]["speedup"] = runs[base].summary["bench"][size]["p50_s"] / figures["p50_s"]
         rows.append(row)
-    largest = max(runs[0]["bench"], key=int)
+    largest = max(runs[0].summary["bench"], key=int)
     good = [r for r in rows if r["keeps_quality"]]
-    fastest = min(good, key=lambda r: r[largest]["p50_s"])["inference"] if good else None
+    fastest = min(good, key=lambda r: r[largest]["p50_s"])["label"] if good else None
     return {
-        "device": runs[0].get("cpu") or runs[0]["device"],
+        "device": runs[0].summary.get("cpu") or runs[0].summary["device"],
         "rows": rows,
+        "reference": labels[base],
         "fastest_keeping_quality": fastest,
         "quality_bounds": bounds,
     }
@@ -108,14 +129,15 @@ def report(sweep_dir: Path, cfg: DictConfig) -> dict[str, Any]:
 
 def to_markdown(result: dict[str, Any]) -> str:
     sizes = [k for k in result["rows"][0] if k.isdigit()]
+    reference = result.get("reference", "baseline")
     head = (
         ["level"]
-        + [f"batch {s}: p50 / p95 ms (x baseline)" for s in sizes]
+        + [f"batch {s}: p50 / p95 ms (x {'baseline' if reference == 'baseline' else 'first'})" for s in sizes]
         + ["peak RSS MiB", "cosine min", "target MAE", "keeps quality"]
     )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in result["rows"]:
-        cells = [row["inference"]]
+        cells = [row.get("label", row["inference"])]
         for s in sizes:
             f = row[s]
             cells.append(
@@ -130,6 +152,8 @@ def to_markdown(result: dict[str, Any]) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
+    if reference != "baseline":  # no inference=baseline in the sweep
+        lines.append(f"Speed-ups over the first row ({reference}): the sweep has no inference=baseline.")
     largest, fastest = max(sizes, key=int), result["fastest_keeping_quality"]
     lines.append(f"Fastest level that keeps quality (at batch {largest}): {fastest}; on {result['device']}")
     return "\n".join(lines) + "\n"
@@ -152,7 +176,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     sizes = [k for k in result["rows"][0] if k.isdigit()]
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.5 * len(sizes), 3.2), squeeze=False)
     for ax, size in zip(axes[0], sizes, strict=True):
-        names = [r["inference"] for r in result["rows"]]
+        names = [r.get("label", r["inference"]) for r in result["rows"]]
         p50 = [1e3 * r[size]["p50_s"] for r in result["rows"]]
         p95 = [1e3 * r[size]["p95_s"] for r in result["rows"]]
         colors = ["tab:green" if r["keeps_quality"] else "tab:red" for r in result["rows"]]

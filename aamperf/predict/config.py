@@ -90,6 +90,10 @@ class PredictConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     timeout_s: int = 600  # under torchrun: a collective waiting longer than this fails instead of hanging
     progress: bool = True  # tqdm bar with samples/s
+    # glibc keeps freed blocks (up to 1 GiB) for the next batch instead of returning them to the OS, as the
+    # training option of that name (aamperf/phases/system.py): without it every batch faults its pages in
+    # again, and a bench sweep's first job ran 1.1-1.5x slower than the same level after it in one process
+    reuse_freed_memory: bool = True
 
 
 def register_predict_configs() -> None:
