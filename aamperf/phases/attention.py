@@ -143,7 +143,8 @@ def apply_attention(model: nn.Module, cfg: DictConfig, device: torch.device | No
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if isinstance(child, MathAttention):
-                swapped.append(SDPAttention(child.dropout_p, list(cfg.backends)))
+                # in the mode of the module it replaces: an evaluated model's attention has no dropout
+                swapped.append(SDPAttention(child.dropout_p, list(cfg.backends)).train(child.training))
                 setattr(parent, name, swapped[-1])
     if not swapped:
         return skipped("the model has no MathAttention module to replace")

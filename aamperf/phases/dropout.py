@@ -153,7 +153,7 @@ def apply_dropout(model: nn.Module, cfg: DictConfig, device: torch.device) -> di
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if type(child) is nn.Dropout and child.p > 0:
-                setattr(parent, name, FastDropout(child.p, cfg.get("threads")))
+                setattr(parent, name, FastDropout(child.p, cfg.get("threads")).train(child.training))
                 replaced += 1
     if not replaced:
         return skipped("the model has no active nn.Dropout")

@@ -33,3 +33,29 @@ def test_prediction_records_the_backends_and_nothing_about_training(make_cfg):
     cfg = make_cfg("attention=sdpa", "model.dropout=0.1")
     record = apply_attention(instantiate(cfg.model), cfg.attention)  # device None: nothing trains
     assert record["backends"] == "auto" and "training" not in record and "note" not in record
+
+
+@pytest.mark.parametrize("phase", ["attention", "dropout"])
+def test_a_module_swapped_into_an_evaluated_model_stays_in_eval_mode(make_cfg, phase):
+    """Prediction swaps attention into a model already in eval mode: the new modules must not drop out.
+    The same samples twice give the same outputs, those of the model before the swap (fp32)."""
+    from aamperf.phases.dropout import FastDropout, apply_dropout
+
+    cfg = make_cfg("attention=sdpa", "dropout=fast", "model.dropout=0.1")
+    model = instantiate(cfg.model).eval()
+    tokens = torch.randint(1, 5, (3, 6, model.seq_len))
+    counts = torch.ones(3, 6, 1)
+    with torch.no_grad():
+        want = model(tokens, counts)["sample_embedding"]
+    if phase == "attention":
+        apply_attention(model, cfg.attention)
+    else:
+        apply_dropout(model, cfg.dropout, torch.device("cpu"))
+    swapped = [m for m in model.modules() if isinstance(m, SDPAttention | FastDropout)]
+    assert swapped and not any(m.training for m in swapped)
+    with torch.no_grad():
+        first, again = (model(tokens, counts)["sample_embedding"] for _ in range(2))
+    assert torch.equal(first, again)
+    torch.testing.assert_close(first, want, rtol=1e-5, atol=1e-6)
+    model.train()  # and a model trained afterwards drops out again
+    assert all(m.training for m in swapped)
