@@ -442,3 +442,8 @@ def test_a_benchmark_report_tells_two_jobs_of_one_level_apart_and_names_its_refe
     assert result["fastest_keeping_quality"] == labels[1]
     text = to_markdown(result)
     assert "(x first)" in text and f"over the first row ({labels[0]})" in text and "nan" not in text
+    for num, row in enumerate(result["rows"]):  # two baselines that differ: over the first of them
+        row["inference"], row["label"] = "baseline", f"baseline x={num}"
+    result["reference"] = "baseline x=0"
+    text = to_markdown(result)
+    assert "(x baseline)" in text and "over baseline x=0, the sweep's first inference=baseline" in text

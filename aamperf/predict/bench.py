@@ -130,9 +130,10 @@ def report(sweep_dir: Path, cfg: DictConfig) -> dict[str, Any]:
 def to_markdown(result: dict[str, Any]) -> str:
     sizes = [k for k in result["rows"][0] if k.isdigit()]
     reference = result.get("reference", "baseline")
+    has_baseline = any(row["inference"] == "baseline" for row in result["rows"])
     head = (
         ["level"]
-        + [f"batch {s}: p50 / p95 ms (x {'baseline' if reference == 'baseline' else 'first'})" for s in sizes]
+        + [f"batch {s}: p50 / p95 ms (x {'baseline' if has_baseline else 'first'})" for s in sizes]
         + ["peak RSS MiB", "cosine min", "target MAE", "keeps quality"]
     )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -152,8 +153,10 @@ def to_markdown(result: dict[str, Any]) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    if reference != "baseline":  # no inference=baseline in the sweep
+    if not has_baseline:
         lines.append(f"Speed-ups over the first row ({reference}): the sweep has no inference=baseline.")
+    elif reference != "baseline":  # baseline jobs that differ: the first of them
+        lines.append(f"Speed-ups over {reference}, the sweep's first inference=baseline.")
     largest, fastest = max(sizes, key=int), result["fastest_keeping_quality"]
     lines.append(f"Fastest level that keeps quality (at batch {largest}): {fastest}; on {result['device']}")
     return "\n".join(lines) + "\n"
