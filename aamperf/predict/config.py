@@ -92,7 +92,8 @@ class PredictConfig:
     progress: bool = True  # tqdm bar with samples/s
     # glibc keeps freed blocks (up to 1 GiB) for the next batch instead of returning them to the OS, as the
     # training option of that name (aamperf/phases/system.py): without it every batch faults its pages in
-    # again, and a bench sweep's first job ran 1.1-1.5x slower than the same level after it in one process
+    # again (inference=baseline at batch 32 2.2x slower, 1.25x less peak RSS: docs/predict.md), and a bench
+    # sweep's first job ran 1.1-1.5x slower than the same level after it in one process
     reuse_freed_memory: bool = True
 
 
