@@ -161,6 +161,9 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         reset_peak_rss()
         if cfg.bench.enabled:  # the level's latencies, and its quality on the first samples
             n = len(samples.ids)
+            record_chunk_masks(
+                phases["aam_ops"], cfg.aam_ops, [unmask_for(model, cfg.aam_ops, samples.tokens)]
+            )
             sizes = {
                 size: to_device(collate_range(samples, range(min(size, n))), device)
                 for size in cfg.bench.batch_sizes
