@@ -452,3 +452,19 @@ def test_a_benchmark_report_tells_two_jobs_of_one_level_apart_and_names_its_refe
     result["reference"] = "baseline x=0"
     text = to_markdown(result)
     assert "(x baseline)" in text and "over baseline x=0, the sweep's first inference=baseline" in text
+
+
+def test_a_level_predicts_the_same_numbers_every_time(trained_run, tmp_path):
+    """No randomness at inference: inference=fast (SDPA swapped into the evaluated model, bf16, distinct ASVs)
+    twice gives the same files, byte for byte (its attention dropped out until the swap kept eval mode)."""
+    run_dir, _ = trained_run
+    register_predict_configs()
+    overrides = [f"run={run_dir}", "inference=fast", "precision=bf16", "attention=sdpa", "device=cpu"]
+    overrides += [f"probe.cache={tmp_path / 'probe.json'}", "progress=false", "quality_samples=0"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("predict", overrides=overrides)
+    for name in ("first", "again"):
+        summary = predict(cfg, tmp_path / name)
+        assert summary["phases"]["attention"]["impl"] == "sdpa"
+    for name in ("embeddings.tsv", "targets.tsv"):
+        assert (tmp_path / "first" / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
