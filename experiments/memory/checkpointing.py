@@ -71,8 +71,13 @@ def one(option: str, steps: int) -> dict:
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     return {
-        "option": option, "step_s": statistics.median(times[1:]),
-        "peak_rss": peak, "rss_before": rss_before, "saved_bytes": saved_bytes, "compiled": compiled}
+        "option": option,
+        "step_s": statistics.median(times[1:]),
+        "peak_rss": peak,
+        "rss_before": rss_before,
+        "saved_bytes": saved_bytes,
+        "compiled": compiled,
+    }
 
 
 def cpu_name() -> str:
