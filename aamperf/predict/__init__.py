@@ -141,7 +141,6 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             if rounded != chunks:
                 chunks = rounded
                 samples = read_chunk(data_cfg, keep_unlabelled=True, sample_ids=chunks[0])
-                unmask_for(model, cfg.aam_ops, samples.tokens)
         summary = {
             "status": "completed",
             "batch_finder": found,

@@ -129,7 +129,7 @@ def report(sweep_dir: Path, cfg: DictConfig) -> dict[str, Any]:
 
 def to_markdown(result: dict[str, Any]) -> str:
     sizes = [k for k in result["rows"][0] if k.isdigit()]
-    reference = result.get("reference", "baseline")
+    reference = result["reference"]
     has_baseline = any(row["inference"] == "baseline" for row in result["rows"])
     head = (
         ["level"]
@@ -138,7 +138,7 @@ def to_markdown(result: dict[str, Any]) -> str:
     )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in result["rows"]:
-        cells = [row.get("label", row["inference"])]
+        cells = [row["label"]]
         for s in sizes:
             f = row[s]
             cells.append(
@@ -179,7 +179,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     sizes = [k for k in result["rows"][0] if k.isdigit()]
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.5 * len(sizes), 3.2), squeeze=False)
     for ax, size in zip(axes[0], sizes, strict=True):
-        names = [r.get("label", r["inference"]) for r in result["rows"]]
+        names = [r["label"] for r in result["rows"]]
         p50 = [1e3 * r[size]["p50_s"] for r in result["rows"]]
         p95 = [1e3 * r[size]["p95_s"] for r in result["rows"]]
         colors = ["tab:green" if r["keeps_quality"] else "tab:red" for r in result["rows"]]
