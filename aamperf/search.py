@@ -25,35 +25,48 @@ from aamperf.distributed import torchrun_env
 from aamperf.errors import error_line, exit_bad_input, exit_with
 from aamperf.files import write_atomic
 from aamperf.report import find_runs
+from aamperf.report.comparison import val_batch
 
 REFERENCE_DIR = "reference"
 
 
-def quality_ok(val_loss: float | None, reference_val_loss: float | None, tolerance: float) -> bool:
-    return (
-        val_loss is not None
-        and reference_val_loss is not None
-        and val_loss <= reference_val_loss * (1 + tolerance)
-    )
+def lost_quality(summary: dict[str, Any], reference: dict[str, Any], tolerance: float) -> str | None:
+    """Why a trial's val loss does not count as the reference's quality, or None where it does: within the
+    tolerance, over validation batches of the reference's size (the UniFrac part of a val loss is over the
+    pairs inside a batch, so a trial validated in batches of another size does not compare)."""
+    val_loss, reference_val_loss = summary.get("val_loss"), reference["val_loss"]
+    if val_loss is None:
+        return "no validation"
+    mine, theirs = val_batch(summary), val_batch(reference)
+    if mine and theirs and mine != theirs:
+        return (
+            f"validated in batches of {mine} against the reference's {theirs}, so the val losses do not "
+            f"compare: set trainer.val_batch_size={theirs}"
+        )
+    if val_loss > reference_val_loss * (1 + tolerance):
+        return (
+            f"val loss {val_loss:.4f} is worse than the reference's {reference_val_loss:.4f} by more than "
+            f"{tolerance:.0%}"
+        )
+    return None
 
 
 def objective(cfg: DictConfig, summary: dict[str, Any]) -> float:
     """What the sweeper maximizes: samples/s, or 0 for a trial that lost quality against the reference."""
-    reference = cfg.search.reference
-    if reference is None:
+    path = cfg.search.reference
+    if path is None:
         return summary["samples_per_s"]
     try:
-        reference_val_loss = json.loads(Path(reference).read_text())["val_loss"]
-    except (OSError, ValueError, KeyError):
-        print(f"warning: no reference run at {reference}: quality is not checked", file=sys.stderr)
+        reference = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        reference = {}
+    if not (isinstance(reference, dict) and isinstance(reference.get("val_loss"), int | float)):
+        print(f"warning: no reference run at {path}: quality is not checked", file=sys.stderr)
         return summary["samples_per_s"]
-    if quality_ok(summary.get("val_loss"), reference_val_loss, cfg.compare.quality_tolerance):
+    reason = lost_quality(summary, reference, cfg.compare.quality_tolerance)
+    if reason is None:
         return summary["samples_per_s"]
-    print(
-        f"search: val loss {summary.get('val_loss')} is worse than the reference's {reference_val_loss:.4f} "
-        f"by more than {cfg.compare.quality_tolerance:.0%}: objective 0",
-        file=sys.stderr,
-    )
+    print(f"search: {reason}: objective 0", file=sys.stderr)
     return 0.0
 
 
@@ -114,6 +127,10 @@ def run_reference(config: DictConfig) -> None:
         OmegaConf.to_container(params, resolve=False) if params else {},
         OmegaConf.to_container(config.hydra.overrides.task, resolve=False),
     )
+    val_batch_size = config.trainer.get("val_batch_size")  # the trials' (hparams_search=fastest sets it)
+    if val_batch_size is not None:  # validated alike whatever batch the reference trains at
+        overrides = [o for o in overrides if not o.startswith("trainer.val_batch_size=")]
+        overrides.append(f"trainer.val_batch_size={val_batch_size}")
     cmd = [
         sys.executable,
         "-m",
@@ -158,7 +175,7 @@ class FastestSearch(CompareReport):
     def write_level(self, config: DictConfig) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         reference = next((r for r in find_runs([sweep_dir / REFERENCE_DIR])), None)
-        ref_loss = reference.summary.get("val_loss") if reference else None
+        ref_loss = reference.summary.get("val_loss") if reference else None  # None: quality not checked
         ref_speed = reference.summary.get("samples_per_s") if reference else None
         trials = [
             r for r in find_runs([sweep_dir]) if REFERENCE_DIR not in r.path.relative_to(sweep_dir).parts
@@ -169,7 +186,7 @@ class FastestSearch(CompareReport):
             if r.summary.get("status") == "completed"
             and (
                 ref_loss is None
-                or quality_ok(r.summary.get("val_loss"), ref_loss, config.compare.quality_tolerance)
+                or lost_quality(r.summary, reference.summary, config.compare.quality_tolerance) is None
             )
         ]
         if not feasible:

@@ -23,6 +23,26 @@ def test_a_trial_that_loses_quality_scores_zero(tmp_path):
     assert objective(cfg, {"samples_per_s": 50.0, "val_loss": None}) == 0.0  # no validation: not counted
 
 
+def test_a_trial_validated_in_batches_of_another_size_scores_zero(tmp_path, capsys):
+    """The UniFrac part of a val loss is over the pairs inside a validation batch: a batch-16 trial validated
+    in batches of 16 read +2.9% against the batch-8 reference and scored 0 for a val loss that did not
+    compare (2026-11-29); hparams_search=fastest validates every run in batches of 8."""
+    (tmp_path / "summary.json").write_text(json.dumps({"val_loss": 2.0, "val_batch_size": 8}))
+    cfg = OmegaConf.create(
+        {"search": {"reference": str(tmp_path / "summary.json")}, "compare": {"quality_tolerance": 0.02}}
+    )
+    trial = {"samples_per_s": 50.0, "val_loss": 1.9, "val_batch_size": 16}
+    assert objective(cfg, trial) == 0.0
+    assert "validated in batches of 16 against the reference's 8" in capsys.readouterr().err
+    assert objective(cfg, {**trial, "val_batch_size": 8}) == 50.0
+    no_unifrac = {"loss": {"unifrac_weight": 0.0}}  # no pairs in its val loss: any batch compares
+    assert objective(cfg, {**trial, "config": no_unifrac}) == 50.0
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        composed = compose("config", overrides=["hparams_search=fastest", "trainer.batch_size=16"])
+    assert composed.trainer.val_batch_size == 8
+
+
 def test_the_reference_has_each_value_the_search_fixes():
     """A param given one value (a plain value, or the space narrowed the Optuna sweeper's way to a
     `choice` of one, on the command line or in hydra.sweeper.params) has it in the reference as in every
@@ -85,6 +105,9 @@ def test_a_narrowed_search_runs_its_reference_and_trials_with_the_fixed_values(l
             "disabled",
             "none",
         ), run.path
+        # validated alike, the reference too (in batches of 8, at most the 5 validation samples here), not in
+        # its training batches of 4
+        assert (config["trainer"]["val_batch_size"], run.summary["val_batch_size"]) == (8, 5), run.path
     assert read_summary(sweep_dir / "reference")["optim"] == "baseline"
 
 

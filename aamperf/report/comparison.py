@@ -236,23 +236,35 @@ def duration_parts(group: Group) -> dict[str, float] | None:
 
 
 def memory_figures(group: Group, base: Group) -> dict[str, Any]:
-    """Peak memory, and its ratio to the baseline's."""
+    """Peak host memory of a run (all its ranks', where it ran on several), and its ratio to the
+    baseline's."""
     # the process tree's memory (loader workers' PSS included) where both have it, else the main process's
     memory_key = (
         "peak_tree_pss_bytes"
         if group.values("peak_tree_pss_bytes") and base.values("peak_tree_pss_bytes")
         else "peak_rss_bytes"
     )
-    peak, base_peak = group.median(memory_key), base.median(memory_key)
+    peak, base_peak = job_memory(group, memory_key), job_memory(base, memory_key)
     return {
         "peak_rss_bytes": group.median("peak_rss_bytes"),
         "peak_tree_pss_bytes": group.median("peak_tree_pss_bytes"),
-        "peak_memory_bytes": peak,  # what peak_rss_ratio compares: memory_key's figure
+        "peak_memory_bytes": peak,  # what peak_rss_ratio compares: memory_key's figure, all ranks' summed
         "memory_key": memory_key,
         "peak_rss_ratio": peak / base_peak if None not in (peak, base_peak) else None,
         "train_rss_growth_bytes": group.median("train_rss_growth_bytes"),
         "peak_device_bytes": group.median("peak_device_bytes"),  # the CUDA allocator's peak; None on CPU
     }
+
+
+def job_memory(group: Group, key: str) -> float | None:
+    """The median over runs of a run's peak memory `key`: a multi-process run's sum over its ranks
+    (`<key>_all_ranks`, each rank's own process tree), where it has it; its first rank's else."""
+    values = [
+        r.summary.get(f"{key}_all_ranks") or r.summary.get(key)
+        for r in group.ok_runs
+        if isinstance(r.summary.get(key), int | float)
+    ]
+    return statistics.median(values) if values else None
 
 
 def quality_figures(group: Group, base: Group, quality: Interval | None, few: bool) -> dict[str, Any]:
@@ -269,12 +281,11 @@ def quality_figures(group: Group, base: Group, quality: Interval | None, few: bo
     }
 
 
-def val_batch(run: Run) -> int | None:
-    """The samples in each of the run's validation batches where its val loss has a UniFrac part (over the
-    pairs inside a batch, so it depends on the batch's size); None where it has none, or it is not known.
-    A run from before summary.json held it validated in its training micro-batches, as the data loader
-    made them then (at most the validation set, a multiple of the ranks)."""
-    s = run.summary
+def val_batch(s: dict[str, Any]) -> int | None:
+    """The samples in each validation batch of a run (its summary) where its val loss has a UniFrac part
+    (over the pairs inside a batch, so it depends on the batch's size); None where it has none, or it is not
+    known. A run from before summary.json held it validated in its training micro-batches, as the data
+    loader made them then (at most the validation set, a multiple of the ranks)."""
     config = s.get("config") or {}
     if not (config.get("loss") or {}).get("unifrac_weight", 1.0):
         return None
@@ -292,7 +303,7 @@ def val_batch(run: Run) -> int | None:
 def validity(group: Group, pairs: list[tuple[Run, Run]], beside: set[Path]) -> dict[str, Any]:
     """What could make the comparison say less than it seems: failed runs, pairs that trained the same
     way, pairs timed while another run shared their host, pairs validated in batches of other sizes."""
-    sizes = [(val_batch(r), val_batch(b)) for r, b in pairs]
+    sizes = [(val_batch(r.summary), val_batch(b.summary)) for r, b in pairs]
     return {
         "errors": [f"{r.path.name}: {r.summary.get('error')}" for r in group.runs if r not in group.ok_runs],
         # every pair trained the same way (the same phases applied after `auto`, the same config else)
