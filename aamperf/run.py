@@ -93,9 +93,11 @@ def train(
         summary["model_file"] = kept and kept.name  # python -m aamperf.predict run=<run dir> uses it
         summary.update(target_record(run_dir, result.val_detail, job.data.sample_ids, main))
         summary.trained(result, job.plan, monitor)
-        if job.world.world_size > 1:  # each rank's own figures, and the job's total memory
-            summary["per_rank"] = per_rank(summary, ("peak_rss_bytes", "step_time_s", "peak_device_bytes"))
-            summary["peak_rss_bytes_all_ranks"] = sum(r["peak_rss_bytes"] for r in summary["per_rank"])
+        if job.world.world_size > 1:  # each rank's own figures, and the job's total host memory
+            keys = ("peak_rss_bytes", "peak_tree_pss_bytes", "step_time_s", "peak_device_bytes")
+            summary["per_rank"] = per_rank(summary, keys)
+            for key in ("peak_rss_bytes", "peak_tree_pss_bytes"):
+                summary[f"{key}_all_ranks"] = sum(r[key] or 0 for r in summary["per_rank"])
         summary.completed(job, job.model_flops, job.hardware_flops)
         if main:  # after every timed figure; the first rank's detail holds every rank's samples
             add_rf_baseline(summary, cfg, job.data, result.val_detail)

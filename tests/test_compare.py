@@ -535,3 +535,19 @@ def test_a_lone_configuration_is_its_own_baseline(tmp_path):
     main([str(tmp_path)])
     report = json.loads((tmp_path / "comparison.json").read_text())
     assert [(row["config"], row["seeds"]) for row in report["rows"]] == [("optim=ultra", [0, 1])]
+
+
+def test_a_run_on_several_ranks_counts_the_memory_of_them_all(tmp_path):
+    """Each rank is a process tree of its own: two ranks of 1.5 GiB each hold 3 GiB of the host, not the
+    first rank's 1.5 (the scaling study's 2-rank rows once read 0.71x the one process's memory)."""
+    gib = 2**30
+    make_seeds(tmp_path, "one", 10.0, {}, peak_tree_pss_bytes=2 * gib)
+    per_rank = [{"rank": 0, "peak_tree_pss_bytes": 1.5 * gib}, {"rank": 1, "peak_tree_pss_bytes": 1.5 * gib}]
+    make_seeds(
+        tmp_path, "two", 15.0, {}, peak_tree_pss_bytes=1.5 * gib, peak_tree_pss_bytes_all_ranks=3 * gib,
+        world_size=2, per_rank=per_rank,
+    )  # fmt: skip
+    rows = {r["config"]: r for r in compare(find_runs([tmp_path]), baseline="optim=one")["rows"]}
+    assert rows["optim=two"]["peak_memory_bytes"] == 3 * gib
+    assert rows["optim=two"]["peak_rss_ratio"] == pytest.approx(1.5)
+    assert rows["optim=one"]["peak_memory_bytes"] == 2 * gib

@@ -76,6 +76,8 @@ def test_two_ranks_train_like_one_process_with_the_whole_batch(launch, strategy)
     assert summary["world_size"] == 2 and summary["phases"]["distributed"]["strategy"] == strategy
     assert [r["rank"] for r in summary["per_rank"]] == [0, 1]
     assert summary["peak_rss_bytes_all_ranks"] == sum(r["peak_rss_bytes"] for r in summary["per_rank"])
+    pss = [r["peak_tree_pss_bytes"] for r in summary["per_rank"]]  # each rank's own process tree
+    assert min(pss) > 0 and summary["peak_tree_pss_bytes_all_ranks"] == sum(pss)
     # the target's figures: of every rank's validation samples, gathered (val_predictions.tsv: rank 0's file)
     for key in ("val_target_mae", "val_target_rmse", "val_target_r2"):
         assert [r[key] for r in two if key in r] == pytest.approx([r[key] for r in one if key in r], rel=1e-4)

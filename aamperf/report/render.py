@@ -116,7 +116,8 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"of the same seed's baseline final val loss (median over seeds; reached in k/n seeds). Equal "
         f"quality: the "
         f"val-loss interval inside +-{result['quality_tolerance']:.0%}. Step s: mean over the timed steps. "
-        f"Peak memory: the process tree's PSS (the main process's VmHWM for runs without that figure). "
+        f"Peak memory: the process tree's PSS, summed over the ranks of a run on several (the main "
+        f"process's VmHWM for runs without that figure). "
         f"Auto s: seconds a run spent measuring to decide its `auto` options (median, and the most one "
         f"seed's run spent: the first run on a device pays the probes, later runs read their cache); "
         f"time to quality and first step include it.",
