@@ -551,3 +551,24 @@ def test_a_run_on_several_ranks_counts_the_memory_of_them_all(tmp_path):
     assert rows["optim=two"]["peak_memory_bytes"] == 3 * gib
     assert rows["optim=two"]["peak_rss_ratio"] == pytest.approx(1.5)
     assert rows["optim=one"]["peak_memory_bytes"] == 2 * gib
+
+
+def test_a_seed_run_more_than_once_pairs_once(tmp_path):
+    """A search's trial that Optuna repeats three times, all seed 0: one pair, not three seeds (it once read
+    "3 (3)" seeds and "faster at equal quality" over three repeats of one seed, val loss [-1.06, -1.06])."""
+    make_seeds(tmp_path, "base", 10.0, {})
+    for repeat, speed in enumerate((40.0, 44.0, 48.0)):
+        make_run(
+            tmp_path,
+            f"again{repeat}",
+            ["optim=again", "seed=0"],
+            optim="again",
+            seed=0,
+            samples_per_s=speed,
+            val_loss=1.9,
+            config={"data": {"seed": 0}, "optim": "again", "seed": 0},
+        )
+    rows = {r["config"]: r for r in compare(find_runs([tmp_path]), baseline="optim=base")["rows"]}
+    row = rows["optim=again"]
+    assert row["seeds"] == [0, 0, 0] and row["paired_seeds"] == [0]
+    assert row["verdict"].startswith("undecided: 1 seed(s) paired"), row["verdict"]

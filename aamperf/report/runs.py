@@ -235,7 +235,12 @@ def pick_baseline(groups: list[Group], baseline: str) -> Group:
 
 
 def paired(group: Group, base: Group) -> list[tuple[Run, Run]]:
-    """(run, baseline run) of each seed both completed on the same data (`data.seed`), by seed."""
+    """(run, baseline run) of each seed both completed on the same data (`data.seed`), by seed. A seed run
+    more than once (a search's repeated trial, `seed=0,0,0`) pairs once, by its first run: repeats of one
+    seed measure the machine's noise, not the seeds' spread that an interval over pairs stands for."""
     by_key = {r.pair_key: r for r in base.ok_runs}
-    pairs = [(r, by_key[r.pair_key]) for r in group.ok_runs if r.pair_key in by_key]
-    return sorted(pairs, key=lambda pair: str(pair[0].seed))
+    pairs: dict[Any, tuple[Run, Run]] = {}
+    for r in group.ok_runs:
+        if r.pair_key in by_key:
+            pairs.setdefault(r.pair_key, (r, by_key[r.pair_key]))
+    return sorted(pairs.values(), key=lambda pair: str(pair[0].seed))
