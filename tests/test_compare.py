@@ -572,3 +572,30 @@ def test_a_seed_run_more_than_once_pairs_once(tmp_path):
     row = rows["optim=again"]
     assert row["seeds"] == [0, 0, 0] and row["paired_seeds"] == [0]
     assert row["verdict"].startswith("undecided: 1 seed(s) paired"), row["verdict"]
+
+
+def test_an_override_of_the_value_every_run_has_sets_no_run_apart(tmp_path):
+    """The search's reference is given trainer.val_batch_size=8, which its trials take from
+    hparams_search=fastest: both validate in batches of 8, and the report labels the reference
+    optim=baseline, not 'trainer.val_batch_size=8 optim=baseline'. Beside a run of another value it labels."""
+    for name, overrides, val_batch in (
+        ("ref", ["trainer.val_batch_size=8", "optim=baseline"], 8),
+        ("trial", ["optim=trial"], 8),
+        ("other", ["optim=other", "trainer.val_batch_size=4"], 4),
+    ):
+        for seed in range(3):
+            make_run(
+                tmp_path, f"{name}{seed}", [*overrides, f"seed={seed}"], optim=name, seed=seed,
+                samples_per_s=10.0, val_loss=2.0,
+                config={"data": {"seed": 0}, "seed": seed, "trainer": {"val_batch_size": val_batch}},
+            )  # fmt: skip
+    runs = find_runs([tmp_path])
+    search = [r for r in runs if r.summary["optim"] != "other"]
+    configs = {r["config"] for r in compare(search, baseline="optim=baseline")["rows"]}
+    assert configs == {"optim=baseline", "optim=trial"}
+    configs = {r["config"] for r in compare(runs, baseline="optim=baseline")["rows"]}
+    assert configs == {
+        "trainer.val_batch_size=8 optim=baseline",
+        "optim=trial",
+        "optim=other trainer.val_batch_size=4",
+    }

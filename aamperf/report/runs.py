@@ -196,14 +196,44 @@ def canonical(override: str) -> str:
 
 
 def group_runs(runs: list[Run]) -> list[Group]:
-    """Group by the overrides that are not the seed; label by those that differ between groups."""
+    """Group by the overrides that are not the seed; label by those that differ between groups. A plain
+    key's override whose value every run has anyway (the search's reference given `trainer.val_batch_size=8`,
+    which its trials take from hparams_search=fastest) sets nothing apart."""
     keys = [tuple(canonical(o) for o in r.overrides if not o.startswith(IGNORED_OVERRIDES)) for r in runs]
+    keys = [tuple(o for o in key if not everyones_value(o, runs)) for key in keys]
     common = set.intersection(*(set(k) for k in keys)) if keys else set()
     groups: dict[str, Group] = {}
     for run, key in zip(runs, keys, strict=True):
         label = " ".join(o for o in key if o not in common) or f"optim={run.summary.get('optim')}"
         groups.setdefault(label, Group(label)).runs.append(run)
     return list(groups.values())
+
+
+def everyones_value(override: str, runs: list[Run]) -> bool:
+    """Whether a plain dotted key's value (`trainer.val_batch_size=8`) is the one every run's resolved
+    config holds; False for a config group's choice or where a run's config does not say."""
+    key, _, value = override.partition("=")
+    if "." not in key or key.startswith(("+", "~", "hydra.")):
+        return False
+    for run in runs:
+        node: Any = run.summary.get("config") or {}
+        for part in key.split("."):
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        if not same_value(node, value):
+            return False
+    return True
+
+
+_MISSING = object()
+
+
+def same_value(node: Any, value: str) -> bool:
+    """A resolved config value (summary.json's) against an override's text."""
+    if node is None:
+        return value in ("null", "None")
+    if isinstance(node, bool):
+        return value.lower() == str(node).lower()
+    return isinstance(node, int | float | str) and str(node) == value
 
 
 def named_by(groups: list[Group], baseline: str) -> list[Group]:
