@@ -417,9 +417,10 @@ def rank_suffix() -> str:
     return f"_rank{rank}" if rank else ""
 
 
-def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+def flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A resolved config's leaves under their dotted keys (`{"trainer.lr": 0.001, ...}`)."""
     if isinstance(node, dict):
-        return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+        return {k: v for key, value in node.items() for k, v in flat(value, f"{prefix}{key}.").items()}
     return {prefix.removesuffix("."): node}
 
 
@@ -431,7 +432,7 @@ def under(key: str, prefixes: tuple[str, ...]) -> bool:
 def config_diff(old: dict[str, Any], new: dict[str, Any], ignored: tuple[str, ...] = ()) -> dict[str, list]:
     """{dotted key: [old value, new value]} for every key of two resolved configs whose value differs,
     keys `under` `ignored` left out (a resume against its checkpoint, a run against its baseline)."""
-    before, after = _flat(old), _flat(new)
+    before, after = flat(old), flat(new)
     return {
         k: [before.get(k), after.get(k)]
         for k in sorted(before.keys() | after.keys())

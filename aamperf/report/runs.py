@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import OverrideType
+from hydra.errors import HydraException
 
-from aamperf.config import config_diff
+from aamperf.config import config_diff, flat
 from aamperf.errors import UserError, one_line
 from aamperf.files import read_json_lines
 
@@ -196,11 +199,12 @@ def canonical(override: str) -> str:
 
 
 def group_runs(runs: list[Run]) -> list[Group]:
-    """Group by the overrides that are not the seed; label by those that differ between groups. A plain
-    key's override whose value every run has anyway (the search's reference given `trainer.val_batch_size=8`,
+    """Group by the overrides that are not the seed; label by those that differ between groups. An override
+    of the value every run's config holds anyway (the search's reference given `trainer.val_batch_size=8`,
     which its trials take from hparams_search=fastest) sets nothing apart."""
     keys = [tuple(canonical(o) for o in r.overrides if not o.startswith(IGNORED_OVERRIDES)) for r in runs]
-    keys = [tuple(o for o in key if not everyones_value(o, runs)) for key in keys]
+    configs = [flat(r.summary.get("config") or {}) for r in runs]
+    keys = [tuple(o for o in key if not everyones_value(o, configs)) for key in keys]
     common = set.intersection(*(set(k) for k in keys)) if keys else set()
     groups: dict[str, Group] = {}
     for run, key in zip(runs, keys, strict=True):
@@ -209,31 +213,17 @@ def group_runs(runs: list[Run]) -> list[Group]:
     return list(groups.values())
 
 
-def everyones_value(override: str, runs: list[Run]) -> bool:
-    """Whether a plain dotted key's value (`trainer.val_batch_size=8`) is the one every run's resolved
-    config holds; False for a config group's choice or where a run's config does not say."""
-    key, _, value = override.partition("=")
-    if "." not in key or key.startswith(("+", "~", "hydra.")):
+def everyones_value(override: str, configs: list[dict[str, Any]]) -> bool:
+    """Whether a plain override's value, as Hydra parses it, is the one every run's resolved config holds
+    (`configs`: flattened to dotted keys); False for a choice of a config group, which is no leaf."""
+    try:
+        parsed = OverridesParser.create().parse_override(override)
+    except HydraException:  # not an override (a hand-written overrides.yaml): a label as written
         return False
-    for run in runs:
-        node: Any = run.summary.get("config") or {}
-        for part in key.split("."):
-            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
-        if not same_value(node, value):
-            return False
-    return True
-
-
-_MISSING = object()
-
-
-def same_value(node: Any, value: str) -> bool:
-    """A resolved config value (summary.json's) against an override's text."""
-    if node is None:
-        return value in ("null", "None")
-    if isinstance(node, bool):
-        return value.lower() == str(node).lower()
-    return isinstance(node, int | float | str) and str(node) == value
+    if parsed.type is not OverrideType.CHANGE or parsed.is_sweep_override():
+        return False
+    missing = object()
+    return all(config.get(parsed.key_or_group, missing) == parsed.value() for config in configs)
 
 
 def named_by(groups: list[Group], baseline: str) -> list[Group]:
