@@ -127,11 +127,8 @@ def run_reference(config: DictConfig) -> None:
         OmegaConf.to_container(params, resolve=False) if params else {},
         OmegaConf.to_container(config.hydra.overrides.task, resolve=False),
     )
-    # validated in the trials' batches (hparams_search=fastest sets them), whatever batch it trains at: an
-    # override only where its own batch differs, so that the report labels it optim=baseline as before
-    val_batch_size = config.trainer.get("val_batch_size")
-    batch = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.batch_size=")), None)
-    if val_batch_size is not None and str(batch or config.trainer.batch_size) != str(val_batch_size):
+    val_batch_size = config.trainer.get("val_batch_size")  # the trials' (hparams_search=fastest sets it)
+    if val_batch_size is not None:  # validated alike whatever batch the reference trains at
         overrides = [o for o in overrides if not o.startswith("trainer.val_batch_size=")]
         overrides.append(f"trainer.val_batch_size={val_batch_size}")
     cmd = [
