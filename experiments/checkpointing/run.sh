@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Activation checkpointing: peak memory vs step time for none / selective / full at the headline
-# shapes with optim=advanced (bf16, SDPA, ASV de-duplication), then the batch sizes that fit a cap.
+# Activation checkpointing: peak memory vs step time for none / selective / full / ops at the headline
+# shapes with optim=advanced (its auto choices for the device), then the batch sizes that fit a cap.
 #   bash experiments/checkpointing/run.sh [OUT_DIR]
 set -euo pipefail
 out=${1:-outputs/checkpointing/$(date +%Y-%m-%d_%H-%M-%S)}
