@@ -6,8 +6,10 @@ set -euo pipefail
 out=${1:-outputs/checkpointing/$(date +%Y-%m-%d_%H-%M-%S)}
 common=(experiment=checkpointing trainer.progress=false)
 
-# 1. the three modes, same batch: a sweep (conf/experiment/checkpointing.yaml) whose report lands in $out/modes
-python -m aamperf.train -m "${common[@]}" "hydra.sweep.dir=$out/modes"
+# 1. the four modes, same batch, 3 paired seeds, each run its own process (a sweep's jobs share one, and
+# the heap one job grew is the next one's: their peaks would not be their own); the report in $out/modes
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+"$(dirname "$0")/../run_paired.sh" checkpointing "$out/modes" "memory=none memory=selective memory=full memory=ops" "0 1 2"
 
 # 2. growing batches, with and without full checkpointing: peak memory per batch size. A run may fail
 # (out of memory) and the study goes on; a bad override (exit code 2) stops it.
