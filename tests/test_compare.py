@@ -599,3 +599,32 @@ def test_an_override_of_the_value_every_run_has_sets_no_run_apart(tmp_path):
         "optim=trial",
         "optim=other trainer.val_batch_size=4",
     }
+
+
+def test_a_seed_run_more_than_once_pairs_by_its_median_run(tmp_path):
+    """Repeats of one seed on both sides pair by their median samples/s, not by which path sorts first."""
+    for repeat, speed in enumerate((10.0, 30.0, 20.0)):
+        make_run(
+            tmp_path,
+            f"base{repeat}",
+            ["optim=base", "seed=0"],
+            optim="base",
+            seed=0,
+            samples_per_s=speed,
+            val_loss=2.0,
+            config={"data": {"seed": 0}, "optim": "base", "seed": 0},
+        )
+    for repeat, speed in enumerate((40.0, 48.0, 44.0)):
+        make_run(
+            tmp_path,
+            f"again{repeat}",
+            ["optim=again", "seed=0"],
+            optim="again",
+            seed=0,
+            samples_per_s=speed,
+            val_loss=1.9,
+            config={"data": {"seed": 0}, "optim": "again", "seed": 0},
+        )
+    rows = {r["config"]: r for r in compare(find_runs([tmp_path]), baseline="optim=base")["rows"]}
+    assert rows["optim=again"]["paired_seeds"] == [0]
+    assert rows["optim=again"]["speedup"] == pytest.approx(44.0 / 20.0)

@@ -254,13 +254,24 @@ def pick_baseline(groups: list[Group], baseline: str) -> Group:
     return matches[0]
 
 
+def median_repeats(runs: list[Run]) -> dict[Any, Run]:
+    """Each pair key's run; of a seed run more than once, the run of the median samples/s (the lower of the
+    middle two): repeats of one seed measure the machine's noise, not the seeds' spread that an interval
+    over pairs stands for, and the median one is the least touched by it."""
+    repeats: dict[Any, list[Run]] = {}
+    for r in runs:
+        repeats.setdefault(r.pair_key, []).append(r)
+    median = {}
+    for key, same in repeats.items():
+        same.sort(key=lambda r: r.summary.get("samples_per_s") or 0.0)
+        median[key] = same[(len(same) - 1) // 2]
+    return median
+
+
 def paired(group: Group, base: Group) -> list[tuple[Run, Run]]:
     """(run, baseline run) of each seed both completed on the same data (`data.seed`), by seed. A seed run
-    more than once (a search's repeated trial, `seed=0,0,0`) pairs once, by its first run: repeats of one
-    seed measure the machine's noise, not the seeds' spread that an interval over pairs stands for."""
-    by_key = {r.pair_key: r for r in base.ok_runs}
-    pairs: dict[Any, tuple[Run, Run]] = {}
-    for r in group.ok_runs:
-        if r.pair_key in by_key:
-            pairs.setdefault(r.pair_key, (r, by_key[r.pair_key]))
-    return sorted(pairs.values(), key=lambda pair: str(pair[0].seed))
+    more than once (a search's repeated trial, `seed=0,0,0`) pairs once, by its median run on either side
+    (`median_repeats`)."""
+    runs, base_runs = median_repeats(group.ok_runs), median_repeats(base.ok_runs)
+    pairs = [(r, base_runs[key]) for key, r in runs.items() if key in base_runs]
+    return sorted(pairs, key=lambda pair: str(pair[0].seed))
