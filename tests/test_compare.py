@@ -53,6 +53,21 @@ def make_seeds(root, name: str, samples_per_s: float, config: dict, **summary) -
         )
 
 
+def make_repeats(root, name: str, speeds: tuple[float, ...], val_loss: float) -> None:
+    """Seed 0 of configuration `name` run once per speed (samples/s), in that path order."""
+    for repeat, speed in enumerate(speeds):
+        make_run(
+            root,
+            f"{name}{repeat}",
+            [f"optim={name}", "seed=0"],
+            optim=name,
+            seed=0,
+            samples_per_s=speed,
+            val_loss=val_loss,
+            config={"data": {"seed": 0}, "optim": name, "seed": 0},
+        )
+
+
 BASE_VAL = (2.00, 2.02, 1.98)  # the baseline's final val loss per seed
 
 
@@ -557,17 +572,7 @@ def test_a_seed_run_more_than_once_pairs_once(tmp_path):
     """A search's trial that Optuna repeats three times, all seed 0: one pair, not three seeds (it once read
     "3 (3)" seeds and "faster at equal quality" over three repeats of one seed, val loss [-1.06, -1.06])."""
     make_seeds(tmp_path, "base", 10.0, {})
-    for repeat, speed in enumerate((40.0, 44.0, 48.0)):
-        make_run(
-            tmp_path,
-            f"again{repeat}",
-            ["optim=again", "seed=0"],
-            optim="again",
-            seed=0,
-            samples_per_s=speed,
-            val_loss=1.9,
-            config={"data": {"seed": 0}, "optim": "again", "seed": 0},
-        )
+    make_repeats(tmp_path, "again", (40.0, 44.0, 48.0), val_loss=1.9)
     rows = {r["config"]: r for r in compare(find_runs([tmp_path]), baseline="optim=base")["rows"]}
     row = rows["optim=again"]
     assert row["seeds"] == [0, 0, 0] and row["paired_seeds"] == [0]
@@ -603,28 +608,8 @@ def test_an_override_of_the_value_every_run_has_sets_no_run_apart(tmp_path):
 
 def test_a_seed_run_more_than_once_pairs_by_its_median_run(tmp_path):
     """Repeats of one seed on both sides pair by their median samples/s, not by which path sorts first."""
-    for repeat, speed in enumerate((10.0, 30.0, 20.0)):
-        make_run(
-            tmp_path,
-            f"base{repeat}",
-            ["optim=base", "seed=0"],
-            optim="base",
-            seed=0,
-            samples_per_s=speed,
-            val_loss=2.0,
-            config={"data": {"seed": 0}, "optim": "base", "seed": 0},
-        )
-    for repeat, speed in enumerate((40.0, 48.0, 44.0)):
-        make_run(
-            tmp_path,
-            f"again{repeat}",
-            ["optim=again", "seed=0"],
-            optim="again",
-            seed=0,
-            samples_per_s=speed,
-            val_loss=1.9,
-            config={"data": {"seed": 0}, "optim": "again", "seed": 0},
-        )
+    make_repeats(tmp_path, "base", (10.0, 30.0, 20.0), val_loss=2.0)
+    make_repeats(tmp_path, "again", (40.0, 48.0, 44.0), val_loss=1.9)
     rows = {r["config"]: r for r in compare(find_runs([tmp_path]), baseline="optim=base")["rows"]}
     assert rows["optim=again"]["paired_seeds"] == [0]
     assert rows["optim=again"]["speedup"] == pytest.approx(44.0 / 20.0)
