@@ -17,8 +17,9 @@ def main(out: Path) -> None:
     for path in out.glob("*_n*_*/summary.json"):
         mode, n, temp = re.fullmatch(r"(\w+)_n(\d+)_(cold|warm)", path.parent.name).groups()
         runs[mode, int(n), temp] = json.loads(path.read_text())
-    cpu = next(iter(runs.values())).get("peak_flops_calibration", {}).get("cpu_model", "?")
-    print(f"CPU: {cpu}; model aam_tiny, batch 16, 20 steps; data: data=simulated at its defaults but n\n")
+    machine = next(iter(runs.values())).get("machine", "?")  # CPU model, flags, cores
+    shapes = "model aam_tiny, batch 16, 20 steps; data: data=simulated at its defaults but n"
+    print(f"Machine: {machine}; {shapes}\n")
     print(
         "| UniFrac | n | time to first step, cold s | growth from the n before | warm s "
         "| peak RSS MiB (cold / warm) | samples/s (warm) | status |"

@@ -26,10 +26,7 @@ def main(out: Path) -> None:
             "precision": at8["config"]["precision"]["dtype"],
         }
     base = rows["baseline"]
-    print(
-        f"CPU: {at8['peak_flops_calibration'].get('cpu_model', '?')}; budget per run "
-        f"{(base['budget'] or 0) / GIB:.2f} GiB\n"
-    )
+    print(f"Machine: {at8.get('machine', '?')}; budget per run {(base['budget'] or 0) / GIB:.2f} GiB\n")
     print(
         "| level | precision | step s (batch 8) | peak RSS GiB (vs baseline) "
         "| process tree PSS GiB (vs baseline) "
