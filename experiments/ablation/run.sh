@@ -7,6 +7,7 @@
 #   SKIP="precision=bf16" bash experiments/ablation/run.sh ...   # rows left out (a CPU without native
 #   bf16 runs a bf16 step at the headline's shapes for minutes: the probe's 0.03x fp32 matmul says so)
 set -euo pipefail
+source "$(dirname "$0")/../seeds_in_turn.sh"
 out=${1:-outputs/ablation/$(date +%Y-%m-%d_%H-%M-%S)}
 shift || true
 common=(experiment=ablation trainer.progress=false "$@")
@@ -30,14 +31,5 @@ run() {
 }
 
 lscpu | grep -E "^Model name" || true
-pass=0
-for seed in ${SEEDS:-0 1 2}; do
-  order=("${rows[@]}")
-  if ((pass % 2)); then order=(); for ((i = ${#rows[@]} - 1; i >= 0; i--)); do order+=("${rows[i]}"); done; fi
-  for row in "${order[@]}"; do
-    read -r -a words <<<"$row"
-    run "${words[0]}" "$seed" "${words[@]:1}"
-  done
-  pass=$((pass + 1))
-done
+seeds_in_turn run
 python -m aamperf.compare "$out"

@@ -6,6 +6,7 @@
 #   bash experiments/compile/run.sh [OUT_DIR]
 #   SEEDS="0 1 2" (default)
 set -euo pipefail
+source "$(dirname "$0")/../seeds_in_turn.sh"
 cd "$(dirname "$0")/../.."
 out=${1:-outputs/compile/$(date +%Y-%m-%d_%H-%M-%S)}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
@@ -20,15 +21,6 @@ run() {
     optim=advanced "seed=$seed" trainer.progress=false "$@" "hydra.run.dir=$out/${name}_seed$seed" || (($? != 2))
 }
 lscpu | grep -E "^Model name" || true
-pass=0
-for seed in ${SEEDS:-0 1 2}; do
-  order=("${rows[@]}")
-  if ((pass % 2)); then order=(); for ((i = ${#rows[@]} - 1; i >= 0; i--)); do order+=("${rows[i]}"); done; fi
-  for row in "${order[@]}"; do
-    read -r -a words <<<"$row"
-    run "${words[0]}" "$seed" "${words[@]:1}"
-  done
-  pass=$((pass + 1))
-done
+seeds_in_turn run
 rm -rf "$out/inductor_cache"
 python -m aamperf.compare "$out" --baseline compile=disabled
