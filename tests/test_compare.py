@@ -2,8 +2,10 @@
 
 import datetime
 import json
+import math
 import os
 import signal
+import statistics
 import time
 
 import pytest
@@ -341,6 +343,33 @@ def test_a_config_whose_phases_applied_the_baselines_choices_is_called_the_same_
     for other in ("optim=ultra_lr", "optim=fp32"):
         assert not rows[other]["same_training"]
         assert rows[other]["verdict"].startswith("faster at equal quality")
+
+
+def test_two_configurations_that_trained_the_same_way_are_named_as_such(tmp_path):
+    """An ablation's `ultra compile=disabled` where ultra's compile=auto chose eager trains as ultra: the
+    report says so, with their speed ratio (the machine's), and names no pair that trained otherwise."""
+    eager = {"status": "skipped", "reason": "compile=disabled"}
+    declined = {"status": "skipped", "reason": "compile=auto: cannot pay", "auto": {}}
+    bf16, fp32 = {"status": "applied", "dtype": "bf16"}, {"status": "skipped", "dtype": "fp32"}
+    configs = {
+        "baseline": (10.0, {"precision": fp32, "compile": eager}, "disabled"),
+        "ultra": (20.0, {"precision": bf16, "compile": declined}, "auto"),
+        "ultra_eager": (19.0, {"precision": bf16, "compile": eager}, "disabled"),
+        "ultra_fp32": (15.0, {"precision": fp32, "compile": declined}, "auto"),
+    }
+    for name, (speed, phases, mode) in configs.items():
+        make_seeds(tmp_path, name, speed, {"compile": {"mode": mode}}, phases=phases)
+    result = compare(find_runs([tmp_path]))
+    (found,) = result["same_trainings"]
+    assert sorted(found["configs"]) == ["optim=ultra", "optim=ultra_eager"] and found["seeds"] == 3
+    first = 20.0 if found["configs"][0] == "optim=ultra" else 19.0
+    second = 39.0 - first
+    expected = math.exp(statistics.fmean(math.log((first + s / 10) / (second + s / 10)) for s in range(3)))
+    assert found["speed_ratio"] == pytest.approx(expected)
+    main([str(tmp_path), "--out", str(tmp_path / "report")])
+    text = (tmp_path / "report" / "comparison.md").read_text()
+    assert f"`{found['configs'][0]}` as `{found['configs'][1]}` ({expected:.2f}x its samples/s" in text
+    assert "optim=ultra_fp32` as" not in text and "as `optim=ultra_fp32`" not in text
 
 
 def test_runs_validated_in_batches_of_another_size_get_no_quality_verdict(tmp_path):

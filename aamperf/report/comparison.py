@@ -4,6 +4,7 @@ time to quality as per-seed paired values, summarized by their mean with a boots
 above 1 and the val-loss interval inside +-tolerance; otherwise the verdict says what is undecided and
 about how many paired seeds would decide it."""
 
+import itertools
 import math
 import statistics
 from collections import Counter
@@ -112,7 +113,23 @@ def compare(
         "confidence": confidence,
         **timing_conditions(runs, overlaps, beside),
         "rows": rows,
+        "same_trainings": same_trainings(groups, base),
     }
+
+
+def same_trainings(groups: list[Group], base: Group) -> list[dict[str, Any]]:
+    """Each two configurations, neither the baseline (its row's verdict says so), whose runs trained the
+    same way seed by seed (`same_training`: e.g. `optim=ultra compile=disabled` where ultra's `compile=auto`
+    chose eager too): the first's samples/s over the second's (geometric mean over the paired seeds) is the
+    machine's difference, not theirs."""
+    found = []
+    for a, b in itertools.combinations([g for g in groups if g is not base], 2):
+        pairs = paired(a, b)
+        if pairs and all(same_training(r, s) for r, s in pairs):
+            logs = paired_values(pairs, log_ratio("samples_per_s"))
+            ratio = math.exp(statistics.fmean(logs)) if logs else None
+            found.append({"configs": [a.config, b.config], "seeds": len(pairs), "speed_ratio": ratio})
+    return found
 
 
 def timing_conditions(

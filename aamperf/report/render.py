@@ -90,6 +90,24 @@ def target_lines(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def same_training_lines(found: list[dict[str, Any]]) -> list[str]:
+    """Configurations that trained the same way as each other (the same phases applied after `auto`, the
+    rest of the config equal): the difference between their rows is the machine's."""
+    if not found:
+        return []
+    each = "; ".join(
+        f"`{f['configs'][0]}` as `{f['configs'][1]}` ({_ratio(f['speed_ratio'], None, None)} its samples/s, "
+        f"{f['seeds']} paired seeds)"
+        for f in found
+    )
+    return [
+        "",
+        f"Trained the same way (their phases applied the same choices, the rest of their configs equal): "
+        f"{each}. The difference between such rows is the machine's (its load, the run order), not the "
+        "configurations'.",
+    ]
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     header = [
         "config",
@@ -150,6 +168,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += target_lines(result["rows"])
+    lines += same_training_lines(result.get("same_trainings") or [])
     return "\n".join(lines) + "\n"
 
 
