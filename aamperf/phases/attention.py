@@ -94,6 +94,14 @@ class ChunkedDropoutAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+@torch.compiler.disable
+def chunked_dropout_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: nn.Dropout):
+    """ChunkedDropoutAttention, eager inside torch.compile's graphs: traced, its loop over chunks of rows
+    was unrolled into the graph and guarded on the batch's rows, so every new batch shape compiled again
+    (10-13 recompiles in a 30-step headline run, 14-20 s each on a 2-core CPU)."""
+    return ChunkedDropoutAttention.apply(q, k, v, mask, dropout)
+
+
 class SDPAttention(nn.Module):
     """Drop-in for MathAttention: same inputs (q, k, v [N, H, L, d], bool mask: True = may attend)."""
 
@@ -108,7 +116,7 @@ class SDPAttention(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
         if self.training and self.dropout_p > 0 and q.device.type == "cpu":
-            return ChunkedDropoutAttention.apply(q, k, v, mask, self.dropout)
+            return chunked_dropout_attention(q, k, v, mask, self.dropout)
         dropout_p = self.dropout_p if self.training else 0.0
         if not self.backends:  # torch picks the fastest kernel that supports the inputs
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)

@@ -59,3 +59,32 @@ def test_a_module_swapped_into_an_evaluated_model_stays_in_eval_mode(make_cfg, p
     torch.testing.assert_close(first, want, rtol=1e-5, atol=1e-6)
     model.train()  # and a model trained afterwards drops out again
     assert all(m.training for m in swapped)
+
+
+def test_a_compiled_block_training_on_a_cpu_with_attention_dropout_compiles_once_for_every_batch_size(
+    make_cfg, monkeypatch
+):
+    """The chunked attention with dropout runs eagerly between a compiled block's graphs: traced, its
+    loop over chunks of rows was unrolled into the graph and guarded on the batch's rows, so every new
+    batch shape compiled again (10-13 recompiles in a 30-step headline run). Masks drawn eagerly too."""
+    from torch._dynamo.testing import CompileCounter
+
+    from aamperf.model.layers import Block
+    from aamperf.phases import attention
+    from aamperf.phases.dropout import apply_dropout
+
+    monkeypatch.setattr(attention, "CHUNK_BYTES", 2 * 4 * 17 * 17 * 4)  # 2 rows a chunk: several chunks
+    cfg = make_cfg("attention=sdpa", "dropout=fast")
+    block = Block(32, 4, 2, 0.1).train()
+    apply_attention(block, cfg.attention, torch.device("cpu"))
+    apply_dropout(block, cfg.dropout, torch.device("cpu"))
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(block, backend=counter, dynamic=True)
+    frames = []
+    for n in (5, 7, 11):
+        mask = torch.rand(n, 1, 1, 17) > 0.2
+        mask[..., 0] = True
+        compiled(torch.randn(n, 17, 32), mask).sum().backward()
+        frames.append(counter.frame_count)
+    assert frames[0] > 0 and frames[1:] == [frames[0]] * 2
