@@ -82,7 +82,14 @@ def sweep(tmp_path):
             (50.0, 57.2, 58.8),
             (2.01, 2.025, 1.9899),
             lambda s: [(3, 2.4), (6, BASE_VAL[s] - 0.001), (9, 2.0)],
-            {"peak_rss_bytes": 2**29, "peak_device_bytes": 2**28, "step_time_s": 0.25, "train_loss": 2.1},
+            {
+                "peak_rss_bytes": 2**29,
+                "peak_device_bytes": 2**28,
+                "step_time_s": 0.25,
+                "train_loss": 2.1,
+                "compile_time_s": 30.0,
+                "recompiles": 4,
+            },
         ),
         "basic": ((9.0, 12.0, 13.0), (2.0, 2.02, 1.98), lambda s: [], {}),  # 0.9x, 1.09x, 1.08x
         "worse": ((20.0, 22.0, 24.0), (2.1, 2.14, 2.06), lambda s: [(5, 2.1)], {"model_flops_per_step": 2e9}),
@@ -236,6 +243,7 @@ def test_cli_writes_every_report_file(sweep, capsys):
     assert "| `optim=ultra` | 3 (3) | 57.2 | 5.03x [" in table
     assert "| 6.0 (3/3) 5.00x [5.00, 5.00] |" in table  # time to quality and its speed-up
     assert "| 0.2 (29.0) |" in table and "| 0.0 (0.0) |" in table  # auto s: median (max)
+    assert "| 30.0 (4) |" in table and "| n/a (n/a) |" in table  # compile s (recompiles); none recorded
 
 
 def test_the_report_goes_to_an_out_directory_that_does_not_exist_yet(sweep, tmp_path):

@@ -227,6 +227,7 @@ def cost_figures(group: Group, pairs: list[tuple[Run, Run]]) -> dict[str, Any]:
     }
     return {
         "compile_time_s": group.median("compile_time_s"),
+        "recompiles": group.median("recompiles"),  # graphs compiled for new shapes while training
         "time_to_first_step_s": group.median("time_to_first_step_s"),
         # measuring for `auto` options: a run's first on a device pays it, later ones read the cache
         "auto_s": group.median("auto_s"),

@@ -117,7 +117,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         "step s (speed-up)",
         "time to quality s (speed-up [interval])",
         "first step s",
-        "compile s",
+        "compile s (recompiles)",
         "auto s (max)",
         "data wait",
         "MFU / HFU",
@@ -138,7 +138,8 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"process's VmHWM for runs without that figure). "
         f"Auto s: seconds a run spent measuring to decide its `auto` options (median, and the most one "
         f"seed's run spent: the first run on a device pays the probes, later runs read their cache); "
-        f"time to quality and first step include it.",
+        f"time to quality and first step include it. Recompiles: graphs compiled for new shapes while "
+        f"training (median), whose time is inside the compile s and the timed steps.",
         "",
         *machine_lines(result.get("machines") or {}),
         *overlap_lines(result.get("overlaps") or []),
@@ -158,7 +159,7 @@ def to_markdown(result: dict[str, Any]) -> str:
             f"{fmt(r['time_to_quality_s'], '.1f')} ({r['time_to_quality_reached']}) "
             + _ratio(*(r[f"time_to_quality_speedup{end}"] for end in ("", "_lo", "_hi"))),
             fmt(r["time_to_first_step_s"], ".1f"),
-            fmt(r["compile_time_s"], ".1f"),
+            f"{fmt(r['compile_time_s'], '.1f')} ({fmt(r.get('recompiles'), 'g')})",
             "n/a" if r.get("auto_s") is None else f"{r['auto_s']:.1f} ({r['auto_s_max']:.1f})",
             "n/a" if r["data_wait_frac"] is None else f"{100 * r['data_wait_frac']:.1f}%",
             f"{fmt(r['mfu'], '.3f')} / {fmt(r['hfu'], '.3f')}",
