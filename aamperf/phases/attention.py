@@ -94,16 +94,13 @@ class ChunkedDropoutAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-@torch.compiler.disable
-def chunked_dropout_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: nn.Dropout):
-    """ChunkedDropoutAttention, eager inside torch.compile's graphs: traced, its loop over chunks of rows
-    was unrolled into the graph and guarded on the batch's rows, so every new batch shape compiled again
-    (10-13 recompiles in a 30-step headline run, 14-20 s each on a 2-core CPU)."""
-    return ChunkedDropoutAttention.apply(q, k, v, mask, dropout)
-
-
 class SDPAttention(nn.Module):
     """Drop-in for MathAttention: same inputs (q, k, v [N, H, L, d], bool mask: True = may attend)."""
+
+    # run eagerly between torch.compile's graphs (the compile phase's `run_eagerly_in_graphs`): traced,
+    # the chunked attention's loop over chunks of rows was unrolled into the graph and guarded on the
+    # batch's rows, so every new batch shape compiled again (10-13 recompiles in a 30-step headline run)
+    EAGER_IN_GRAPHS = ("chunked",)
 
     def __init__(self, dropout_p: float, backends: list[str]):
         super().__init__()
@@ -114,9 +111,12 @@ class SDPAttention(nn.Module):
         # this module's dropout (which the dropout phase can make cheaper) drawing the keep mask.
         self.dropout = nn.Dropout(dropout_p)
 
+    def chunked(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        return ChunkedDropoutAttention.apply(q, k, v, mask, self.dropout)
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
         if self.training and self.dropout_p > 0 and q.device.type == "cpu":
-            return chunked_dropout_attention(q, k, v, mask, self.dropout)
+            return self.chunked(q, k, v, mask)
         dropout_p = self.dropout_p if self.training else 0.0
         if not self.backends:  # torch picks the fastest kernel that supports the inputs
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)

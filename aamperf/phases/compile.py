@@ -99,6 +99,7 @@ def apply_compile(model: nn.Module, cfg: DictConfig, warmup: Callable[[], None])
         # kernel's output has them: an H200 run failed so, "stride 45602==45632" (a [55, 2, 151, 151]
         # fp32 buffer): its padding is off for our compiled graphs
         torch._inductor.config.comprehensive_padding = False
+    run_eagerly_in_graphs(model)
     start, graphs = time.perf_counter(), compiled_graphs()
     try:
         for module in targets:
@@ -118,6 +119,20 @@ def apply_compile(model: nn.Module, cfg: DictConfig, warmup: Callable[[], None])
         compile_time_s=time.perf_counter() - start,
         graphs=compiled_graphs() - graphs,
     )
+
+
+def run_eagerly_in_graphs(model: nn.Module) -> None:
+    """The methods each module class of `model` names in its EAGER_IN_GRAPHS run eagerly between the
+    compiled graphs (`torch.compiler.disable`, on the class, once): Python that compiles badly, e.g. the
+    CPU's chunked dropout attention (aamperf/phases/attention.py). Here, not where they are defined, so
+    that a run that never compiles never imports torch's compiler (1-2 s)."""
+    for cls in {type(m) for m in model.modules()}:
+        for name in getattr(cls, "EAGER_IN_GRAPHS", ()):
+            method = getattr(cls, name)
+            if not getattr(method, "_aamperf_eager", False):
+                eager = torch.compiler.disable(method)
+                eager._aamperf_eager = True
+                setattr(cls, name, eager)
 
 
 def compile_trial(model: nn.Module, cfg: DictConfig, step: Callable[[int], None], batches: int) -> dict:

@@ -37,14 +37,11 @@ def _forget_pool() -> None:  # a forked child (a loader worker) has none of the 
 os.register_at_fork(after_in_child=_forget_pool)
 
 
-@torch.compiler.disable  # drawn eagerly between torch.compile's graphs: inductor's CPU random numbers
 def random_words(n: int, device: torch.device, threads: int | None = None) -> Tensor:
     """n full-range int64 words from the default (seeded) generator's stream: on CPU in blocks of
     BLOCK_WORDS, each from its own generator seeded from that stream, drawn on `threads` threads
     (None: torch's thread count); the same words on any number of threads. On a GPU, one call to the
-    default generator. Inside a compiled model too, eagerly: a CPU mask drawn in the graph
-    (`torch.randint`, int16) took 14 ms against 3 ms for the words, forward + backward of a
-    [64, 151, 128] bf16 dropout (2-core AMD EPYC, AVX-512 BF16)."""
+    default generator."""
     words = torch.empty(n, dtype=torch.int64, device=device)
     if device.type != "cpu":
         return words.random_(-(2**63), None)
@@ -129,14 +126,23 @@ class FastDropout(nn.Dropout):
     """nn.Dropout with its mask from `keep_mask`: same distribution, another random stream; its words
     drawn on `threads` threads (None: torch's)."""
 
+    # the mask drawn eagerly between torch.compile's graphs (the compile phase's `run_eagerly_in_graphs`):
+    # Tensor.random_ breaks a graph anyway, and a CPU mask drawn in the graph (`torch.randint`, int16) took
+    # 14 ms against 3 ms for the words, forward + backward of a [64, 151, 128] bf16 dropout (2-core AMD
+    # EPYC, AVX-512 BF16)
+    EAGER_IN_GRAPHS = ("keep",)
+
     def __init__(self, p: float = 0.5, threads: int | None = None) -> None:
         super().__init__(p)
         self.threads = threads
 
+    def keep(self, x: Tensor) -> Tensor:
+        return keep_mask(x.shape, self.p, x.device, self.threads)
+
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0:
             return x
-        keep = keep_mask(x.shape, self.p, x.device, self.threads)
+        keep = self.keep(x)
         # fp32: 1 byte an element kept for backward instead of 4 (fp32 advanced at the headline's batch:
         # 2.59 -> 2.0 GiB peak RSS, experiments/memory/). 2-byte dtypes: a multiplier in x's dtype (2 bytes
         # kept), where where() trained slower (bf16 `optim=advanced`, default run, three paired runs on

@@ -64,13 +64,15 @@ def test_a_module_swapped_into_an_evaluated_model_stays_in_eval_mode(make_cfg, p
 def test_a_compiled_block_training_on_a_cpu_with_attention_dropout_compiles_once_for_every_batch_size(
     make_cfg, monkeypatch
 ):
-    """The chunked attention with dropout runs eagerly between a compiled block's graphs: traced, its
-    loop over chunks of rows was unrolled into the graph and guarded on the batch's rows, so every new
-    batch shape compiled again (10-13 recompiles in a 30-step headline run). Masks drawn eagerly too."""
+    """The compile phase has the chunked attention with dropout run eagerly between a compiled block's
+    graphs: traced, its loop over chunks of rows was unrolled into the graph and guarded on the batch's
+    rows, so every new batch shape compiled again (10-13 recompiles in a 30-step headline run). Masks
+    drawn eagerly too."""
     from torch._dynamo.testing import CompileCounter
 
     from aamperf.model.layers import Block
     from aamperf.phases import attention
+    from aamperf.phases.compile import run_eagerly_in_graphs
     from aamperf.phases.dropout import apply_dropout
 
     monkeypatch.setattr(attention, "CHUNK_BYTES", 2 * 4 * 17 * 17 * 4)  # 2 rows a chunk: several chunks
@@ -78,6 +80,7 @@ def test_a_compiled_block_training_on_a_cpu_with_attention_dropout_compiles_once
     block = Block(32, 4, 2, 0.1).train()
     apply_attention(block, cfg.attention, torch.device("cpu"))
     apply_dropout(block, cfg.dropout, torch.device("cpu"))
+    run_eagerly_in_graphs(block)
     torch._dynamo.reset()
     counter = CompileCounter()
     compiled = torch.compile(block, backend=counter, dynamic=True)
