@@ -99,9 +99,9 @@ def apply_compile(model: nn.Module, cfg: DictConfig, warmup: Callable[[], None])
         # kernel's output has them: an H200 run failed so, "stride 45602==45632" (a [55, 2, 151, 151]
         # fp32 buffer): its padding is off for our compiled graphs
         torch._inductor.config.comprehensive_padding = False
-    run_eagerly_in_graphs(model)
     start, graphs = time.perf_counter(), compiled_graphs()
     try:
+        run_eagerly_in_graphs(model)
         for module in targets:
             module.compile(mode=mode, backend=cfg.backend, dynamic=cfg.dynamic, fullgraph=cfg.fullgraph)
         warmup()
