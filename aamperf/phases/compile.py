@@ -129,10 +129,8 @@ def run_eagerly_in_graphs(model: nn.Module) -> None:
     for cls in {type(m) for m in model.modules()}:
         for name in getattr(cls, "EAGER_IN_GRAPHS", ()):
             method = getattr(cls, name)
-            if not getattr(method, "_aamperf_eager", False):
-                eager = torch.compiler.disable(method)
-                eager._aamperf_eager = True
-                setattr(cls, name, eager)
+            if not getattr(method, "_torchdynamo_disable", False):  # torch's mark of a disabled function
+                setattr(cls, name, torch.compiler.disable(method))
 
 
 def compile_trial(model: nn.Module, cfg: DictConfig, step: Callable[[int], None], batches: int) -> dict:
