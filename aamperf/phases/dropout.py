@@ -128,8 +128,8 @@ class FastDropout(nn.Dropout):
 
     # the mask drawn eagerly between torch.compile's graphs (the compile phase's `run_eagerly_in_graphs`):
     # Tensor.random_ breaks a graph anyway, and a CPU mask drawn in the graph (`torch.randint`, int16) took
-    # 14 ms against 3 ms for the words, forward + backward of a [64, 151, 128] bf16 dropout (2-core AMD
-    # EPYC, AVX-512 BF16)
+    # 14.6-14.9 ms against 4.7 ms drawn between the graphs (eager 3.5-3.6), forward + backward of a
+    # [64, 151, 128] bf16 dropout (experiments/compile/dropout_masks.py, 2-core AMD EPYC, AVX-512 BF16)
     EAGER_IN_GRAPHS = ("keep",)
 
     def __init__(self, p: float = 0.5, threads: int | None = None) -> None:
