@@ -106,24 +106,36 @@ def null_reason(mfu: float | None, hfu: float | None, peak: float | None, record
 # ---- peak FLOP/s: a table on GPUs, a calibration on CPU ------------------------------------------
 
 
-def _cpuinfo() -> tuple[str, list[str]]:
-    name, flags = platform.processor() or platform.machine(), []
+def _cpuinfo() -> tuple[str, list[str], str]:
+    """This machine's `parse_cpuinfo`."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                break
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    return name, sorted(set(flags) & set(_MATMUL_FLAGS))
+        text = ""
+    return parse_cpuinfo(text)
+
+
+def parse_cpuinfo(text: str) -> tuple[str, list[str], str]:
+    """The first CPU's model name, its matmul flags and its generation (x86's family, model and stepping:
+    under a hypervisor the name can be as bare as "AMD EPYC", the same for CPUs of unlike speeds)."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the first processor's block is enough: the others repeat it
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    flags = sorted(set(fields.get("flags", "").split()) & set(_MATMUL_FLAGS))
+    parts = [(key.split()[-1], fields.get(key)) for key in ("cpu family", "model", "stepping")]
+    generation = " ".join(f"{key} {value}" for key, value in parts if value is not None)
+    return name, flags, generation
 
 
 def cpu_description() -> str:
-    """The CPU's model name and its matmul-relevant flags, to name beside a figure measured on it."""
-    name, flags = _cpuinfo()
-    return f"{name} ({', '.join(flags) or 'no AVX-512 / AMX'})"
+    """The CPU's model name, its generation and its matmul-relevant flags, to name beside a figure
+    measured on it: "AMD EPYC (family 26 model 2 stepping 1; avx2, avx512_bf16, avx512f, fma)"."""
+    name, flags, generation = _cpuinfo()
+    return f"{name} ({'; '.join(filter(None, [generation, ', '.join(flags) or 'no AVX-512 / AMX']))})"
 
 
 def machine(device: torch.device) -> str:
@@ -155,17 +167,17 @@ ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 def machine_key(precision: str, threads: int) -> str:
     """The cache key of a CPU peak: this machine (machine-id + hostname: containers of one image share
-    a machine-id), its CPU model and matmul flags, the instruction set torch's kernels use (its vector
-    kernels' and any cap set on oneDNN's or MKL's), the thread count and the CPU time a cgroup grants
-    (the same threads under a quota are throttled), torch and the dtype."""
-    name, flags = _cpuinfo()
+    a machine-id), its CPU model, generation and matmul flags, the instruction set torch's kernels use
+    (its vector kernels' and any cap set on oneDNN's or MKL's), the thread count and the CPU time a
+    cgroup grants (the same threads under a quota are throttled), torch and the dtype."""
+    name, flags, generation = _cpuinfo()
     host = socket.gethostname()
     isa = [f"isa={torch.backends.cpu.get_cpu_capability()}"]
     isa += [f"{cap}={os.environ[cap]}" for cap in ISA_CAPS if os.environ.get(cap)]
     quota = cpu_quota()
     threads_text = f"threads={threads}" + ("" if quota is None else f",cpu_quota={quota:g}")
     return (
-        f"{_machine_id()}|{host}|{name}|{','.join(flags)}|{','.join(isa)}|{threads_text}|"
+        f"{_machine_id()}|{host}|{name}|{generation}|{','.join(flags)}|{','.join(isa)}|{threads_text}|"
         f"torch={torch.__version__}|{precision}"
     )
 
@@ -300,6 +312,7 @@ def calibrate_cpu(
         "dtype": precision,
         "threads": threads,
         "cpu_model": _cpuinfo()[0],
+        "cpu_generation": _cpuinfo()[2],
         "cpu_flags": _cpuinfo()[1],
         **load,
     }

@@ -25,6 +25,36 @@ def test_count_flops_of_a_matmul():
     assert count_flops(lambda: a @ b) == 2 * 64 * 32 * 16
 
 
+def _cpuinfo_of(family: int, model: int) -> str:
+    """/proc/cpuinfo as a hypervisor shows an EPYC: a bare model name (two processors, the same block)."""
+    block = (
+        "processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+        "model name\t: AMD EPYC\nstepping\t: 1\nflags\t\t: fpu avx2 fma avx512f avx512_bf16 sse2\n"
+    )
+    return "\n".join(block.format(n=n, family=family, model=model) for n in (0, 1))
+
+
+def test_two_cpus_of_one_bare_name_and_flags_are_told_apart_by_their_generation(monkeypatch):
+    """A Zen 4 and a Zen 5 EPYC under KVM both read "AMD EPYC" with the same matmul flags, at bf16 matmul
+    rates ~2x apart: the description beside a figure, and the cache key of a peak, must differ."""
+    zen4, zen5 = (
+        flops_module.parse_cpuinfo(_cpuinfo_of(25, 17)),
+        flops_module.parse_cpuinfo(_cpuinfo_of(26, 2)),
+    )
+    assert zen4 == ("AMD EPYC", ["avx2", "avx512_bf16", "avx512f", "fma"], "family 25 model 17 stepping 1")
+    assert zen5[:2] == zen4[:2] and zen5[2] == "family 26 model 2 stepping 1"
+    described, keys = [], []
+    for info in (zen4, zen5):
+        monkeypatch.setattr(flops_module, "_cpuinfo", lambda info=info: info)
+        described.append(flops_module.cpu_description())
+        keys.append(machine_key("bf16", 2))
+    assert described == [
+        "AMD EPYC (family 25 model 17 stepping 1; avx2, avx512_bf16, avx512f, fma)",
+        "AMD EPYC (family 26 model 2 stepping 1; avx2, avx512_bf16, avx512f, fma)",
+    ]
+    assert keys[0] != keys[1]
+
+
 def fake_calibration(peak: float, under_load: str | None):
     def calibrate(precision, shapes):
         clean = {
