@@ -311,9 +311,7 @@ def calibrate_cpu(
         "trials": trials,
         "dtype": precision,
         "threads": threads,
-        "cpu_model": _cpuinfo()[0],
-        "cpu_generation": _cpuinfo()[2],
-        "cpu_flags": _cpuinfo()[1],
+        **dict(zip(("cpu_model", "cpu_flags", "cpu_generation"), _cpuinfo(), strict=True)),
         **load,
     }
     record["under_load"] = LoadWatch.verdict(load, best["spread"])
