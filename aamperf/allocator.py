@@ -12,7 +12,8 @@ process does not have, `python -m aamperf.train` starts itself again with the li
 same process id, arguments and run directory: its start-up counts in the run's time). A plain run does
 so before Hydra and torch load (headline shapes, first step 14.3 and 11.6 s against 12.2 and 14.4 s on
 glibc's malloc); one with a flag from its job, after them (about 4.5 s more). A sweep's jobs share one
-process, so there it stays as it is and the record says how to have it.
+process, so there it stays as it is and the record says how to have it. `python -m aamperf.predict` does
+the same with its `allocator` key (`PREDICT`).
 """
 
 import ctypes.util
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import OmegaConf
 
 from aamperf.errors import this_command
 
@@ -49,10 +50,35 @@ ALLOCATORS = {
 RESTARTED = "AAMPERF_ALLOCATOR_RESTARTED"  # set in the restarted process: it never restarts twice
 
 
-def check_allocator(cfg: DictConfig) -> list[str]:
-    if cfg.allocator is not None and cfg.allocator not in ALLOCATORS:
+@dataclass(frozen=True)
+class Command:
+    """A command that can start itself again with an allocator: its module, console script, config
+    and the key of that config naming the allocator."""
+
+    module: str
+    script: str
+    config_name: str
+    key: str
+
+    def compose_allocator(self, args: list[str]) -> str | None:
+        """The allocator the config of `args` names (the composition alone: 0.4 s, no torch; the
+        config's schema registered by the command's module first)."""
+        from hydra import compose, initialize_config_dir
+
+        from aamperf.config import CONF_DIR
+
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return OmegaConf.select(compose(config_name=self.config_name, overrides=args), self.key)
+
+
+TRAIN = Command("aamperf.train", "aamperf-train", "config", "system.allocator")
+PREDICT = Command("aamperf.predict", "aamperf-predict", "predict", "allocator")
+
+
+def check_allocator(name: str | None, command: Command = TRAIN) -> list[str]:
+    if name is not None and name not in ALLOCATORS:
         names = ", ".join(ALLOCATORS)
-        return [f"system.allocator={cfg.allocator} is not one of {names}, or null (the process's own malloc)"]
+        return [f"{command.key}={name} is not one of {names}, or null (the process's own malloc)"]
     return []
 
 
@@ -80,10 +106,10 @@ def find(name: str) -> str | None:
     return None
 
 
-def why_not_restarted(name: str, in_sweep: bool) -> str | None:
+def why_not_restarted(name: str, in_sweep: bool, command: Command = TRAIN) -> str | None:
     """Why this process cannot be started again with `name` preloaded, or None where it can."""
     allocator = ALLOCATORS[name]
-    how = f"LD_PRELOAD={allocator.libraries[0]} python -m aamperf.train ..."
+    how = f"LD_PRELOAD={allocator.libraries[0]} python -m {command.module} ..."
     if os.environ.get(RESTARTED) == name:
         return f"started again with {os.environ.get('LD_PRELOAD')} preloaded, which the process does not have"
     if find(name) is None:
@@ -93,42 +119,37 @@ def why_not_restarted(name: str, in_sweep: bool) -> str | None:
             "a sweep's jobs share one process, whose malloc was chosen when it started: start the sweep as "
             f"{how} -m, or run a process per job (experiments/run_paired.sh)"
         )
-    if not this_command():
+    if not this_command(command.module, command.script):
         return (
-            f"this process is not a python -m aamperf.train command, which could start again with it ({how})"
+            f"this process is not a python -m {command.module} command, which could start again with it "
+            f"({how})"
         )
     return None
 
 
-def restart_before_hydra() -> None:
+def restart_before_hydra(command: Command = TRAIN) -> None:
     """For a plain run (`python -m aamperf.train key=value ...`, no flags), before Hydra starts and
     torch is imported: compose its config (0.4 s) and, where it asks for an allocator this process does
     not have, start again with it preloaded. Anything else (a sweep, a flag, a config Hydra refuses) is
     left to `restart_with_allocator` in the job, or to Hydra's own report."""
     args = sys.argv[1:]
-    if os.environ.get(RESTARTED) or any(a.startswith("-") for a in args) or not this_command():
+    if os.environ.get(RESTARTED) or any(a.startswith("-") for a in args):
         return
-    if all(find(name) is None for name in ALLOCATORS):
+    if not this_command(command.module, command.script) or all(find(name) is None for name in ALLOCATORS):
         return  # nothing to preload: no composing
-    from hydra import compose, initialize_config_dir
-
-    from aamperf.config import CONF_DIR
-
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            name = compose(config_name="config", overrides=args).system.allocator
+        name = command.compose_allocator(args)
     except Exception:  # noqa: BLE001 - bad input: Hydra's own run reports it, with its fix
         return
-    if name in ALLOCATORS and in_process() != name and not why_not_restarted(name, in_sweep=False):
+    if name in ALLOCATORS and in_process() != name and not why_not_restarted(name, False, command):
         _start_again(name, args)  # nothing is written yet: the run's directory is the new process's
 
 
-def restart_with_allocator(cfg: DictConfig, run_dir: Path) -> None:
-    """Start this command again with system.allocator's library preloaded, in the same run directory,
-    where the config asks for one this process does not have and it can be; else return (the system
-    phase's record says why)."""
-    name = cfg.allocator
-    if name not in ALLOCATORS or in_process() == name or why_not_restarted(name, sweeping()):
+def restart_with_allocator(name: str | None, run_dir: Path, command: Command = TRAIN) -> None:
+    """Start this command again with allocator `name`'s library preloaded, in the same run directory,
+    where the config asks for one this process does not have and it can be; else return (the run's
+    record says why)."""
+    if name not in ALLOCATORS or in_process() == name or why_not_restarted(name, sweeping(), command):
         return
     quoted = "'" + str(run_dir).replace("'", "\\'") + "'"  # Hydra's quoted string: any path
     # the same arguments, the run directory fixed (a dated one would be a new directory), among the other

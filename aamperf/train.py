@@ -46,7 +46,7 @@ def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
-    restart_with_allocator(cfg.system, run_dir)  # returns where this process keeps its malloc
+    restart_with_allocator(cfg.system.allocator, run_dir)  # returns where this process keeps its malloc
     # imported here, not at the top: cli()'s early restart of a plain run comes before torch loads (4.6 s)
     from aamperf.interrupts import Interrupts, RunInterrupted
     from aamperf.run import print_result, train

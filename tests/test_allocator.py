@@ -8,7 +8,6 @@ import sys
 
 import pytest
 from conftest import TINY
-from omegaconf import OmegaConf
 
 from aamperf.allocator import ALLOCATORS, Allocator, find, in_process, why_not_restarted
 from aamperf.errors import this_command
@@ -44,7 +43,7 @@ def test_a_run_asking_for_tcmalloc_starts_again_with_it_in_the_same_directory(
 
 
 def test_a_run_without_an_allocator_keeps_the_process_malloc():
-    record = allocator_record(OmegaConf.create({"allocator": None}))
+    record = allocator_record(None)
     assert record["status"] == "skipped"
     assert record["reason"] == "system.allocator=null: malloc as the process has it (the C library's)"
     assert in_process() is None  # pytest was not started with a preloaded allocator
@@ -53,7 +52,7 @@ def test_a_run_without_an_allocator_keeps_the_process_malloc():
 def test_a_process_that_is_not_the_train_command_is_never_started_again():
     assert not this_command()  # pytest: a restart would replace the tests' own process
     if TCMALLOC is not None:
-        record = allocator_record(OmegaConf.create({"allocator": "tcmalloc"}))
+        record = allocator_record("tcmalloc")
         assert record["status"] == "skipped"
         assert "is not a python -m aamperf.train command" in record["reason"]
         assert "LD_PRELOAD=libtcmalloc_minimal.so.4 python -m aamperf.train" in record["reason"]
@@ -71,7 +70,7 @@ def test_a_missing_library_says_how_to_install_it(monkeypatch):
     missing = Allocator(libraries=("libno_such_malloc.so.9",), install="apt install no-such-malloc")
     monkeypatch.setitem(ALLOCATORS, "tcmalloc", missing)
     assert find("tcmalloc") is None
-    record = allocator_record(OmegaConf.create({"allocator": "tcmalloc"}))
+    record = allocator_record("tcmalloc")
     assert record["reason"] == (
         "system.allocator=tcmalloc: libno_such_malloc.so.9 is not installed here "
         "(apt install no-such-malloc): malloc as the process has it"

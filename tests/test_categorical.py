@@ -20,8 +20,8 @@ from aamperf.data.tables import resolve_files
 from aamperf.device import to_device
 from aamperf.errors import UserError
 from aamperf.model import AAM, AAMLoss
-from aamperf.predict import predict
 from aamperf.predict.config import register_predict_configs
+from aamperf.predict.run import predict
 from aamperf.run import train
 from aamperf.weights import load_model, read_model_file
 
@@ -191,7 +191,7 @@ def test_predict_maps_a_category_training_never_saw_to_slot_0_and_counts_it(make
     slots = [vocabulary.index(v) + 1 if v in vocabulary else 0 for v in metadata.loc[ids, "environment"]]
     assert 0 in slots
     from aamperf.data.samples import read_samples
-    from aamperf.predict import collate_of
+    from aamperf.predict.run import collate_of
 
     cfg = make_cfg().data
     samples = read_samples(cfg, keep_unlabelled=True, sample_ids=ids)

@@ -4,6 +4,8 @@ never saw; one row per sample, the predicted UniFrac of the embeddings written, 
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from unittest.mock import patch
@@ -17,15 +19,21 @@ from conftest import CONF_DIR, free_port, read_summary, torchrun
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from aamperf.allocator import ALLOCATORS, find
 from aamperf.data.dataset import Collate
 from aamperf.data.samples import read_samples
 from aamperf.data.simulate import SimParams, ensure_simulated
 from aamperf.errors import UserError
 from aamperf.model.loss import predicted_unifrac
-from aamperf.predict import predict
 from aamperf.predict.config import register_predict_configs
+from aamperf.predict.run import predict
 from aamperf.run import train
 from aamperf.weights import load_model
+
+TCMALLOC = find("tcmalloc")
+needs_tcmalloc = pytest.mark.skipif(
+    TCMALLOC is None, reason=f"tcmalloc is not installed here ({ALLOCATORS['tcmalloc'].install})"
+)
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +89,11 @@ def test_the_runs_own_samples_one_row_each_with_the_pairwise_unifrac_of_their_em
     assert base["embedding_cosine_min"] == pytest.approx(1.0) and base["unifrac_mae"] == 0
     latency = summary["batch_latency_s"]
     assert summary["samples_per_s"] > 0 and latency["p95"] >= latency["p50"] > 0
-    # freed blocks kept for the next batch (glibc here): every job of a bench sweep alike
-    assert summary["malloc"]["status"] == "applied" and summary["malloc"]["mmap_threshold"] == 2**30
+    # tcmalloc preloaded where it is installed, else glibc keeping freed blocks for the next batch
+    if TCMALLOC is not None:
+        assert summary["allocator"]["status"] == "applied", summary["allocator"]
+    else:
+        assert summary["malloc"]["status"] == "applied" and summary["malloc"]["mmap_threshold"] == 2**30
 
 
 @pytest.mark.slow  # over 12 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
@@ -113,6 +124,54 @@ def test_a_run_without_a_model_is_one_line(launch, tmp_path):
     proc, _ = launch(f"run={tmp_path}", name="p", module="aamperf.predict", tiny=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: run={tmp_path} has no model.pt")
+
+
+@needs_tcmalloc
+def test_predict_starts_again_with_tcmalloc_in_its_own_directory_and_null_keeps_glibcs(
+    launch, trained_run, tmp_path
+):
+    run_dir, _ = trained_run
+    _, summary = predicted(launch, f"run={run_dir}", "batch_size=7", name="tcmalloc")
+    allocator = summary["allocator"]
+    assert allocator["status"] == "applied" and TCMALLOC in allocator["preloaded"], allocator
+    assert allocator["settings"]["TCMALLOC_RELEASE_RATE"] == "0"
+    assert summary["malloc"]["reason"] == "malloc is tcmalloc here: glibc's thresholds do not apply"
+    _, plain = predicted(launch, f"run={run_dir}", "batch_size=7", "allocator=null", name="glibc")
+    assert plain["allocator"]["reason"] == "allocator=null: malloc as the process has it (the C library's)"
+    assert plain["malloc"]["status"] == "applied" and plain["malloc"]["libc"].startswith("glibc")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["glibc", "tcmalloc"]  # no dated directory
+
+
+def test_predict_starts_again_before_torch_is_imported(tmp_path):
+    """The restart replaces the process before torch loads (1.9 s), as the command would run it."""
+    script = (
+        "import sys\n"
+        "sys.orig_argv, sys.argv = [sys.executable, '-m', 'aamperf.predict', 'run=r'], ['p.py', 'run=r']\n"
+        "import aamperf.allocator as a\n"
+        "a.find = lambda name: 'libtcmalloc_minimal.so.4'\n"  # installed or not: the order is checked
+        "def start_again(name, args):\n"
+        "    print(name, args, 'torch' in sys.modules)\n"
+        "    raise SystemExit(0)\n"
+        "a._start_again = start_again\n"
+        "from aamperf.predict.__main__ import cli\n"
+        "cli()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("AAMPERF_ALLOCATOR_RESTARTED", "LD_PRELOAD")}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["tcmalloc", "['run=r']", "False"]
+
+
+def test_an_unknown_allocator_is_one_line_before_anything_is_read(launch, trained_run):
+    run_dir, _ = trained_run
+    proc, out = launch(f"run={run_dir}", "allocator=jemalloc", name="p", module="aamperf.predict", tiny=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: allocator=jemalloc is not one of tcmalloc, or null (the process's own malloc)"
+    )
+    assert not (out / "summary.json").exists()
 
 
 def test_a_run_of_another_model_is_refused_in_one_line_and_its_model_must_import(launch, make_cfg, tmp_path):

@@ -17,9 +17,9 @@ from aamperf.data.dataset import Collate
 from aamperf.data.samples import read_samples
 from aamperf.data.tables import resolve_files
 from aamperf.errors import UserError
-from aamperf.predict import predict
 from aamperf.predict.bench import keeps_quality
 from aamperf.predict.config import register_predict_configs
+from aamperf.predict.run import predict
 from aamperf.run import train
 from aamperf.weights import load_model
 

@@ -53,7 +53,7 @@ def check_phases(cfg: DictConfig, device: torch.device) -> None:
     problems = check_precision(cfg.precision, device)
     problems += check_attention(cfg.attention, device, DTYPES.get(cfg.precision.dtype, torch.float32))
     problems += check_memory(cfg.memory, cfg.compile) + check_dataloader(cfg.dataloader)
-    problems += check_comm_hook(cfg.distributed, device) + check_allocator(cfg.system)
+    problems += check_comm_hook(cfg.distributed, device) + check_allocator(cfg.system.allocator)
     if problems:
         raise UserError("; ".join(problems))
 

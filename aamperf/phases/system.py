@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from aamperf.allocator import ALLOCATORS, in_process, sweeping, why_not_restarted
+from aamperf.allocator import ALLOCATORS, TRAIN, Command, in_process, sweeping, why_not_restarted
 from aamperf.cgroups import core_budget, cpu_quota, usable_cores
 from aamperf.metrics.monitor import release_freed_memory
 from aamperf.phases.record import applied, skipped
@@ -74,12 +74,8 @@ def apply_system(cfg: DictConfig, device: torch.device) -> dict[str, dict]:
             records["threads"]["inter_op"] = cfg.interop_threads
         except RuntimeError as exc:
             records["threads"]["inter_op_note"] = f"unchanged: {exc}"
-    records["allocator"] = allocator_record(cfg)
-    preloaded = in_process()
-    if preloaded:
-        records["malloc"] = skipped(f"malloc is {preloaded} here: glibc's thresholds do not apply")
-    else:
-        records["malloc"] = apply_malloc(cfg.reuse_freed_memory)
+    records["allocator"] = allocator_record(cfg.allocator)
+    records["malloc"] = malloc_record(cfg.reuse_freed_memory)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         records["cudnn_benchmark"] = applied(enabled=cfg.cudnn_benchmark)
@@ -90,17 +86,25 @@ def apply_system(cfg: DictConfig, device: torch.device) -> dict[str, dict]:
     return records
 
 
-def allocator_record(cfg: DictConfig) -> dict:
-    """The system phase's record of system.allocator."""
-    name, have = cfg.allocator, in_process()
+def allocator_record(name: str | None, command: Command = TRAIN) -> dict:
+    """The record of the allocator `name` that `command`'s config (its `command.key`) asks for."""
+    have = in_process()
     if name is None:
         where = f"{have}, preloaded when it started" if have else "the C library's"
-        return skipped(f"system.allocator=null: malloc as the process has it ({where})")
+        return skipped(f"{command.key}=null: malloc as the process has it ({where})")
     if have == name:
         settings = {k: os.environ.get(k) for k in ALLOCATORS[name].settings}
         return applied(name=name, preloaded=os.environ.get("LD_PRELOAD"), settings=settings)
-    why = why_not_restarted(name, sweeping()) or "not preloaded"
-    return skipped(f"system.allocator={name}: {why}: malloc as the process has it")
+    why = why_not_restarted(name, sweeping(), command) or "not preloaded"
+    return skipped(f"{command.key}={name}: {why}: malloc as the process has it")
+
+
+def malloc_record(reuse: bool) -> dict:
+    """reuse_freed_memory's record: glibc's thresholds (apply_malloc), or why they do not apply."""
+    preloaded = in_process()
+    if preloaded:
+        return skipped(f"malloc is {preloaded} here: glibc's thresholds do not apply")
+    return apply_malloc(reuse)
 
 
 # glibc's mallopt parameters, and their values when glibc starts (its own defaults)

@@ -6,13 +6,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from aamperf.allocator import PREDICT, restart_before_hydra, restart_with_allocator
 from aamperf.config import CONF_DIR
 from aamperf.errors import UserError, bad_input_exits, end_process, exit_bad_input
 from aamperf.interrupts import stop_at_once
-from aamperf.predict import predict
-from aamperf.predict.categorical import categorical_line
 from aamperf.predict.config import register_predict_configs
-from aamperf.predict.target import summary_line
 
 register_predict_configs()
 
@@ -20,6 +18,12 @@ register_predict_configs()
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="predict")
 def main(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    restart_with_allocator(cfg.allocator, out_dir, PREDICT)  # returns where this process keeps its malloc
+    # imported here, not at the top: cli()'s early restart comes before torch loads
+    from aamperf.predict.categorical import categorical_line
+    from aamperf.predict.run import predict
+    from aamperf.predict.target import summary_line
+
     try:
         summary = predict(cfg, out_dir)
     except UserError as exc:  # here, before Hydra adds its own line about the failed job
@@ -50,6 +54,7 @@ def cli() -> None:
     """main() with bad input (a run without a model, files that cannot be read, Hydra's config errors)
     as one `error:` line and exit code 2; SIGTERM / SIGINT as one `interrupted:` line, exit 143 / 130."""
     left = "stopped before all predictions were written (each file is whole or absent): run it again"
+    restart_before_hydra(PREDICT)  # a plain command whose config preloads an allocator: before torch loads
     with bad_input_exits(), stop_at_once(left):
         main()
 

@@ -95,6 +95,9 @@ class PredictConfig:
     # again (inference=baseline at batch 32 2.2x slower, 1.25x less peak RSS: docs/predict.md), and a bench
     # sweep's first job ran 1.1-1.5x slower than the same level after it in one process
     reuse_freed_memory: bool = True
+    # gperftools' tcmalloc preloaded where it is installed: the command starts itself again with it before
+    # torch loads, as training does (aamperf/allocator.py); null: malloc as the process has it
+    allocator: str | None = "tcmalloc"
 
 
 def register_predict_configs() -> None:
