@@ -31,7 +31,10 @@ AP=(model=aam_base model.max_asvs=$ASVS model.asv_layers=$LAYERS model.sample_la
     trainer.grad_clip=0 trainer.min_lr_ratio=0 trainer.progress=false metrics.log_every=1
     trainer.val_batches=100)  # as the original: every full batch of 8 of the val samples, in the table's order
 
-CONFIGS=${CONFIGS:-original-default baseline original-fastest basic advanced ultra}
+# the original as its users could also run it: tcmalloc preloaded, as aamperf's tuned levels do (no flag
+# of its CLI; LD_PRELOAD and the settings of aamperf/allocator.py)
+TCMALLOC=(env LD_PRELOAD=libtcmalloc_minimal.so.4 TCMALLOC_RELEASE_RATE=0 TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD=$((1 << 40)))
+CONFIGS=${CONFIGS:-original-default baseline original-fastest basic advanced ultra original-default-tcmalloc original-fastest-tcmalloc}
 for seed in $SEEDS; do  # configurations alternate within a seed, so a slow spell of the machine hits all
   mkdir -p $OUT/runs/seed$seed
   # the original's split of this seed (its pretrain: scikit-learn's train_test_split(ids, test_size=0.2,
@@ -51,6 +54,8 @@ open(sys.argv[3], 'w').write('\n'.join(s(ids, test_size=0.2, random_state=int(sy
     case $cfg in
       original-default) cmd=("${timed[@]}" --output-dir $d/aam) ;;
       original-fastest) cmd=("${timed[@]}" "${FAST[@]}" --output-dir $d/aam) ;;
+      original-default-tcmalloc) cmd=("${TCMALLOC[@]}" "${timed[@]}" --output-dir $d/aam) ;;
+      original-fastest-tcmalloc) cmd=("${TCMALLOC[@]}" "${timed[@]}" "${FAST[@]}" --output-dir $d/aam) ;;
       *) cmd=(.venv/bin/python -m aamperf.train optim=$cfg "${AP[@]}" seed=$seed "data.val_samples=$split"
               hydra.run.dir=$d) ;;
     esac

@@ -18,8 +18,17 @@ from pathlib import Path
 from aamperf.report.paired import MIN_PAIRS, geometric, mean_interval
 
 SKIP = 3
-ORDER = ["original-default", "original-fastest", "baseline", "basic", "advanced", "ultra"]
-REFERENCES = ["original-default", "original-fastest"]
+ORDER = [
+    "original-default",
+    "original-fastest",
+    "original-default-tcmalloc",
+    "original-fastest-tcmalloc",
+    "baseline",
+    "basic",
+    "advanced",
+    "ultra",
+]
+REFERENCES = ["original-default", "original-fastest", "original-fastest-tcmalloc"]
 TOLERANCE = 0.02  # compare.quality_tolerance's default: equal quality within +-2% of the val loss
 CONFIDENCE = 0.95
 
@@ -90,26 +99,35 @@ def spread(values: list[float], spec: str) -> str:
     return f"{med:{spec}}" + (f" [{lo:{spec}}-{hi:{spec}}]" if len(values) > 1 else "")
 
 
+def against(cfg: str, seeds: dict[int, dict], reference: dict, name: str, key: str) -> str:
+    """`key` of the reference configuration `name` over this one's, paired by seed."""
+    pairs = [(r, reference[s]) for s, r in seeds.items() if s in reference]
+    return "1" if cfg == name else ratio([o[key] / r[key] for r, o in pairs])
+
+
 def to_markdown(runs: dict[str, dict[int, dict]]) -> str:
-    ref, fast = (runs.get(name, {}) for name in REFERENCES)
+    ref, fast, best = (runs.get(name, {}) for name in REFERENCES)
     lines = [
         "| configuration | seeds | steady step s | speed x original default | speed x original fastest"
-        " | end to end s | end to end x original default | peak RSS GiB | val loss"
+        " | speed x original fastest + tcmalloc | end to end s | end to end x original default"
+        " | end to end x original fastest + tcmalloc | peak RSS GiB | val loss"
         " | val loss vs original default |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cfg in [c for c in ORDER if c in runs]:
         seeds = runs[cfg]
+
         d = [(r, ref[s]) for s, r in seeds.items() if s in ref]  # (this run, the original default's)
-        f = [(r, fast[s]) for s, r in seeds.items() if s in fast]
         cells = [
             cfg,
             ", ".join(str(s) for s in seeds),
             spread([r["step_s"] for r in seeds.values()], ".2f"),
-            "1" if cfg == "original-default" else ratio([o["step_s"] / r["step_s"] for r, o in d]),
-            "1" if cfg == "original-fastest" else ratio([o["step_s"] / r["step_s"] for r, o in f]),
+            against(cfg, seeds, ref, REFERENCES[0], "step_s"),
+            against(cfg, seeds, fast, REFERENCES[1], "step_s"),
+            against(cfg, seeds, best, REFERENCES[2], "step_s"),
             spread([r["wall_s"] for r in seeds.values()], ".0f"),
-            "1" if cfg == "original-default" else ratio([o["wall_s"] / r["wall_s"] for r, o in d]),
+            against(cfg, seeds, ref, REFERENCES[0], "wall_s"),
+            against(cfg, seeds, best, REFERENCES[2], "wall_s"),
             spread([r["rss_gib"] for r in seeds.values()], ".2f"),
             spread([r["val_loss"] for r in seeds.values()], ".3f"),
             "-" if cfg == "original-default" else quality([r["val_loss"] / o["val_loss"] - 1 for r, o in d]),
