@@ -37,11 +37,18 @@ def test_levels_are_paired_with_the_original_of_their_seed(tmp_path):
         write_run(tmp_path, seed, "original-default", [100] * 3 + [orig_step] * 3, "2:00.00", 2.4)
         val_loss = 2.4 * (1 - 0.05 * seed)  # 0, -5% and -10% against the original's
         write_run(tmp_path, seed, "advanced", [100] * 3 + [level_step] * 3, "0:30.00", val_loss)
+        best = [100] * 3 + [orig_step / 2] * 3  # the original's fastest flags with tcmalloc: half its step
+        write_run(tmp_path, seed, "original-fastest-tcmalloc", best, "1:00.00", 2.4)
         write_run(tmp_path, seed, "basic", [orig_step] * 6, "1:00.00", 2.4 * (1.1 + 0.01 * seed))  # +10-12%
     write_run(tmp_path, 0, "ultra", [1.0] * 10, "0:20.00", 2.0, exit_status=1)  # failed: not a figure
 
     runs = summarize.read_runs(tmp_path)
-    assert set(runs) == {"original-default", "advanced", "basic"}  # the failed run is left out
+    assert set(runs) == {
+        "original-default",
+        "original-fastest-tcmalloc",
+        "advanced",
+        "basic",
+    }  # not ultra: failed
     assert [runs["advanced"][s]["step_s"] for s in range(3)] == [2.0, 3.0, 2.25]
     assert runs["original-default"][0]["wall_s"] == 120.0
     assert math.isclose(runs["advanced"][0]["rss_gib"], 1.0)
@@ -54,8 +61,11 @@ def test_levels_are_paired_with_the_original_of_their_seed(tmp_path):
     # speed: 5x, 4x and 4x by seed (paired), not the 10.33 / 2.42 of the medians
     speed = math.exp(sum(map(math.log, [5.0, 4.0, 4.0])) / 3)
     assert cells[3].startswith(f"{speed:.2f}x [4.00, 5.00]"), cells[3]
-    assert cells[6] == "4.00x [4.00, 4.00]"  # end to end: 120 s against 30 s
-    assert cells[9].startswith("-5.0% [") and cells[9].endswith(": equal or better"), cells[9]
+    best = math.exp(sum(map(math.log, [2.5, 2.0, 2.0])) / 3)  # against the original at its best
+    assert cells[5].startswith(f"{best:.2f}x [2.00, 2.50]"), cells[5]
+    assert cells[7] == "4.00x [4.00, 4.00]"  # end to end: 120 s against 30 s
+    assert cells[8] == "2.00x [2.00, 2.00]"  # and 60 s against 30 s
+    assert cells[11].startswith("-5.0% [") and cells[11].endswith(": equal or better"), cells[11]
 
 
 def test_fewer_seeds_than_an_interval_needs_are_shown_as_they_are(tmp_path):

@@ -56,6 +56,8 @@ open(sys.argv[3], 'w').write('\n'.join(s(ids, test_size=0.2, random_state=int(sy
       original-fastest) cmd=("${timed[@]}" "${FAST[@]}" --output-dir $d/aam) ;;
       original-default-tcmalloc) cmd=("${TCMALLOC[@]}" "${timed[@]}" --output-dir $d/aam) ;;
       original-fastest-tcmalloc) cmd=("${TCMALLOC[@]}" "${timed[@]}" "${FAST[@]}" --output-dir $d/aam) ;;
+      *-tcmalloc) cmd=(.venv/bin/python -m aamperf.train optim=${cfg%-tcmalloc} system.allocator=tcmalloc
+                       "${AP[@]}" seed=$seed "data.val_samples=$split" hydra.run.dir=$d) ;;  # a level on it
       *) cmd=(.venv/bin/python -m aamperf.train optim=$cfg "${AP[@]}" seed=$seed "data.val_samples=$split"
               hydra.run.dir=$d) ;;
     esac

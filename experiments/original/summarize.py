@@ -24,7 +24,9 @@ ORDER = [
     "original-default-tcmalloc",
     "original-fastest-tcmalloc",
     "baseline",
+    "baseline-tcmalloc",
     "basic",
+    "basic-tcmalloc",
     "advanced",
     "ultra",
 ]
