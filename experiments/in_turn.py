@@ -6,12 +6,15 @@ Each pair is a setting that keeps the results: the same masks or the same math, 
                 threads (null): the same masks, from the same seed
   asv-masks     the ASV encoder with its masks (aam_ops.unmask_full_length=false) against without them, on
                 data whose ASVs are all full length: the same outputs
+  chunk-bytes   the CPU's chunked dropout attention (attention=sdpa in training) in chunks of CHUNK_MIB
+                (default 8) MiB of scores against its CHUNK_BYTES: the same math, row for row
 
 Usage: LD_PRELOAD=libtcmalloc_minimal.so.4 python experiments/in_turn.py PAIR [PAIRS=20] [overrides]
 (tcmalloc preloaded as `system=tuned` runs it; the overrides follow `optim=advanced`, e.g.
 `experiment=headline` for the headline's shapes; without one, the default job's).
 """
 
+import os
 import statistics
 import sys
 import time
@@ -24,6 +27,7 @@ from aamperf.device import to_device
 from aamperf.job import build_job
 from aamperf.metrics.flops import cpu_description
 from aamperf.metrics.timing import StepMeter
+from aamperf.phases import attention
 from aamperf.phases.dropout import FastDropout
 from aamperf.summary import Summary
 
@@ -48,7 +52,18 @@ def asv_masks(model: torch.nn.Module):
     return use, ("aam_ops.unmask_full_length=false", "aam_ops.unmask_full_length=true")
 
 
-PAIRS = {"mask-threads": mask_threads, "asv-masks": asv_masks}
+def chunk_bytes(model: torch.nn.Module):
+    chunked = any(isinstance(m, attention.SDPAttention) for m in model.modules())
+    assert chunked, "no chunked dropout attention here: it runs with attention=sdpa"
+    default, other = attention.CHUNK_BYTES, int(float(os.environ.get("CHUNK_MIB", "8")) * 2**20)
+
+    def use(changed: bool) -> None:
+        attention.CHUNK_BYTES = other if changed else default
+
+    return use, (f"chunks_of_{other / 2**20:g}_MiB", f"chunks_of_{default / 2**20:g}_MiB")
+
+
+PAIRS = {"mask-threads": mask_threads, "asv-masks": asv_masks, "chunk-bytes": chunk_bytes}
 
 
 def main() -> None:

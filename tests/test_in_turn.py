@@ -1,6 +1,7 @@
 """experiments/in_turn.py: the two ways of each pair give the same loss (what makes a time ratio the whole
 comparison), and the script still builds a level's job as aamperf does."""
 
+import os
 import re
 import subprocess
 import sys
@@ -11,10 +12,13 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "in_turn.py"
 
 
-@pytest.mark.parametrize("pair", ["mask-threads", "asv-masks"])
+@pytest.mark.parametrize("pair", ["mask-threads", "asv-masks", "chunk-bytes"])
 def test_each_pair_trains_the_same_and_prints_its_ratio(pair, cache_dir):
     args = [sys.executable, str(SCRIPT), pair, "2", "model=aam_tiny", f"data.cache_dir={cache_dir}"]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    if pair == "chunk-bytes":  # chunks of a few rows against the whole batch's scores in one
+        args.append("attention=sdpa")
+    env = {**os.environ, "CHUNK_MIB": "0.05"}
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = (float(v) for v in re.search(r"losses: \S+ (\S+), \S+ (\S+)", proc.stdout).groups())
     assert first == pytest.approx(second, rel=1e-5)
