@@ -36,9 +36,9 @@ from aamperf.metrics.flops import (
     MAX_ROWS,
     MIN_WATCH_S,
     LoadWatch,
-    calibrate_cpu,
     machine_key,
     square_shape,
+    time_matmuls,
 )
 from aamperf.rng import forked_rng
 
@@ -132,23 +132,22 @@ def measure_matmul(device: torch.device, shapes: list[tuple[int, int, int]]) -> 
         shapes = [square_shape(torch.get_num_threads()) if device.type == "cpu" else (4096, 4096, 4096)]
     record: dict[str, Any] = {"shapes": [list(s) for s in shapes], "flops": {}, "spread": {}, "settled": {}}
     if device.type == "cpu":
-        loads = []
-        for dtype in dtypes:
-            # the model's shapes only (a square one if none given): an emulated bf16 runs a square at
-            # ~1 GFLOP/s, seconds a call, and the question is what the model's matmuls gain. A shape
-            # whose one warm call is SETTLED x slower than fp32's median is not timed further: 7 trials
-            # cannot lift it to a gain (what it saves, measured by experiments/precision/settled_probe.py:
-            # experiments/precision/README.md)
-            settled_below = record["flops"]["fp32"] / SETTLED if dtype != "fp32" else 0.0
-            cal = calibrate_cpu(dtype, shapes, trials=TRIALS, square=False, settled_below=settled_below)
-            model_shapes = cal["shapes"]
+        # the model's shapes only (a square one if none given): an emulated bf16 runs a square at ~1
+        # GFLOP/s, seconds a call, and the question is what the model's matmuls gain. A shape whose one
+        # warm call is SETTLED x slower than fp32's is not timed further: 7 trials cannot lift it to a
+        # gain (what it saves, measured by experiments/precision/settled_probe.py:
+        # experiments/precision/README.md). Every dtype and shape in turn: their ratio is the answer.
+        watch = LoadWatch()
+        timed = time_matmuls(
+            dtypes, [(min(m, MAX_ROWS), k, n) for m, k, n in shapes], TRIALS, settled_x=SETTLED
+        )
+        load = watch.stop()
+        for dtype, model_shapes in timed.items():
             record["flops"][dtype] = statistics.median(s["median_flops"] for s in model_shapes)
             record["spread"][dtype] = max(iqr_spread(s["trials"]) for s in model_shapes)
             record["settled"][dtype] = all(s["settled"] for s in model_shapes)
-            record["loadavg_before"] = record.get("loadavg_before", cal["loadavg_before"])
-            load = LoadWatch.verdict(cal)
-            loads += [f"{dtype}: {load}"] if load else []
-        record["under_load"] = "; ".join(loads) or None
+        record["loadavg_before"] = load["loadavg_before"]
+        record["under_load"] = LoadWatch.verdict(load)
         return record
     for dtype in dtypes:  # CUDA: the same shapes, timed with synchronization
         rates = []

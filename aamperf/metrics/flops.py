@@ -188,32 +188,74 @@ def busy_seconds(times: Any) -> float:
     return sum(times) - idle - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
 
 
-def _time_matmul(
-    shape: tuple[int, int, int], dtype: torch.dtype, trials: int, trial_s: float, settled_below: float = 0.0
-) -> list[float]:
-    """FLOP/s of `trials` timed runs of an [m, k] x [k, n] matmul, each repeated for >= trial_s; of one
-    warm call alone where that one ran below `settled_below` FLOP/s (an emulated dtype: seconds a call)."""
-    m, k, n = shape
-    flop = 2 * m * k * n
-    # its own generator: the run's seeded random stream (weights, dropout) must not depend on the calibration
-    gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(m, k, generator=gen).to(dtype), torch.randn(k, n, generator=gen).to(dtype)
-    torch.mm(a, b)  # the first call picks kernels and touches the pages
-    start = time.perf_counter()
-    torch.mm(a, b)
-    once_s = max(time.perf_counter() - start, 1e-6)
-    if flop / once_s < settled_below:
-        return [flop / once_s]
-    repeats = max(1, round(trial_s / once_s))
-    for _ in range(repeats):  # one untimed trial: the cores' clocks ramp up over the first tens of ms
-        torch.mm(a, b)
-    rates = []
-    for _ in range(trials):
+class _Matmul:
+    """One [m, k] x [k, n] matmul in one dtype, warm, and how many calls make a trial of `trial_s`."""
+
+    def __init__(self, shape: tuple[int, int, int], dtype: torch.dtype, trial_s: float) -> None:
+        m, k, n = shape
+        self.shape, self.flop = shape, 2 * m * k * n
+        # its own generator: the run's seeded random stream (weights, dropout) must not depend on this
+        gen = torch.Generator().manual_seed(0)
+        self.a, self.b = (
+            torch.randn(m, k, generator=gen).to(dtype),
+            torch.randn(k, n, generator=gen).to(dtype),
+        )
+        torch.mm(self.a, self.b)  # the first call picks kernels and touches the pages
         start = time.perf_counter()
-        for _ in range(repeats):
-            torch.mm(a, b)
-        rates.append(flop * repeats / (time.perf_counter() - start))
-    return rates
+        torch.mm(self.a, self.b)
+        self.once_flops = self.flop / max(time.perf_counter() - start, 1e-6)
+        self.repeats = max(1, round(trial_s * self.once_flops / self.flop))
+
+    def trial(self) -> float:
+        """FLOP/s of `repeats` calls, after an untimed one (its operands back in the caches after the
+        other matmuls' trials)."""
+        torch.mm(self.a, self.b)
+        start = time.perf_counter()
+        for _ in range(self.repeats):
+            torch.mm(self.a, self.b)
+        return self.flop * self.repeats / (time.perf_counter() - start)
+
+
+def time_matmuls(
+    precisions: Sequence[str],
+    shapes: Sequence[tuple[int, int, int]],
+    trials: int,
+    trial_s: float = 0.03,
+    settled_x: float | None = None,
+) -> dict[str, list[dict[str, Any]]]:
+    """{precision: one record per shape}: FLOP/s of `trials` timed runs of each matmul, each repeated for
+    >= trial_s, every precision and shape in turn, so that a slow or quick spell of the machine falls on
+    all of them alike (a spell of a few trials, one after the other, took the median of one shape or one
+    dtype with it: the ratios precision=auto reads, the peak). `settled_x`: a shape whose one warm call in
+    a later precision runs that many times slower than the first precision's is timed no further (an
+    emulated dtype: seconds a call)."""
+    cases = {(p, shape): _Matmul(shape, DTYPES[p], trial_s) for p in precisions for shape in shapes}
+    settled = {
+        (p, shape)
+        for p, shape in cases
+        if settled_x
+        and p != precisions[0]
+        and cases[p, shape].once_flops * settled_x < cases[precisions[0], shape].once_flops
+    }
+    timed = [key for key in cases if key not in settled]
+    rates: dict[tuple[str, tuple[int, int, int]], list[float]] = {key: [] for key in timed}
+    for _ in range(trials + 1):  # the first round untimed: the clocks ramp up over the first tens of ms
+        for key in timed:
+            rates[key].append(cases[key].trial())
+    records: dict[str, list[dict[str, Any]]] = {p: [] for p in precisions}
+    for (p, shape), case in cases.items():
+        trial_rates = [case.once_flops] if (p, shape) in settled else rates[p, shape][1:]
+        median = statistics.median(trial_rates)
+        records[p].append(
+            {
+                "shape": list(shape),
+                "median_flops": median,
+                "spread": (max(trial_rates) - min(trial_rates)) / median,
+                "trials": trial_rates,
+                "settled": (p, shape) in settled,
+            }
+        )
+    return records
 
 
 class LoadWatch:
@@ -279,28 +321,15 @@ def calibrate_cpu(
     trials: int = 5,
     trial_s: float = 0.03,
     square: bool = True,
-    settled_below: float = 0.0,
 ) -> dict[str, Any]:
     """Median FLOP/s over `trials` of each matmul shape (the model's, and a square one unless
-    `square=False` and shapes are given), at the current torch thread count; the peak is the best
-    shape's median. A shape whose one warm call runs below `settled_below` FLOP/s is not timed further
-    (its `settled`). The record says whether the machine was busy."""
-    dtype, threads = DTYPES[precision], torch.get_num_threads()
+    `square=False` and shapes are given), timed in turn, at the current torch thread count; the peak is
+    the best shape's median. The record says whether the machine was busy."""
+    threads = torch.get_num_threads()
     watch = LoadWatch()
-    per_shape = []
     model_shapes = [(min(m, MAX_ROWS), k, n) for m, k, n in shapes]
-    for shape in [*model_shapes, square_shape(threads)] if square or not shapes else model_shapes:
-        rates = _time_matmul(shape, dtype, trials, trial_s, settled_below)
-        median = statistics.median(rates)
-        per_shape.append(
-            {
-                "shape": list(shape),
-                "median_flops": median,
-                "spread": (max(rates) - min(rates)) / median,
-                "trials": rates,
-                "settled": len(rates) < trials,
-            }
-        )
+    timed = [*model_shapes, square_shape(threads)] if square or not shapes else model_shapes
+    per_shape = time_matmuls([precision], list(dict.fromkeys(timed)), trials, trial_s)[precision]
     load = watch.stop()
     best = max(per_shape, key=lambda s: s["median_flops"])
     record = {

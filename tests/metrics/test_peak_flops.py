@@ -15,7 +15,7 @@ from conftest import skip_where_others_busy
 
 from aamperf.metrics import count_flops, null_reason, peak_flops
 from aamperf.metrics import flops as flops_module
-from aamperf.metrics.flops import LoadWatch, calibrate_cpu, machine_key
+from aamperf.metrics.flops import LoadWatch, calibrate_cpu, machine_key, time_matmuls
 
 CPU = torch.device("cpu")
 
@@ -164,13 +164,29 @@ def test_a_high_load_average_flags_the_calibration(monkeypatch):
 
 
 def test_a_matmul_far_below_the_settling_rate_is_timed_once():
-    """One warm call below `settled_below` settles a shape (an emulated dtype takes seconds a call)."""
-    slow = calibrate_cpu(
-        "fp32", shapes=[(64, 32, 32)], trials=5, trial_s=0.001, square=False, settled_below=1e18
-    )
-    timed = calibrate_cpu("fp32", shapes=[(64, 32, 32)], trials=5, trial_s=0.001, square=False)
-    assert len(slow["shapes"][0]["trials"]) == 1 and slow["shapes"][0]["settled"] is True
-    assert len(timed["shapes"][0]["trials"]) == 5 and timed["shapes"][0]["settled"] is False
+    """A later dtype's warm call `settled_x` times slower than the first dtype's settles its shape (an
+    emulated dtype takes seconds a call); settled_x=1e-9: a threshold every call is below."""
+    slow = time_matmuls(["fp32", "bf16"], [(64, 32, 32)], trials=5, trial_s=0.001, settled_x=1e-9)
+    timed = time_matmuls(["fp32", "bf16"], [(64, 32, 32)], trials=5, trial_s=0.001)
+    assert len(slow["bf16"][0]["trials"]) == 1 and slow["bf16"][0]["settled"] is True
+    assert len(slow["fp32"][0]["trials"]) == 5 and slow["fp32"][0]["settled"] is False  # the reference
+    assert all(len(r[0]["trials"]) == 5 and not r[0]["settled"] for r in timed.values())
+
+
+def test_every_dtype_and_shape_is_timed_in_turn():
+    """Timed one after the other, a slow spell of a few trials took one dtype's (or shape's) median with
+    it, and the ratio precision=auto reads: each round times every matmul once (torch.profiler's record
+    of the calls)."""
+    shapes = [(64, 32, 16), (48, 32, 16)]
+    with torch.profiler.profile(record_shapes=True) as prof:
+        records = time_matmuls(["fp32", "bf16"], shapes, trials=3, trial_s=1e-9)  # one call a trial
+    calls = [(e.input_dtypes[0], tuple(e.input_shapes[0])) for e in prof.events() if e.name == "aten::mm"]
+    cases = [(dtype, (m, k)) for dtype in ("float", "c10::BFloat16") for m, k, _ in shapes]
+    warm = 2 * len(cases)  # each matmul's first call and its one timed call, made as it is set up
+    assert calls[:warm] == [case for case in cases for _ in range(2)]
+    # four rounds (the first untimed), each matmul's trial an untimed call, then the timed one
+    assert calls[warm:] == [case for _ in range(4) for case in cases for _ in range(2)]
+    assert [len(r["trials"]) for rs in records.values() for r in rs] == [3] * 4
 
 
 def test_the_calibration_times_the_model_shape_and_a_square_one():
