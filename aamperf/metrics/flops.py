@@ -193,7 +193,7 @@ class _Matmul:
 
     def __init__(self, shape: tuple[int, int, int], dtype: torch.dtype, trial_s: float) -> None:
         m, k, n = shape
-        self.shape, self.flop = shape, 2 * m * k * n
+        self.flop = 2 * m * k * n
         # its own generator: the run's seeded random stream (weights, dropout) must not depend on this
         gen = torch.Generator().manual_seed(0)
         self.a, self.b = (
