@@ -329,7 +329,7 @@ def calibrate_cpu(
     watch = LoadWatch()
     model_shapes = [(min(m, MAX_ROWS), k, n) for m, k, n in shapes]
     timed = [*model_shapes, square_shape(threads)] if square or not shapes else model_shapes
-    per_shape = time_matmuls([precision], list(dict.fromkeys(timed)), trials, trial_s)[precision]
+    per_shape = time_matmuls([precision], timed, trials, trial_s)[precision]  # a shape twice: timed once
     load = watch.stop()
     best = max(per_shape, key=lambda s: s["median_flops"])
     record = {
