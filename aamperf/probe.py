@@ -60,7 +60,7 @@ MEASURES = {
 STAMP = "%Y-%m-%dT%H:%M:%S"  # a measurement's time, as the cache keeps it
 TRIALS = 7  # timed repeats of each measurement; its median is the figure
 PAIRED_TRIALS = 3  # pairs of two calls timed in turn (the compile probe's eager and compiled block)
-SETTLED = 4  # a low-precision matmul this many times slower than fp32 in one call: no more trials
+SETTLED = 4  # a low-precision matmul this many times slower than fp32 on a slice of rows: no more trials
 
 
 def device_key(device: torch.device) -> str:
@@ -133,9 +133,9 @@ def measure_matmul(device: torch.device, shapes: list[tuple[int, int, int]]) -> 
     record: dict[str, Any] = {"shapes": [list(s) for s in shapes], "flops": {}, "spread": {}, "settled": {}}
     if device.type == "cpu":
         # the model's shapes only (a square one if none given): an emulated bf16 runs a square at ~1
-        # GFLOP/s, seconds a call, and the question is what the model's matmuls gain. A shape whose one
-        # warm call is SETTLED x slower than fp32's is not timed further: 7 trials cannot lift it to a
-        # gain (what it saves, measured by experiments/precision/settled_probe.py:
+        # GFLOP/s, seconds a call, and the question is what the model's matmuls gain. A shape that runs
+        # SETTLED x slower than fp32 on a slice of its rows is not timed further: 7 trials cannot lift it
+        # to a gain (what it saves, measured by experiments/precision/settled_probe.py:
         # experiments/precision/README.md). Every dtype and shape in turn: their ratio is the answer.
         watch = LoadWatch()
         timed = time_matmuls(

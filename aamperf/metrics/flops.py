@@ -216,6 +216,9 @@ class _Matmul:
         return self.flop * self.repeats / (time.perf_counter() - start)
 
 
+SETTLE_ROWS = 1024  # the rows of the slice a later dtype is first tried on (`settled_x`)
+
+
 def time_matmuls(
     precisions: Sequence[str],
     shapes: Sequence[tuple[int, int, int]],
@@ -226,35 +229,43 @@ def time_matmuls(
     """{precision: one record per shape}: FLOP/s of `trials` timed runs of each matmul, each repeated for
     >= trial_s, every precision and shape in turn, so that a slow or quick spell of the machine falls on
     all of them alike (a spell of a few trials, one after the other, took the median of one shape or one
-    dtype with it: the ratios precision=auto reads, the peak). `settled_x`: a shape whose one warm call in
-    a later precision runs that many times slower than the first precision's is timed no further (an
-    emulated dtype: seconds a call)."""
-    cases = {(p, shape): _Matmul(shape, DTYPES[p], trial_s) for p in precisions for shape in shapes}
-    settled = {
-        (p, shape)
-        for p, shape in cases
-        if settled_x
-        and p != precisions[0]
-        and cases[p, shape].once_flops * settled_x < cases[precisions[0], shape].once_flops
+    dtype with it: the ratios precision=auto reads, the peak). `settled_x`: a later precision first runs
+    on a slice of the shape's rows (SETTLE_ROWS) beside the first precision; one that runs that many
+    times slower there, in the best of two timings, is timed no further (an emulated dtype: seconds a
+    call at the full shape, of which the slice costs a sixteenth), its rate the slice's."""
+    settled: dict[tuple[str, tuple[int, int, int]], tuple[float, int]] = {}  # (rate, rows)
+    for p in precisions[1:] if settled_x else ():
+        for m, k, n in shapes:
+            rows = min(m, SETTLE_ROWS)
+            first, later = (_Matmul((rows, k, n), DTYPES[q], trial_s) for q in (precisions[0], p))
+            rates = [max(case.once_flops, case.trial()) for case in (first, later)]  # noise only slows
+            if rates[1] * settled_x < rates[0]:
+                settled[p, (m, k, n)] = (rates[1], rows)
+    cases = {
+        (p, shape): _Matmul(shape, DTYPES[p], trial_s)
+        for p in precisions
+        for shape in shapes
+        if (p, shape) not in settled
     }
-    timed = [key for key in cases if key not in settled]
-    rates: dict[tuple[str, tuple[int, int, int]], list[float]] = {key: [] for key in timed}
+    rates: dict[tuple[str, tuple[int, int, int]], list[float]] = {key: [] for key in cases}
     for _ in range(trials + 1):  # the first round untimed: the clocks ramp up over the first tens of ms
-        for key in timed:
-            rates[key].append(cases[key].trial())
+        for key, case in cases.items():
+            rates[key].append(case.trial())
     records: dict[str, list[dict[str, Any]]] = {p: [] for p in precisions}
-    for (p, shape), case in cases.items():
-        trial_rates = [case.once_flops] if (p, shape) in settled else rates[p, shape][1:]
-        median = statistics.median(trial_rates)
-        records[p].append(
-            {
+    for p in precisions:
+        for shape in shapes:
+            trial_rates = [settled[p, shape][0]] if (p, shape) in settled else rates[p, shape][1:]
+            median = statistics.median(trial_rates)
+            record = {
                 "shape": list(shape),
                 "median_flops": median,
                 "spread": (max(trial_rates) - min(trial_rates)) / median,
                 "trials": trial_rates,
                 "settled": (p, shape) in settled,
             }
-        )
+            if (p, shape) in settled:
+                record["rows"] = settled[p, shape][1]  # the slice its rate was read on
+            records[p].append(record)
     return records
 
 
