@@ -233,6 +233,7 @@ def time_matmuls(
     on a slice of the shape's rows (SETTLE_ROWS) beside the first precision; one that runs that many
     times slower there, in the best of two timings, is timed no further (an emulated dtype: seconds a
     call at the full shape, of which the slice costs a sixteenth), its rate the slice's."""
+    shapes = list(dict.fromkeys(shapes))  # one record a shape, however often it is named
     settled: dict[tuple[str, tuple[int, int, int]], tuple[float, int]] = {}  # (rate, rows)
     for p in precisions[1:] if settled_x else ():
         for m, k, n in shapes:

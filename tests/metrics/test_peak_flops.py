@@ -301,3 +301,9 @@ def test_the_machine_names_the_cores_a_process_started_on_where_fewer():
     assert f"{os.cpu_count()} cores (1 usable" in pinned.stdout, pinned.stderr[-2000:]
     whole = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert "usable" not in whole.stdout
+
+
+def test_a_shape_named_twice_is_timed_and_recorded_once():
+    """calibrate_cpu leaves de-duplicating its shapes to time_matmuls: one record a shape and precision."""
+    records = time_matmuls(["fp32", "bf16"], [(64, 32, 32)] * 2, trials=2, trial_s=1e-9, settled_x=1e-9)
+    assert {p: len(r) for p, r in records.items()} == {"fp32": 1, "bf16": 1}
