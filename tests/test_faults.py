@@ -319,7 +319,8 @@ def test_a_damaged_cache_is_rebuilt_with_a_warning(
     cache = tmp_path / "cache"
     shutil.copytree(cache_dir, cache)
     shutil.rmtree(cache / "samples", ignore_errors=True)  # other tests' stores: this run writes its own
-    overrides = (f"data.cache_dir={cache}", "data.unifrac_mode=precomputed")
+    # metrics.peak_flops=null: the calibration runs and writes its cache, one of those damaged below
+    overrides = (f"data.cache_dir={cache}", "data.unifrac_mode=precomputed", "metrics.peak_flops=null")
     first = train(make_cfg(*overrides), tmp_path / "first")  # every cache written
 
     def damage(path):
