@@ -21,7 +21,7 @@ import logging
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,11 @@ STAMP = "%Y-%m-%dT%H:%M:%S"  # a measurement's time, as the cache keeps it
 TRIALS = 7  # timed repeats of each measurement; its median is the figure
 PAIRED_TRIALS = 3  # pairs of two calls timed in turn (the compile probe's eager and compiled block)
 SETTLED = 4  # a low-precision matmul this many times slower than fp32 on a slice of rows: no more trials
+# Attention's candidates: where PAIRED_TRIALS rounds' ratios all lie this far from each ratio at which the
+# choice turns, on one side, no more rounds are timed. On a 2-core AVX2 EPYC the 7 rounds took 7.4-8.7 s
+# of a first advanced run; the medians of 7 rounds at the headline's shape moved 0.92-1.13x between probes
+# in one process (aamperf/phases/auto.py), about 1.1x either side of their middle.
+CLEAR = 1.1
 
 
 def device_key(device: torch.device) -> str:
@@ -103,16 +108,38 @@ def timed(
 
 
 def timed_in_turn(
-    *fns: Callable[[], Any], device: torch.device, trials: int, min_s: float = 0.0
+    *fns: Callable[[], Any],
+    device: torch.device,
+    trials: int,
+    min_s: float = 0.0,
+    settled: Callable[[tuple[list[float], ...]], bool] | None = None,
 ) -> tuple[list[float], ...]:
     """Seconds of each call of warm functions called in turn: `trials` rounds, and more until each one's
     add up to `min_s`. A slow or quick spell of the machine falls on all of them alike, not on one, which
-    matters for their ratios (what the compile and attention probes' readers use)."""
+    matters for their ratios (what the compile and attention probes' readers use). `settled(times)`: a
+    test after each round from the PAIRED_TRIALS-th on; true ends the rounds there (`min_s` still holds)."""
     times: tuple[list[float], ...] = tuple([] for _ in fns)
     while len(times[0]) < trials or min(map(sum, times)) < min_s:
         for fn, seconds in zip(fns, times, strict=True):
             seconds.append(_seconds(fn, device))
+        rounds = len(times[0])
+        if settled and PAIRED_TRIALS <= rounds < trials and min(map(sum, times)) >= min_s and settled(times):
+            break
     return times
+
+
+def beyond(bounds: Sequence[float], gap: float = CLEAR) -> Callable[[tuple[list[float], ...]], bool]:
+    """A `settled` test for two functions timed in turn: every round's ratio (the second's time over the
+    first's) `gap` x or more away from each of `bounds`, all on the same side of it. The bounds are where
+    the reader's choice turns; rounds that clear all of them leave nothing for more rounds to decide."""
+
+    def test(times: tuple[list[float], ...]) -> bool:
+        ratios = [b / a for a, b in zip(*times, strict=True)]
+        return all(
+            all(r * gap <= bound for r in ratios) or all(r >= bound * gap for r in ratios) for bound in bounds
+        )
+
+    return test
 
 
 def iqr_spread(values: list[float]) -> float:
@@ -167,12 +194,14 @@ def measure_attention(
     shape: tuple[int, int, int, int],
     backward: bool = True,
     dropout: tuple[float, str] = (0.0, "standard"),
+    bounds: Sequence[float] = (),
 ) -> dict[str, Any]:
     """Which SDPA kernels run on `device` in `dtype`, and forward + backward seconds (forward alone with
     `backward=False`: inference) of SDPA (torch's choice of kernel) and of the written-out math on q, k,
     v of `shape` [N, heads, L, head_dim] with a key mask; in training with `dropout` = (p, the dropout
     phase's impl) on the attention weights, as the run would train them (on CPU SDPAttention then runs
-    its chunked math: no CPU kernel has dropout)."""
+    its chunked math: no CPU kernel has dropout). `bounds`: the ratios of SDPA's time to the math's at
+    which the reader's choice turns; rounds that all clear them by CLEAR end the timing early."""
     from omegaconf import OmegaConf
     from torch.nn.attention import sdpa_kernel
 
@@ -220,7 +249,11 @@ def measure_attention(
         call()  # warm: a first call's allocations and kernel choices are not a step's
     # in turn: timed one after the other, a near tie chose SDPA in one run and the math in the next
     # (the default job's shape: 0.98x, 1.06x and 1.21x on one 2-core AVX-512 EPYC, 2026-11-28)
-    math_s, sdpa_s, *rest = timed_in_turn(*calls, device=device, trials=TRIALS, min_s=MIN_WATCH_S / 2)
+    # two candidates clearly apart on one side of every bound need no more than PAIRED_TRIALS rounds
+    settled = beyond(bounds) if bounds and len(calls) == 2 else None
+    math_s, sdpa_s, *rest = timed_in_turn(
+        *calls, device=device, trials=TRIALS, min_s=MIN_WATCH_S / 2, settled=settled
+    )
     extra: dict[str, Any] = {}
     if rest:
         extra = {"sdpa_no_cudnn_s": statistics.median(rest[0]), "no_cudnn_backends": [*fused, "math"]}
@@ -242,6 +275,7 @@ def measure_attention(
         "backends": runs,
         "math_s": statistics.median(math_s),
         "sdpa_s": statistics.median(sdpa_s),
+        "rounds": len(math_s),
         **extra,
         "spread": spread,
         **load,
@@ -444,8 +478,10 @@ class Probe:
         *,
         backward: bool = True,
         dropout: tuple[float, str] = (0.0, "standard"),
+        bounds: Sequence[float] = (),
     ) -> dict:
-        # training without dropout keeps its key; inference's (forward alone) and dropout's are their own
+        # training without dropout keeps its key; inference's (forward alone) and dropout's are their own;
+        # `bounds` (where the reader's choice turns) only let a clear answer stop sooner: not in the key
         params: dict[str, Any] = {"dtype": dtype, "shape": shape}
         if not backward:
             params["backward"] = False
@@ -453,9 +489,8 @@ class Probe:
             params["dropout"] = [float(dropout[0]), str(dropout[1])]  # a plain key: the impl may be a StrEnum
         if self.device.type == "cuda":  # answers timed at new row counts too (not in older caches)
             params["new_shapes"] = NEW_SHAPES
-        return self.answer(
-            "attention", params, lambda: measure_attention(self.device, dtype, shape, backward, dropout)
-        )
+        measure = lambda: measure_attention(self.device, dtype, shape, backward, dropout, bounds)  # noqa: E731
+        return self.answer("attention", params, measure)
 
     def compiler_import(self) -> dict:
         return self.answer("compiler_import", {}, measure_compiler_import)

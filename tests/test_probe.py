@@ -14,7 +14,17 @@ import torch
 
 from aamperf.files import update_json_cache
 from aamperf.interrupts import Interrupts, RunInterrupted
-from aamperf.probe import Probe, device_key, measure_attention, measure_matmul, model_shapes, timed_in_turn
+from aamperf.probe import (
+    PAIRED_TRIALS,
+    TRIALS,
+    Probe,
+    beyond,
+    device_key,
+    measure_attention,
+    measure_matmul,
+    model_shapes,
+    timed_in_turn,
+)
 
 CPU = torch.device("cpu")
 
@@ -175,6 +185,49 @@ def test_the_cache_is_per_instruction_set_torch_uses(tmp_path, monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     other = Probe(CPU, tmp_path / "probe.json").answer("q", {}, quiet(2))
     assert (other["value"], other["source"]) == (2, "measured")
+
+
+@pytest.mark.parametrize(
+    ("second_s", "bounds", "clear"),
+    [
+        ([0.7, 0.8, 0.75], (1.25,), True),  # all well below the bound
+        ([1.5, 1.4, 1.6], (1.25,), True),  # all well above it
+        ([0.7, 1.2, 0.75], (1.25,), False),  # one round within CLEAR of it
+        ([0.7, 1.5, 0.75], (1.25,), False),  # rounds on both sides of it
+        ([1.12, 1.2, 1.13], (1.0, 1.25), False),  # clear of 1.0, not of 1.25
+        ([0.5, 0.5, 0.5], (1.0, 1.25), True),
+    ],
+)
+def test_rounds_are_settled_only_where_all_lie_clearly_on_one_side_of_every_bound(second_s, bounds, clear):
+    assert beyond(bounds)(([1.0, 1.0, 1.0], second_s)) is clear
+
+
+def test_rounds_in_turn_end_early_where_they_settle_and_run_in_full_where_they_do_not():
+    """The attention probe's 7 rounds took 7.4-8.7 s of a first run on a 2-core AVX2 EPYC: where SDPA and
+    the math are clearly apart, PAIRED_TRIALS rounds decide as well; near where the choice turns, all run."""
+    calls: list[str] = []
+
+    def call(name: str, seconds: float) -> Callable[[], None]:
+        return lambda: (calls.append(name), time.sleep(seconds))
+
+    quick, slow = timed_in_turn(
+        call("a", 0.01), call("b", 0.02), device=CPU, trials=TRIALS, settled=beyond((1.0,))
+    )
+    assert len(quick) == len(slow) == PAIRED_TRIALS and calls == ["a", "b"] * PAIRED_TRIALS
+    quick, slow = timed_in_turn(
+        call("a", 0.01), call("b", 0.02), device=CPU, trials=TRIALS, settled=beyond((2.0,))
+    )
+    assert len(quick) == len(slow) == TRIALS  # each round's ratio ~2, the bound itself: not settled
+    # settled, but each function's calls must still fill the load watch's window
+    quick, slow = timed_in_turn(
+        call("a", 0.01), call("b", 0.02), device=CPU, trials=TRIALS, min_s=0.05, settled=beyond((1.0,))
+    )
+    assert sum(quick) >= 0.05 and PAIRED_TRIALS < len(quick) < TRIALS
+
+
+def test_the_attention_probe_records_how_many_rounds_it_timed():
+    record = measure_attention(CPU, torch.float32, (4, 2, 16, 8), bounds=(1.25,))
+    assert record["rounds"] >= PAIRED_TRIALS and record["sdpa_s"] > 0 and record["math_s"] > 0
 
 
 def _measured_through_a_stop_signal(caught: type[BaseException], went_on: list) -> Callable[[], dict]:

@@ -88,7 +88,8 @@ def choose_attention(
     each candidate had not seen, and SDPA without cuDNN's kernel is a candidate too: cuDNN builds a plan
     per shape (an H200, bf16, headline shapes: 0.24x the baseline's speed with it)."""
     shape = shape or DEFAULT_ATTENTION
-    answer = probe.attention(dtype, shape, backward=backward, dropout=dropout)
+    margin = MIN_MATH_GAIN if backward else 1.0  # inference keeps nothing for backward: the quicker one
+    answer = probe.attention(dtype, shape, backward=backward, dropout=dropout, bounds=(margin,))
     evidence = {"sdpa_s": answer["sdpa_s"], "math_s": answer["math_s"], "source": answer["source"]}
     if not answer["backends"]:
         return decided("math", f"no SDPA kernel runs on {device.type} in {dtype}: math", **evidence)
@@ -98,7 +99,6 @@ def choose_attention(
         costs["sdpa_no_cudnn"] = answer["sdpa_no_cudnn_s"]
     sdpa = min((c for c in costs if c != "math"), key=costs.__getitem__)  # the quicker SDPA
     ratio = costs[sdpa] / costs["math"]
-    margin = MIN_MATH_GAIN if backward else 1.0  # inference keeps nothing for backward: the quicker one
     choice = "sdpa" if ratio <= margin else "math"
     timed = "forward+backward" if backward else "forward"
     if backward and dropout[0]:

@@ -12,6 +12,7 @@ from conftest import skip_where_others_busy
 from omegaconf import OmegaConf
 
 from aamperf.phases.auto import (
+    MIN_MATH_GAIN,
     MIN_MATMUL_GAIN,
     choose_attention,
     choose_checkpointing,
@@ -32,8 +33,8 @@ class Injected:
     def matmul(self, shapes):
         return {"flops": self._matmul, "shapes": shapes, "source": "cache"}
 
-    def attention(self, dtype, shape, *, backward=True, dropout=(0.0, "standard")):
-        self.asked_backward, self.asked_dropout = backward, dropout
+    def attention(self, dtype, shape, *, backward=True, dropout=(0.0, "standard"), bounds=()):
+        self.asked_backward, self.asked_dropout, self.asked_bounds = backward, dropout, bounds
         return {**self._attention, "source": "cache"}
 
 
@@ -164,8 +165,10 @@ def test_attention_auto_for_inference_asks_for_a_forward_pass_alone():
     probe = Injected(attention={"backends": ["math"], "sdpa_s": 0.5, "math_s": 1.0})
     decision = choose_attention(CPU, probe, torch.float32, (4, 2, 16, 8), backward=False)
     assert probe.asked_backward is False and "SDPA forward 0.50x the math's time" in decision["reason"]
+    assert probe.asked_bounds == (1.0,)  # where inference's choice turns: the probe may stop once clear of it
     choose_attention(CPU, probe, torch.float32, (4, 2, 16, 8))
     assert probe.asked_backward is True  # training's question: forward + backward
+    assert probe.asked_bounds == (MIN_MATH_GAIN,)
 
 
 def test_attention_auto_takes_the_math_where_no_sdpa_kernel_runs():
