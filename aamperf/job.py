@@ -36,6 +36,7 @@ from aamperf.summary import Summary
 from aamperf.targets import learn_target
 from aamperf.trainer.cached import head_flops, refusal, use_cached_embeddings
 from aamperf.trainer.checkpoints import steps_left
+from aamperf.trainer.gradcache import caches_gradients
 from aamperf.trainer.stream import BatchStream
 
 
@@ -122,8 +123,13 @@ def build_job(cfg: DictConfig, summary: Summary, run_dir: Path | None = None) ->
         host_batches, batch_s = timed_batches(data.train_loader, cfg.metrics.flop_batches)
         if counted is not None:  # a model torch counts: counted again at the batch it will train on
             counted = counted_flops(model, loss_fn, to_device(host_batches[0], device))
-    # a plug-in model is counted once by torch: its model FLOPs are what it executes
-    flops = (counted, counted) if counted is not None else analytic_flops(model, host_batches)
+    # gradient caching (a pairwise loss over micro-batches) forwards each micro-batch twice: hardware FLOPs
+    forwards = 4 if caches_gradients(loss_fn, tc.grad_accum_steps) else 3
+    if counted is not None:  # a plug-in model is counted by torch: its model FLOPs are what it executes
+        again = counted_forward(model, loss_fn, to_device(host_batches[0], device)) if forwards == 4 else 0.0
+        flops = (counted, counted + again)
+    else:
+        flops = analytic_flops(model, host_batches, forwards)
     if cfg.dataloader.num_workers == "auto":
         step_s = None if auto_batch else plan.records["compile"].get("auto", {}).get("eager_step_s")
         with measuring:
@@ -133,7 +139,7 @@ def build_job(cfg: DictConfig, summary: Summary, run_dir: Path | None = None) ->
             )  # fmt: skip
     # stage 2 with a frozen encoder: every sample embedded once, the steps train the heads on them
     if use_cached_embeddings(cfg, plan, model, data, loss_fn, device, world.world_size, summary):
-        flops = head_flops(model, host_batches)
+        flops = head_flops(model, host_batches, forwards)
     model_flops, hardware_flops = (f * tc.grad_accum_steps for f in flops)
     summary.update(
         auto_s=round(measuring.seconds, 3),
@@ -311,10 +317,19 @@ def counted_flops(model: torch.nn.Module, loss_fn, batch: dict[str, Any]) -> flo
     return flops
 
 
-def analytic_flops(model: torch.nn.Module, host_batches: list[dict[str, Any]]) -> tuple[float, float]:
+def counted_forward(model: torch.nn.Module, loss_fn, batch: dict[str, Any]) -> float:
+    """FLOPs of the forward gradient caching adds (embeddings without a graph), as torch dispatches them."""
+    with torch.no_grad():
+        return count_flops(lambda: loss_fn.embed(model, batch, 0))
+
+
+def analytic_flops(
+    model: torch.nn.Module, host_batches: list[dict[str, Any]], forwards: int = 3
+) -> tuple[float, float]:
     """Mean (model, hardware) FLOPs of a forward + backward over `host_batches`: the model's math on
-    the real ASVs, and what the phases made the code execute (`AAM.batch_flops`)."""
-    per_batch = [model.batch_flops(b["tokens"], b.get("asv_ids")) for b in host_batches]
+    the real ASVs, and what the phases made the code execute (`AAM.batch_flops`; `forwards`: 4 where
+    gradient caching forwards each micro-batch twice)."""
+    per_batch = [model.batch_flops(b["tokens"], b.get("asv_ids"), forwards) for b in host_batches]
     return tuple(sum(f[i] for f in per_batch) / len(per_batch) for i in range(2))
 
 

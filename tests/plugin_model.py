@@ -21,6 +21,13 @@ class MeanPoolModel(nn.Module):
         return self.proj(self.dropout(self.embed(tokens).mean(dim=(1, 2))))  # [B, dim]
 
 
+class EmbeddingModel(MeanPoolModel):
+    """A model that is not AAM trained by AAM's own loss: its output is the sample embedding AAMLoss reads."""
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor, asv_ids=None) -> dict[str, torch.Tensor]:
+        return {"sample_embedding": super().forward(tokens)}
+
+
 def pair_loss(model: nn.Module, batch: dict, step: int) -> tuple[torch.Tensor, dict]:
     """UniFrac distances from the embeddings' distances. Under torch.distributed a rank holds its slice
     of the global batch and its rows of the global distances ([b, world * b]): the whole batch is

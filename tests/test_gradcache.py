@@ -7,8 +7,10 @@ from conftest import read_metrics
 from hydra.utils import instantiate
 
 from aamperf.data import build_data
+from aamperf.data.dataset import split_batch
 from aamperf.device import to_device
 from aamperf.distributed import World
+from aamperf.metrics import count_flops
 from aamperf.model.loss import masked_nucleotide_sums, nucleotide_mask, unifrac_loss
 from aamperf.phases import apply_phases, setup_phases
 from aamperf.run import train
@@ -107,6 +109,30 @@ def test_without_dropout_the_cached_step_is_one_forward_of_the_whole_batch(make_
     assert_same(got, (loss.detach(), parts, gradients(plan.model)))
 
 
+@pytest.mark.parametrize("micro_batches", [2, 4])
+def test_a_cached_step_s_hardware_flops_are_those_torch_dispatches_in_it(make_cfg, micro_batches):
+    """Gradient caching forwards each micro-batch twice: the hardware count is 4 forwards a micro-batch (and
+    the recomputed layers), what torch's FlopCounterMode counts in the training loop's step; 3 missed one."""
+    plan, loss_fn, batch = first_step(make_cfg(), micro_batches)
+    step = accumulation(loss_fn, micro_batches, torch.device("cpu"))
+    counted = count_flops(lambda: step(plan, batch, STEP))
+    micro = split_batch(batch, micro_batches, 1)
+    counts = {n: sum(plan.model.batch_flops(m["tokens"], m["asv_ids"], n)[1] for m in micro) for n in (3, 4)}
+    assert counts[4] == pytest.approx(counted, rel=0.01)
+    assert counts[3] < 0.9 * counted
+
+
+def test_a_plug_in_model_s_cached_step_counts_its_second_forward(make_cfg, tmp_path):
+    """Another model (`model._target_`) is counted by torch once, eager; gradient caching adds its forward."""
+    plugin = ["~model", "+model._target_=plugin_model.EmbeddingModel", "+model.dim=8", "data.max_asvs=16"]
+    plugin += ["data.target=null", "trainer.batch_size=8", "trainer.max_steps=2"]
+    whole = train(make_cfg(*plugin), tmp_path / "whole")
+    cached = train(make_cfg(*plugin, "trainer.grad_accum_steps=2"), tmp_path / "cached")
+    assert whole["hardware_flops_per_step"] == whole["model_flops_per_step"] > 0
+    # its forward is a third of forward + backward: 4/3 of the model's count (the projection, all of it)
+    assert cached["hardware_flops_per_step"] == pytest.approx(4 / 3 * cached["model_flops_per_step"])
+
+
 def test_accumulated_steps_train_as_the_whole_batch(make_cfg, tmp_path):
     """The issue's figures: with micro-batches taken on their own, step 1's UniFrac part was 0.39 against
     the whole batch's 0.49 (the pairs inside each micro-batch only). Without dropout (drawn otherwise for
@@ -129,6 +155,12 @@ def test_accumulated_steps_train_as_the_whole_batch(make_cfg, tmp_path):
         assert [r["samples_per_s"] * r["step_time_s"] for r in rows] == pytest.approx([8] * 4)
         assert summary["val_batch_size"] == whole_summary["val_batch_size"] == min(8, summary["n_val"])
         assert summary["val_loss"] == pytest.approx(whole_summary["val_loss"], rel=1e-4)
+        # executed per model FLOP: each micro-batch's forward once more (gradient caching); baseline's
+        # recomputation of every layer is a fourth forward: 5 against 4 (the FLOP batches' samples differ)
+        executed = [
+            s["hardware_flops_per_step"] / s["model_flops_per_step"] for s in (summary, whole_summary)
+        ]
+        assert executed[0] > 1.15 * executed[1]
     # left to the micro-batch, a validation batch holds 4 samples (its UniFrac part their pairs): another loss
     summary = train(make_cfg(*same, "trainer.grad_accum_steps=2"), tmp_path / "micro")
     assert summary["val_batch_size"] == 4 and summary["val_loss"] != pytest.approx(whole_summary["val_loss"])

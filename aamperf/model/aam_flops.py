@@ -29,12 +29,18 @@ class FlopCount:
         return tuple(sum(again(b) for b in s.blocks) for s in stacks)
 
     def _step_flops(
-        self, encoded_rows: int, widths: list[int], count_rows: int, recomputed: tuple[int, int, int]
+        self,
+        encoded_rows: int,
+        widths: list[int],
+        count_rows: int,
+        recomputed: tuple[int, int, int],
+        forwards: int = 3,
     ) -> float:
-        """Matmul FLOPs of forward + backward (3 x forward, 2 FLOPs per multiply-add), plus one more
-        forward of each recomputed layer: the ASV encoder and nucleotide head on `encoded_rows` rows of
-        seq_len positions, the count embedding on `count_rows` slots, the sample encoder over samples of
-        `widths` positions each."""
+        """Matmul FLOPs of forward + backward (`forwards` x forward: 3, backward being two; 4 where gradient
+        caching forwards each micro-batch once more, aamperf/trainer/gradcache.py; 2 FLOPs per multiply-add),
+        plus one more forward of each recomputed layer: the ASV encoder and nucleotide head on
+        `encoded_rows` rows of seq_len positions, the count embedding on `count_rows` slots, the sample
+        encoder over samples of `widths` positions each."""
         dim, length = self.embedding_dim, self.seq_len
         asv_layers, sample_layers, encoder_layers = self.layers
         layer = self._layer_flops
@@ -50,7 +56,7 @@ class FlopCount:
             + self.target_head_flops(widths)
         )
         recompute = recomputed[0] * asv_layer + (recomputed[1] + recomputed[2]) * sample_layer
-        return 3.0 * forward + recompute
+        return float(forwards) * forward + recompute
 
     def _layer_flops(self, tokens: int, squares: int) -> int:
         """Forward FLOPs of one transformer layer over `tokens` positions, `squares` = sum of each sequence's
@@ -84,14 +90,16 @@ class FlopCount:
         n_asvs: int,
         encoded_rows: int | None = None,
         recomputed: tuple[int, int, int] = (0, 0, 0),
+        forwards: int = 3,
     ) -> float:
         """Hardware FLOPs: the matmuls this code executes in one training step on a [batch_size, n_asvs,
         seq_len] batch. `encoded_rows`: the rows the ASV encoder and nucleotide head run on
         (`count_encoded_rows`; default all batch_size * n_asvs); the sample encoder runs over the padded
-        width n_asvs; `recomputed`: checkpointed layers per stack (`checkpointed_layers`)."""
+        width n_asvs; `recomputed`: checkpointed layers per stack (`checkpointed_layers`); `forwards`: as
+        `_step_flops` counts them."""
         rows = batch_size * n_asvs
         encoded = rows if encoded_rows is None else encoded_rows
-        return self._step_flops(encoded, [n_asvs] * batch_size, rows, recomputed)
+        return self._step_flops(encoded, [n_asvs] * batch_size, rows, recomputed, forwards)
 
     def model_flops_per_step(self, asvs_per_sample: list[int]) -> float:
         """Model FLOPs: the model's math on the real ASVs of a batch (`real_asvs_per_sample`), the same
@@ -99,12 +107,15 @@ class FlopCount:
         each sample's encoder over its own ASVs only, no padding, no recomputation."""
         return self._step_flops(sum(asvs_per_sample), list(asvs_per_sample), sum(asvs_per_sample), (0, 0, 0))
 
-    def batch_flops(self, tokens: Tensor, asv_ids: Tensor | None = None) -> tuple[float, float]:
-        """(model, hardware) FLOPs of one training step on this host batch, as the model is now set up."""
+    def batch_flops(
+        self, tokens: Tensor, asv_ids: Tensor | None = None, forwards: int = 3
+    ) -> tuple[float, float]:
+        """(model, hardware) FLOPs of one training step on this host batch, as the model is now set up;
+        `forwards` (hardware only): 4 where gradient caching forwards the batch twice."""
         batch, n_asvs = tokens.shape[:2]
         real = self.real_asvs_per_sample(tokens)
         model = self.model_flops_per_step(real)
         encoded = self.count_encoded_rows(tokens, asv_ids)
         if self.pack_samples:  # the sample level over each sample's real ASVs, as the model FLOPs count it
-            return model, self._step_flops(encoded, real, sum(real), self.checkpointed_layers())
-        return model, self.flops_per_step(batch, n_asvs, encoded, self.checkpointed_layers())
+            return model, self._step_flops(encoded, real, sum(real), self.checkpointed_layers(), forwards)
+        return model, self.flops_per_step(batch, n_asvs, encoded, self.checkpointed_layers(), forwards)

@@ -272,11 +272,11 @@ def cached_loaders(data, cache: StateCache, unifrac: torch.Tensor | None) -> tup
     )
 
 
-def head_flops(model: AAM, host_batches: list[dict[str, Any]]) -> tuple[float, float]:
+def head_flops(model: AAM, host_batches: list[dict[str, Any]], forwards: int = 3) -> tuple[float, float]:
     """(model, hardware) FLOPs of a step on cached embeddings, the mean over `host_batches` (the run's
     batches of tokens, whose real ASVs the transformer head reads): the target head's matmuls
     (`AAM.target_head_flops`), forward and backward counted as 3 forwards as `AAM.flops_per_step` counts
-    them (it leaves UniFrac's B^2 D out too)."""
+    them (it leaves UniFrac's B^2 D out too); the hardware `forwards` of them (4 by gradient caching)."""
     per_batch = [model.target_head_flops(AAM.real_asvs_per_sample(b["tokens"])) for b in host_batches]
     forward = sum(per_batch) / len(per_batch)
-    return 3.0 * forward, 3.0 * forward
+    return 3.0 * forward, float(forwards) * forward

@@ -35,9 +35,15 @@ def accumulation(
     pairs across samples: exact as it is)."""
     if micro_batches == 1:
         return lambda plan, batch, step: whole_batch(plan, loss_fn, batch, step, device)
-    if hasattr(loss_fn, "micro_loss"):
+    if caches_gradients(loss_fn, micro_batches):
         return lambda plan, batch, step: cached(plan, loss_fn, batch, step, micro_batches, device)
     return lambda plan, batch, step: one_by_one(plan, loss_fn, batch, step, micro_batches, device)
+
+
+def caches_gradients(loss_fn: Callable, micro_batches: int) -> bool:
+    """Whether a step of `micro_batches` trains by gradient caching: it then forwards each micro-batch
+    twice (what the hardware FLOPs count)."""
+    return micro_batches > 1 and hasattr(loss_fn, "micro_loss")
 
 
 def whole_batch(plan: Plan, loss_fn: Callable, batch: dict, step: int, device: torch.device) -> StepLoss:
