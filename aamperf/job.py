@@ -311,15 +311,17 @@ def loader_context(cfg: DictConfig, batch_size: int) -> str:
 
 
 def counted_flops(model: torch.nn.Module, loss_fn, batch: dict[str, Any]) -> float:
-    """FLOPs of one forward + backward of a model without an analytic count, as torch dispatches them."""
-    flops = count_flops(lambda: loss_fn(model, batch, 0)[0].backward())
+    """FLOPs of one forward + backward of a model without an analytic count, as torch dispatches them
+    (its dropout drawn aside: the run's random streams stay as they were)."""
+    with forked_rng(batch["tokens"].device):
+        flops = count_flops(lambda: loss_fn(model, batch, 0)[0].backward())
     model.zero_grad(set_to_none=True)
     return flops
 
 
 def counted_forward(model: torch.nn.Module, loss_fn, batch: dict[str, Any]) -> float:
     """FLOPs of the forward gradient caching adds (embeddings without a graph), as torch dispatches them."""
-    with torch.no_grad():
+    with torch.no_grad(), forked_rng(batch["tokens"].device):
         return count_flops(lambda: loss_fn.embed(model, batch, 0))
 
 

@@ -12,11 +12,12 @@ import psutil
 import pytest
 import torch
 from conftest import read_metrics, read_summary
+from plugin_model import EmbeddingModel
 
 from aamperf.data import build_data
 from aamperf.distributed import World
 from aamperf.errors import UserError
-from aamperf.job import analytic_flops, build
+from aamperf.job import analytic_flops, build, counted_flops, counted_forward
 from aamperf.metrics.monitor import pss_bytes
 from aamperf.phases import apply_phases, setup_phases
 from aamperf.run import train
@@ -219,6 +220,23 @@ def test_model_flops_are_the_same_for_every_configuration_of_the_same_batches(ma
     assert hardware["fast"] < model.pop()  # each distinct ASV once: less executed than the math
     # memory=full: every layer's forward once more (forward = a third of forward + backward)
     assert hardware["checkpointing"] == pytest.approx(hardware["plain"] * 4 / 3, rel=0.03)
+
+
+def test_counting_a_plug_in_model_s_flops_leaves_the_run_s_random_stream_as_it_was():
+    """torch counts another model's step before training; its dropout draws must not shift the run's."""
+    from aamperf.model import AAMLoss
+
+    model = EmbeddingModel(8, dropout=0.5)
+    batch = {
+        "tokens": torch.randint(1, 5, (4, 6, 151)),
+        "counts": torch.ones(4, 6, 1),
+        "asv_ids": torch.arange(24).view(4, 6),
+        "sample_idx": torch.arange(4),
+        "unifrac": torch.rand(4, 4),
+    }
+    before = torch.get_rng_state()
+    assert counted_flops(model, AAMLoss(), batch) > 0 and counted_forward(model, AAMLoss(), batch) > 0
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_an_mfu_above_one_is_null_with_a_reason(make_cfg, tmp_path, monkeypatch):
