@@ -8,6 +8,8 @@ Each pair is a setting that keeps the results: the same masks or the same math, 
                 data whose ASVs are all full length: the same outputs
   chunk-bytes   the CPU's chunked dropout attention (attention=sdpa in training) in chunks of CHUNK_MIB
                 (default 8) MiB of scores against its CHUNK_BYTES: the same math, row for row
+  mask-cast     the fast dropout's 2-byte multiplier cast from the bool mask (as before 2026-12-06)
+                against made from the random int16 in place (`keep_multiplier`): the same multiplier
 
 Usage: LD_PRELOAD=libtcmalloc_minimal.so.4 python experiments/in_turn.py PAIR [PAIRS=20] [overrides]
 (tcmalloc preloaded as `system=tuned` runs it; the overrides follow `optim=advanced`, e.g.
@@ -28,7 +30,7 @@ from aamperf.job import build_job
 from aamperf.metrics.flops import cpu_description
 from aamperf.metrics.timing import StepMeter
 from aamperf.phases import attention
-from aamperf.phases.dropout import FastDropout
+from aamperf.phases.dropout import FastDropout, keep_scale
 from aamperf.summary import Summary
 
 
@@ -63,7 +65,33 @@ def chunk_bytes(model: torch.nn.Module):
     return use, (f"chunks_of_{other / 2**20:g}_MiB", f"chunks_of_{default / 2**20:g}_MiB")
 
 
-PAIRS = {"mask-threads": mask_threads, "asv-masks": asv_masks, "chunk-bytes": chunk_bytes}
+class BoolCastDropout(FastDropout):
+    """FastDropout as it was: a 2-byte dtype's multiplier cast from the bool mask itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0 or x.element_size() != 2:
+            return super().forward(x)
+        keep = self.keep(x)
+        return x * keep.to(x.dtype).mul_(keep_scale(self.p, x))
+
+
+def mask_cast(model: torch.nn.Module):
+    drops = [m for m in model.modules() if isinstance(m, FastDropout)]
+    assert drops, "no fast dropout here: it runs with dropout=fast"
+
+    def use(bool_cast: bool) -> None:
+        for m in drops:
+            m.__class__ = BoolCastDropout if bool_cast else FastDropout
+
+    return use, ("bool_mask_cast", "multiplier_from_bits")
+
+
+PAIRS = {
+    "mask-threads": mask_threads,
+    "asv-masks": asv_masks,
+    "chunk-bytes": chunk_bytes,
+    "mask-cast": mask_cast,
+}
 
 
 def main() -> None:

@@ -60,13 +60,47 @@ def random_words(n: int, device: torch.device, threads: int | None = None) -> Te
     return words
 
 
+def random_bits(shape: torch.Size, device: torch.device, threads: int | None = None) -> Tensor:
+    """Uniform int16 of `shape`: full-range int64 words (`random_words`) viewed as four int16 each."""
+    n = shape.numel()
+    return random_words((n + 3) // 4, device, threads).view(torch.int16)[:n].view(shape)
+
+
+def kept_from(p: float) -> int:
+    """The least random int16 that keeps its element: kept with probability 1 - p (to 1/65536); 2^15, no
+    int16, where p rounds to 1 (above 1 - 2^-17): none kept."""
+    return -(2**15) + round(p * 2**16)
+
+
 def keep_mask(shape: torch.Size, p: float, device: torch.device, threads: int | None = None) -> Tensor:
     """Bool mask, each element True with probability 1 - p (rounded to a multiple of 1/65536); its
     words drawn on `threads` threads (`random_words`)."""
-    n = shape.numel()
-    # Full-range int64 words viewed as four uniform int16 each.
-    bits = random_words((n + 3) // 4, device, threads).view(torch.int16)[:n].view(shape)
-    return bits >= -(2**15) + round(p * 2**16)
+    bits, least = random_bits(shape, device, threads), kept_from(p)
+    return bits >= least if least < 2**15 else torch.zeros_like(bits, dtype=torch.bool)
+
+
+def keep_multiplier(
+    shape: torch.Size, p: float, dtype: torch.dtype, device: torch.device, threads: int | None = None
+) -> Tensor:
+    """What a 2-byte float dtype's dropout multiplies by: 1 / (1 - p) in `dtype` where `keep_mask` of the
+    same random stream is True, +0.0 elsewhere. Made in place from the random int16 themselves: each
+    clamped to the two values around the least kept one and shifted to 0 / 1, then times the bit pattern
+    of 1 / (1 - p). On a CPU torch casts a bool mask to a float dtype in a loop that is not vectorized
+    (a [320, 151, 512] mask to bf16: 17.0 ms, as uint8 2.2): a whole bf16 dropout of that shape, the words
+    drawn, took 40.7-41.5 ms with the bool mask cast, 25.5-26.0 ms so (`experiments/headline/mask_cast.py`,
+    two runs, 2-core AMD EPYC family 25 model 17, AVX-512 BF16, 2026-12-06)."""
+    return multiplier_of(random_bits(shape, device, threads), p, dtype)  # drawn always: the stream moves on
+
+
+def multiplier_of(bits: Tensor, p: float, dtype: torch.dtype) -> Tensor:
+    """`keep_multiplier` of the random int16 `bits`, made in them."""
+    least = kept_from(p)
+    scale = torch.full((), 1 / (1 - p), dtype=dtype).view(torch.int16).item()  # keep_scale's value
+    if least <= -(2**15):  # p under 2^-17: every element kept
+        return bits.fill_(scale).view(dtype)
+    if least >= 2**15:  # none kept
+        return bits.zero_().view(dtype)
+    return bits.clamp_(least - 1, least).sub_(least - 1).mul_(scale).view(dtype)
 
 
 def draw_keep(dropout: nn.Dropout, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -102,7 +136,9 @@ def zero_unkept_(x: Tensor, bits: Tensor) -> Tensor:
 
 
 def kept_times(x: Tensor, keep: Tensor, scale: Tensor) -> Tensor:
-    """x times `scale` where `keep`, times 0 elsewhere: torch's dropout arithmetic (x * mask / (1 - p))."""
+    """x times `scale` where `keep`, times 0 elsewhere: torch's dropout arithmetic (x * mask / (1 - p)).
+    The mask is cast as uint8, the same 0 / 1 bytes: torch casts a bool tensor to a float dtype in a loop
+    that is not vectorized, and a uint8 one in one that is (`experiments/headline/mask_cast.py`)."""
     return x * keep.view(torch.uint8).to(x.dtype).mul_(scale)
 
 
@@ -128,9 +164,10 @@ class FastDropout(nn.Dropout):
 
     # the mask drawn eagerly between torch.compile's graphs (the compile phase's `run_eagerly_in_graphs`):
     # Tensor.random_ breaks a graph anyway, and a CPU mask drawn in the graph (`torch.randint`, int16) took
-    # 14.6-14.9 ms against 4.7 ms drawn between the graphs (eager 3.5-3.6), forward + backward of a
-    # [64, 151, 128] bf16 dropout (experiments/compile/dropout_masks.py, 2-core AMD EPYC, AVX-512 BF16)
-    EAGER_IN_GRAPHS = ("keep",)
+    # 7.9-8.3 ms against 2.3-2.5 ms drawn between the graphs (eager 1.9-2.2), forward + backward of a
+    # [64, 151, 128] bf16 dropout (experiments/compile/dropout_masks.py, two runs, 2-core AMD EPYC family 25
+    # model 17, AVX-512 BF16, 2026-12-06; 14.6-14.9 against 4.7 at b62a24d, before `keep_multiplier`)
+    EAGER_IN_GRAPHS = ("keep", "multiplier")
 
     def __init__(self, p: float = 0.5, threads: int | None = None) -> None:
         super().__init__(p)
@@ -139,17 +176,19 @@ class FastDropout(nn.Dropout):
     def keep(self, x: Tensor) -> Tensor:
         return keep_mask(x.shape, self.p, x.device, self.threads)
 
+    def multiplier(self, x: Tensor) -> Tensor:
+        return keep_multiplier(x.shape, self.p, x.dtype, x.device, self.threads)
+
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0:
             return x
-        keep = self.keep(x)
         # fp32: 1 byte an element kept for backward instead of 4 (fp32 advanced at the headline's batch:
         # 2.59 -> 2.0 GiB peak RSS, experiments/memory/). 2-byte dtypes: a multiplier in x's dtype (2 bytes
         # kept), where where() trained slower (bf16 `optim=advanced`, default run, three paired runs on
         # the AVX-512 EPYC: 0.142 against 0.132 s a step, experiments/default/)
-        if x.element_size() >= 4:
-            return MaskedScale.apply(x, keep, keep_scale(self.p, x))
-        return x * keep.to(x.dtype).mul_(keep_scale(self.p, x))
+        if x.element_size() == 2:
+            return x * self.multiplier(x)
+        return MaskedScale.apply(x, self.keep(x), keep_scale(self.p, x))
 
 
 def apply_dropout(model: nn.Module, cfg: DictConfig, device: torch.device) -> dict:

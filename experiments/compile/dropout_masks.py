@@ -13,16 +13,21 @@ import torch
 
 from aamperf.metrics.flops import cpu_description
 from aamperf.phases.compile import run_eagerly_in_graphs
-from aamperf.phases.dropout import FastDropout
+from aamperf.phases.dropout import FastDropout, multiplier_of
 from aamperf.probe import timed_in_turn
 
 
 class InGraphDropout(FastDropout):
     EAGER_IN_GRAPHS = ()
 
+    def bits(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.randint(-(2**15), 2**15, x.shape, dtype=torch.int16, device=x.device)
+
     def keep(self, x: torch.Tensor) -> torch.Tensor:
-        bits = torch.randint(-(2**15), 2**15, x.shape, dtype=torch.int16, device=x.device)
-        return bits >= -(2**15) + round(self.p * 2**16)
+        return self.bits(x) >= -(2**15) + round(self.p * 2**16)
+
+    def multiplier(self, x: torch.Tensor) -> torch.Tensor:  # a 2-byte dtype's (bf16 here)
+        return multiplier_of(self.bits(x), self.p, x.dtype)
 
 
 trials = int(sys.argv[1]) if len(sys.argv) > 1 else 20

@@ -199,6 +199,35 @@ def test_fast_dropout_keeps_the_distribution():
     assert torch.equal(drop.eval()(x), x)
 
 
+@pytest.mark.parametrize(
+    "dtype, p",
+    [(dtype, p) for dtype in (torch.bfloat16, torch.float16) for p in (0.1, 0.5, 0.9, 2**-18)]
+    + [(torch.bfloat16, 1 - 2**-18)],  # (fp16 has no 1 / (1 - p) there: inf, and the cast's 0 * inf NaN)
+)
+def test_a_2_byte_dropout_multiplier_is_its_keep_mask_times_the_scale(dtype, p):
+    """keep_multiplier makes, from the random int16 in place, what casting keep_mask of the same stream
+    gives (FastDropout's arithmetic before it), bit for bit, and leaves the stream where keep_mask does;
+    p under 2^-17 keeps every element, p above 1 - 2^-17 none."""
+    from aamperf.phases.dropout import FastDropout, keep_mask, keep_multiplier, keep_scale
+
+    shape, cpu = torch.Size([37, 1001]), torch.device("cpu")
+    x = torch.randn(shape, dtype=dtype)
+    torch.manual_seed(0)
+    keep = keep_mask(shape, p, cpu)
+    expected, after = keep.to(dtype) * keep_scale(p, x), torch.randint(2**30, (4,))
+    assert keep.all() if p < 2**-17 else keep.any() if p < 1 - 2**-17 else not keep.any()
+    torch.manual_seed(0)
+    multiplier = keep_multiplier(shape, p, dtype, cpu)
+    assert multiplier.dtype == dtype and torch.equal(multiplier, expected)
+    assert torch.equal(torch.randint(2**30, (4,)), after)
+    assert multiplier.view(torch.int16).ge(0).all()  # +0.0 where dropped, never -0.0
+    torch.manual_seed(0)
+    leaf = x.clone().requires_grad_()
+    y = FastDropout(p)(leaf)
+    y.float().sum().backward()
+    assert torch.equal(y, x * expected) and torch.equal(leaf.grad, expected)
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 def test_fast_dropout_masks_are_the_same_on_any_number_of_threads(threads):
     """The words are drawn in blocks, each from a generator seeded from the default stream: the seed alone
