@@ -10,6 +10,7 @@ Each pair is a setting that keeps the results: the same masks or the same math, 
                 (default 8) MiB of scores against its CHUNK_BYTES: the same math, row for row
   mask-cast     the fast dropout's 2-byte multiplier cast from the bool mask (as before 2026-12-06)
                 against made from the random int16 in place (`keep_multiplier`): the same multiplier
+                (bf16 activations: add precision=bf16 where precision=auto takes fp32)
 
 Usage: LD_PRELOAD=libtcmalloc_minimal.so.4 python experiments/in_turn.py PAIR [PAIRS=20] [overrides]
 (tcmalloc preloaded as `system=tuned` runs it; the overrides follow `optim=advanced`, e.g.
