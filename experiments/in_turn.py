@@ -8,6 +8,9 @@ Each pair is a setting that keeps the results: the same masks or the same math, 
                 data whose ASVs are all full length: the same outputs
   chunk-bytes   the CPU's chunked dropout attention (attention=sdpa in training) in chunks of CHUNK_MIB
                 (default 8) MiB of scores against its CHUNK_BYTES: the same math, row for row
+  pad-keys      the CPU's chunked dropout attention in bf16 with its softmax rows padded to a multiple of
+                PAD_KEYS_TO keys against unpadded (PAD_KEYS_TO=1): the same math, a few elements a million
+                rounded the other way in bf16
   mask-cast     the fast dropout's 2-byte multiplier cast from the bool mask (as before 2026-12-06)
                 against made from the random int16 in place (`keep_multiplier`): the same multiplier
                 (bf16 activations: add precision=bf16 where precision=auto takes fp32)
@@ -66,6 +69,17 @@ def chunk_bytes(model: torch.nn.Module):
     return use, (f"chunks_of_{other / 2**20:g}_MiB", f"chunks_of_{default / 2**20:g}_MiB")
 
 
+def pad_keys(model: torch.nn.Module):
+    chunked = any(isinstance(m, attention.SDPAttention) for m in model.modules())
+    assert chunked, "no chunked dropout attention here: it runs with attention=sdpa"
+    default = attention.PAD_KEYS_TO
+
+    def use(unpadded: bool) -> None:
+        attention.PAD_KEYS_TO = 1 if unpadded else default
+
+    return use, ("keys_unpadded", f"keys_padded_to_{default}")
+
+
 class BoolCastDropout(FastDropout):
     """FastDropout as it was: a 2-byte dtype's multiplier cast from the bool mask itself."""
 
@@ -92,6 +106,7 @@ PAIRS = {
     "asv-masks": asv_masks,
     "chunk-bytes": chunk_bytes,
     "mask-cast": mask_cast,
+    "pad-keys": pad_keys,
 }
 
 

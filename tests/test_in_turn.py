@@ -12,16 +12,17 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "in_turn.py"
 
 
-@pytest.mark.parametrize("pair", ["mask-threads", "asv-masks", "chunk-bytes", "mask-cast"])
+@pytest.mark.parametrize("pair", ["mask-threads", "asv-masks", "chunk-bytes", "mask-cast", "pad-keys"])
 def test_each_pair_trains_the_same_and_prints_its_ratio(pair, cache_dir):
     args = [sys.executable, str(SCRIPT), pair, "2", "model=aam_tiny", f"data.cache_dir={cache_dir}"]
-    if pair == "chunk-bytes":  # the chunked dropout attention runs with attention=sdpa on a CPU
+    if pair in ("chunk-bytes", "pad-keys"):  # the chunked dropout attention: attention=sdpa on a CPU
         args.append("attention=sdpa")
-    if pair == "mask-cast":  # the multiplier of a 2-byte dtype's activations
+    if pair in ("mask-cast", "pad-keys"):  # a 2-byte dtype's multiplier, its softmax rows
         args.append("precision=bf16")
     env = {**os.environ, "CHUNK_MIB": "0.05"}  # chunk-bytes: chunks of one row against CHUNK_BYTES' many
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = (float(v) for v in re.search(r"losses: \S+ (\S+), \S+ (\S+)", proc.stdout).groups())
-    assert first == pytest.approx(second, rel=1e-5)
+    # pad-keys rounds a few attention weights the other way in bf16
+    assert first == pytest.approx(second, rel=1e-3 if pair == "pad-keys" else 1e-5)
     assert re.search(r"time over .*: median \d+\.\d+, range \d+\.\d+-\d+\.\d+ over 2 pairs", proc.stdout)

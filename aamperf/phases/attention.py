@@ -30,28 +30,49 @@ BACKENDS = {
 # (`experiments/in_turn.py chunk-bytes`, experiments/ablation/README.md).
 CHUNK_BYTES = 2 * 2**20
 
+# Keys a 2-byte dtype's scores are padded to a multiple of (-inf: a softmax weight of exactly 0). torch's
+# CPU softmax over a bf16 row is fast only where the row is a whole number of its vectors (32 elements with
+# AVX-512, 16 with AVX2): a chunk's rows of AAM's 151 keys took 1.281 ms, padded to 160 0.495 ms with
+# torch's AVX-512 kernels, 0.857 against 0.723 with its AVX2 ones (fp32 0.498 at 151;
+# `experiments/headline/softmax_rows.py`, 2-core AMD EPYC family 25 model 17, 2026-12-06). The padded
+# softmax rounds a few elements the other way in bf16, by one unit in the last place and no farther from the
+# exact value (tests/phases/test_phase_correctness.py). 1: no padding.
+PAD_KEYS_TO = 32
+
 
 class ChunkedDropoutAttention(torch.autograd.Function):
     """softmax(q k^T / sqrt(d) + mask) with dropout, times v, a few rows at a time; backward recomputes
     each chunk's softmax (as flash attention does) instead of keeping [N, heads, L, L] floats.
 
     The same values as MathAttention followed by the same dropout (`draw_keep`: the same keep mask
-    from the same random stream), computed in q's dtype as CPU autocast computes the math."""
+    from the same random stream), computed in q's dtype as CPU autocast computes the math; in bf16 and
+    fp16 with the softmax's rows padded (PAD_KEYS_TO), which rounds a few elements otherwise."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: nn.Dropout) -> Tensor:
         n, heads, length, _ = q.shape
         # q, k, v are permuted views of the qkv projection: copied once here, not by every chunk's matmuls
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        keep = draw_keep(dropout, torch.Size((n, heads, length, k.size(-2))), q.dtype, q.device)
+        keys = k.size(-2)
+        keep = draw_keep(dropout, torch.Size((n, heads, length, keys)), q.dtype, q.device)
         # keys a query may not see: the math's large finite negative added to their scores (score + min
         # rounds to min for any score below 1e31 in fp32), and an integer mask for their gradient
-        ctx.hidden = None
+        ctx.hidden = ctx.visible = None
         if mask is not None:
             mask = mask.expand(n, *mask.shape[1:])
             ctx.hidden = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
             ctx.hidden.masked_fill_(~mask, torch.finfo(q.dtype).min)
             ctx.visible = keep_bits(mask, q.dtype)
+        # a 2-byte dtype's scores [.., length, keys] padded to `width` keys: zero keys, their scores -inf
+        # (below a masked key's: a row whose keys are all masked still spreads its weight over them alone)
+        width = -(-keys // PAD_KEYS_TO) * PAD_KEYS_TO if q.element_size() == 2 else keys
+        ctx.keys = keys
+        if width > keys:
+            k = torch.cat([k, k.new_zeros(n, heads, width - keys, k.size(-1))], dim=-2)
+        if width > keys and mask is not None:
+            hidden = torch.full((*ctx.hidden.shape[:-1], width), -math.inf, dtype=q.dtype, device=q.device)
+            hidden[..., :keys] = ctx.hidden
+            ctx.hidden = hidden
         rows = max(1, CHUNK_BYTES // (heads * length * k.size(-2) * q.element_size()))
         ctx.chunks = [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
         # both as the math has them: scores divided by sqrt(d), kept weights times 1/(1-p) in q's dtype
@@ -68,19 +89,24 @@ class ChunkedDropoutAttention(torch.autograd.Function):
 
     @staticmethod
     def _weights(ctx, q: Tensor, k: Tensor, rows: slice) -> Tensor:
+        """The chunk's softmax weights over its `ctx.keys` keys (`k` may hold padding keys after them)."""
         scores = torch.matmul(q[rows], k[rows].transpose(-2, -1)).div_(ctx.sqrt_d)
-        if ctx.hidden is not None:
+        if ctx.hidden is not None:  # (padded as the keys are: -inf on the padding keys)
             scores.add_(ctx.hidden[rows])
-        return torch.softmax(scores, dim=-1)
+        elif k.size(-2) > ctx.keys:
+            scores[..., ctx.keys :] = -math.inf
+        weights = torch.softmax(scores, dim=-1)
+        return weights if k.size(-2) == ctx.keys else weights[..., : ctx.keys].contiguous()
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, k, v, keep = ctx.saved_tensors
+        q, padded_k, v, keep = ctx.saved_tensors
+        k = padded_k[..., : ctx.keys, :]  # the keys without the padding of a 2-byte dtype's scores
         grad = grad.contiguous()  # the gradient of a transposed view: copied once, not by each chunk
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         with torch.autocast(q.device.type, enabled=False):
             for rows in ctx.chunks:
-                weights = ChunkedDropoutAttention._weights(ctx, q, k, rows)
+                weights = ChunkedDropoutAttention._weights(ctx, q, padded_k, rows)
                 bits = keep_bits(keep[rows], q.dtype)
                 kept = zero_unkept_(weights.clone(), bits).mul_(ctx.keep_scale)
                 torch.matmul(kept.transpose(-2, -1), grad[rows], out=dv[rows])
@@ -89,7 +115,7 @@ class ChunkedDropoutAttention(torch.autograd.Function):
                 d_scores = torch._softmax_backward_data(d_weights, weights, -1, weights.dtype).div_(
                     ctx.sqrt_d
                 )
-                if ctx.hidden is not None:  # masked scores are constants: no gradient to q or k through them
+                if ctx.visible is not None:  # masked scores are constants: no gradient to q or k through them
                     zero_unkept_(d_scores, ctx.visible[rows])
                 torch.matmul(d_scores, k[rows], out=dq[rows])
                 torch.matmul(d_scores.transpose(-2, -1), q[rows], out=dk[rows])

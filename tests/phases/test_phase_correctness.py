@@ -61,15 +61,24 @@ def test_sdpa_gives_the_math_results(tiny, make_cfg):
 
 
 @pytest.mark.parametrize(
-    ("impl", "dtype", "heads"), [("standard", torch.float32, 4), ("fast", torch.bfloat16, 2)]
+    ("impl", "dtype", "heads", "pad"),
+    [
+        ("standard", torch.float32, 4, 32),  # fp32 rows are never padded
+        ("fast", torch.bfloat16, 2, 1),
+        ("fast", torch.bfloat16, 2, 32),  # the softmax's rows padded from 151 keys to 160
+    ],
 )  # head_dim 8 (its sqrt not a power of two) and 16
 def test_sdpa_training_with_dropout_on_cpu_gives_the_math_results_in_chunks(
-    make_cfg, monkeypatch, impl, dtype, heads
+    make_cfg, monkeypatch, impl, dtype, heads, pad
 ):
     """No CPU SDPA kernel has dropout: SDPAttention runs the math a few rows at a time, drawing the same
-    keep mask from the same random stream, so loss and gradients equal the math's with that dropout."""
+    keep mask from the same random stream, so loss and gradients equal the math's with that dropout: the
+    same bits, but where a bf16 softmax's rows are padded (PAD_KEYS_TO), which rounds a few weights the
+    other way: then within bf16's rounding."""
     from aamperf.phases import attention
     from aamperf.phases.dropout import apply_dropout
+
+    monkeypatch.setattr(attention, "PAD_KEYS_TO", pad)
 
     cfg = make_cfg("model.dropout=0.3", f"model.num_heads={heads}", f"dropout={impl}")
     torch.manual_seed(0)
@@ -86,9 +95,54 @@ def test_sdpa_training_with_dropout_on_cpu_gives_the_math_results_in_chunks(
     for m in (model, chunked):
         torch.manual_seed(1)
         results.append(loss_and_grads(m, loss_fn, batch, autocast))
-    assert_same(*results)  # the same ops on the same rows (dk as d_scores^T q: rounding may differ)
+    if dtype == torch.bfloat16 and pad > 1:  # the weights' rounding, carried through the model
+        assert_same(*results, rtol=0.02, atol=1e-4)
+        assert any(not torch.equal(results[0][1][n], results[1][1][n]) for n in results[0][1])  # padded
+    else:
+        assert_same(*results)  # the same ops on the same rows (dk as d_scores^T q: rounding may differ)
     torch.manual_seed(2)  # another keep mask: another loss (the dropout is there)
     assert loss_and_grads(chunked, loss_fn, batch, autocast)[0] != results[1][0]
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_bf16_softmax_over_padded_keys_is_the_unpadded_one_within_a_unit_in_its_last_place(
+    monkeypatch, masked
+):
+    """PAD_KEYS_TO: the chunked attention's bf16 scores padded from 7 keys to 32 (-inf: weight 0) give the
+    unpadded outputs and gradients within bf16's rounding, a row whose keys are all masked included (its
+    weight spread over its 7 keys, not over the padding); the weights themselves differ in few elements,
+    by one unit in the last place, and are no farther from the exact softmax (fp64)."""
+    from aamperf.phases import attention
+
+    gen = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(5, 2, 7, 4, generator=gen).bfloat16() for _ in range(3)]
+    mask = torch.rand(5, 1, 7, 7, generator=gen) < 0.6 if masked else None
+    if masked:
+        mask[1, :, 3] = False  # query 3 of row 1 may attend nowhere
+    results = []
+    for pad in (1, 32):
+        monkeypatch.setattr(attention, "PAD_KEYS_TO", pad)
+        q, k, v = (t.clone().requires_grad_() for t in qkv)
+        torch.manual_seed(3)
+        out = SDPAttention(0.25, [])(q, k, v, mask)
+        (out.float() * torch.arange(out.numel()).view_as(out)).sum().backward()
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(b, a, rtol=0.02, atol=1e-2)
+    monkeypatch.setattr(attention, "CHUNK_BYTES", 2**30)  # one chunk: _weights' rows are every row
+    scores = torch.randn(64, 4, 151, 32, generator=gen).bfloat16()
+    keys = torch.randn(64, 4, 151, 32, generator=gen).bfloat16()
+    ctx = type("Ctx", (), {"sqrt_d": 32**0.5, "keys": 151, "hidden": None})()
+    padded = torch.cat([keys, keys.new_zeros(64, 4, 9, 32)], dim=-2)
+    plain, with_pad = (
+        attention.ChunkedDropoutAttention._weights(ctx, scores, k, slice(0, 64)) for k in (keys, padded)
+    )
+    exact = torch.softmax((scores.double() @ keys.double().transpose(-2, -1)) / 32**0.5, -1)
+    differ = plain != with_pad
+    assert 0 < differ.sum() < 1e-3 * plain.numel()
+    ulp = (plain.float() - with_pad.float()).abs()[differ] / plain.float().abs()[differ]
+    assert ulp.max() <= 2**-7  # bf16 keeps 8 significant bits: one unit in the last place
+    assert (with_pad.double() - exact).abs().sum() <= 1.01 * (plain.double() - exact).abs().sum()
 
 
 def test_chunked_attention_with_dropout_matches_the_math_on_fully_masked_rows_too(monkeypatch):
