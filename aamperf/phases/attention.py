@@ -82,21 +82,25 @@ class ChunkedDropoutAttention(torch.autograd.Function):
         out = torch.empty_like(q)
         with torch.autocast(q.device.type, enabled=False):  # q's dtype throughout, as said above
             for rows in ctx.chunks:
-                weights = ChunkedDropoutAttention._weights(ctx, q, k, rows)
-                kept = zero_unkept_(weights, keep_bits(keep[rows], q.dtype)).mul_(ctx.keep_scale)
+                # the kept weights scaled out of place: a padded softmax's rows made contiguous in that pass
+                weights = ChunkedDropoutAttention._weights(ctx, q, k, rows, contiguous=False)
+                kept = zero_unkept_(weights.mul(ctx.keep_scale), keep_bits(keep[rows], q.dtype))
                 torch.matmul(kept, v[rows], out=out[rows])
         return out
 
     @staticmethod
-    def _weights(ctx, q: Tensor, k: Tensor, rows: slice) -> Tensor:
-        """The chunk's softmax weights over its `ctx.keys` keys (`k` may hold padding keys after them)."""
+    def _weights(ctx, q: Tensor, k: Tensor, rows: slice, contiguous: bool = True) -> Tensor:
+        """The chunk's softmax weights over its `ctx.keys` keys (`k` may hold padding keys after them);
+        not `contiguous`: a view of the padded rows."""
         scores = torch.matmul(q[rows], k[rows].transpose(-2, -1)).div_(ctx.sqrt_d)
         if ctx.hidden is not None:  # (padded as the keys are: -inf on the padding keys)
             scores.add_(ctx.hidden[rows])
         elif k.size(-2) > ctx.keys:
             scores[..., ctx.keys :] = -math.inf
         weights = torch.softmax(scores, dim=-1)
-        return weights if k.size(-2) == ctx.keys else weights[..., : ctx.keys].contiguous()
+        if k.size(-2) == ctx.keys:
+            return weights
+        return weights[..., : ctx.keys].contiguous() if contiguous else weights[..., : ctx.keys]
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -108,7 +112,7 @@ class ChunkedDropoutAttention(torch.autograd.Function):
             for rows in ctx.chunks:
                 weights = ChunkedDropoutAttention._weights(ctx, q, padded_k, rows)
                 bits = keep_bits(keep[rows], q.dtype)
-                kept = zero_unkept_(weights.clone(), bits).mul_(ctx.keep_scale)
+                kept = zero_unkept_(weights.mul(ctx.keep_scale), bits)  # scaled out of place: no clone
                 torch.matmul(kept.transpose(-2, -1), grad[rows], out=dv[rows])
                 d_kept = torch.matmul(grad[rows], v[rows].transpose(-2, -1))
                 d_weights = zero_unkept_(d_kept, bits).mul_(ctx.keep_scale)
