@@ -9,8 +9,8 @@ Each pair is a setting that keeps the results: the same masks or the same math, 
   chunk-bytes   the CPU's chunked dropout attention (attention=sdpa in training) in chunks of CHUNK_MIB
                 (default 8) MiB of scores against its CHUNK_BYTES: the same math, row for row
   pad-keys      the CPU's chunked dropout attention in bf16 with its softmax rows padded to a multiple of
-                PAD_KEYS_TO keys against unpadded (PAD_KEYS_TO=1): the same math, a few elements a million
-                rounded the other way in bf16
+                PAD_KEYS_TO keys against unpadded (PAD_KEYS_TO=1): the same math, a few weights rounded
+                the other way in bf16 (by one unit in the last place)
   mask-cast     the fast dropout's 2-byte multiplier cast from the bool mask (as before 2026-12-06)
                 against made from the random int16 in place (`keep_multiplier`): the same multiplier
                 (bf16 activations: add precision=bf16 where precision=auto takes fp32)

@@ -55,24 +55,21 @@ class ChunkedDropoutAttention(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         keys = k.size(-2)
         keep = draw_keep(dropout, torch.Size((n, heads, length, keys)), q.dtype, q.device)
-        # keys a query may not see: the math's large finite negative added to their scores (score + min
-        # rounds to min for any score below 1e31 in fp32), and an integer mask for their gradient
-        ctx.hidden = ctx.visible = None
-        if mask is not None:
-            mask = mask.expand(n, *mask.shape[1:])
-            ctx.hidden = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
-            ctx.hidden.masked_fill_(~mask, torch.finfo(q.dtype).min)
-            ctx.visible = keep_bits(mask, q.dtype)
         # a 2-byte dtype's scores [.., length, keys] padded to `width` keys: zero keys, their scores -inf
         # (below a masked key's: a row whose keys are all masked still spreads its weight over them alone)
         width = -(-keys // PAD_KEYS_TO) * PAD_KEYS_TO if q.element_size() == 2 else keys
         ctx.keys = keys
         if width > keys:
             k = torch.cat([k, k.new_zeros(n, heads, width - keys, k.size(-1))], dim=-2)
-        if width > keys and mask is not None:
-            hidden = torch.full((*ctx.hidden.shape[:-1], width), -math.inf, dtype=q.dtype, device=q.device)
-            hidden[..., :keys] = ctx.hidden
-            ctx.hidden = hidden
+        # keys a query may not see: the math's large finite negative added to their scores (score + min
+        # rounds to min for any score below 1e31 in fp32), and an integer mask for their gradient
+        ctx.hidden = ctx.visible = None
+        if mask is not None:
+            mask = mask.expand(n, *mask.shape[1:])
+            ctx.hidden = torch.full((*mask.shape[:-1], width), -math.inf, dtype=q.dtype, device=q.device)
+            ctx.hidden[..., :keys] = 0.0
+            ctx.hidden[..., :keys].masked_fill_(~mask, torch.finfo(q.dtype).min)
+            ctx.visible = keep_bits(mask, q.dtype)
         rows = max(1, CHUNK_BYTES // (heads * length * k.size(-2) * q.element_size()))
         ctx.chunks = [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
         # both as the math has them: scores divided by sqrt(d), kept weights times 1/(1-p) in q's dtype

@@ -13,7 +13,7 @@ import torch
 
 from aamperf.metrics.flops import cpu_description
 from aamperf.phases.compile import run_eagerly_in_graphs
-from aamperf.phases.dropout import FastDropout, multiplier_of
+from aamperf.phases.dropout import FastDropout, kept_from, multiplier_of
 from aamperf.probe import timed_in_turn
 
 
@@ -24,7 +24,7 @@ class InGraphDropout(FastDropout):
         return torch.randint(-(2**15), 2**15, x.shape, dtype=torch.int16, device=x.device)
 
     def keep(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bits(x) >= -(2**15) + round(self.p * 2**16)
+        return self.bits(x) >= kept_from(self.p)
 
     def multiplier(self, x: torch.Tensor) -> torch.Tensor:  # a 2-byte dtype's (bf16 here)
         return multiplier_of(self.bits(x), self.p, x.dtype)

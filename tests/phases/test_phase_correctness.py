@@ -129,15 +129,15 @@ def test_a_bf16_softmax_over_padded_keys_is_the_unpadded_one_within_a_unit_in_it
         results.append((out.detach(), q.grad, k.grad, v.grad))
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(b, a, rtol=0.02, atol=1e-2)
-    monkeypatch.setattr(attention, "CHUNK_BYTES", 2**30)  # one chunk: _weights' rows are every row
-    scores = torch.randn(64, 4, 151, 32, generator=gen).bfloat16()
+    # the weights of AAM's 151 keys, padded to 160 and not
+    queries = torch.randn(64, 4, 151, 32, generator=gen).bfloat16()
     keys = torch.randn(64, 4, 151, 32, generator=gen).bfloat16()
     ctx = type("Ctx", (), {"sqrt_d": 32**0.5, "keys": 151, "hidden": None})()
     padded = torch.cat([keys, keys.new_zeros(64, 4, 9, 32)], dim=-2)
     plain, with_pad = (
-        attention.ChunkedDropoutAttention._weights(ctx, scores, k, slice(0, 64)) for k in (keys, padded)
+        attention.ChunkedDropoutAttention._weights(ctx, queries, k, slice(0, 64)) for k in (keys, padded)
     )
-    exact = torch.softmax((scores.double() @ keys.double().transpose(-2, -1)) / 32**0.5, -1)
+    exact = torch.softmax((queries.double() @ keys.double().transpose(-2, -1)) / 32**0.5, -1)
     differ = plain != with_pad
     assert 0 < differ.sum() < 1e-3 * plain.numel()
     ulp = (plain.float() - with_pad.float()).abs()[differ] / plain.float().abs()[differ]
