@@ -27,6 +27,7 @@ from aamperf.model.aam import argument_problems as aam_problems
 from aamperf.model.loss import argument_problems as loss_problems
 from aamperf.phases.system import check_system
 from aamperf.tokens import ASV_BP, TOKENS_PER_ASV, VOCAB_SIZE
+from aamperf.trainer.best import monitor_problems
 from aamperf.trainer.schedule import check_schedule
 from aamperf.weights import MODEL_FILE, OWN_MODELS
 
@@ -74,6 +75,7 @@ def check_config(cfg: DictConfig) -> None:
         problems.append(f"trainer.grad_clip={t.grad_clip} must be >= 0 (0: no clipping)")
     if t.val_every < 1 or t.val_batches < 1:
         problems.append("trainer.val_every and trainer.val_batches must be >= 1")
+    problems += monitor_problems(t, cfg.data.get("target"))
     if t.checkpoint_every < 0 or t.keep_last < 1:
         problems.append("trainer.checkpoint_every must be >= 0 (0: none) and trainer.keep_last >= 1")
     for key, seed in (("seed", cfg.seed), ("data.seed", cfg.data.get("seed"))):

@@ -228,6 +228,16 @@ class TrainerConfig:
     # samples per validation batch (all ranks); null: the training micro-batch. The UniFrac part of a val
     # loss is over the pairs inside each batch, so runs at other batch sizes compare at the same one
     val_batch_size: int | None = None
+    # early stopping: the run ends after this many validations in a row whose `monitor` figure did not
+    # improve on its best by more than `min_delta` (0: never; the original AAM's --patience, in epochs there)
+    patience: int = 0
+    # a validation figure: val_loss, a part of it (val_unifrac, val_nucleotide, val_target), val_target_mae,
+    # _rmse, _r2, val_accuracy, val_macro_f1, val_roc_auc (R^2, accuracy, F1, AUC upward; the others down)
+    monitor: str = "val_loss"
+    min_delta: float = 0.0
+    # model.pt and the run's validation figures are its best validation's by `monitor` (the original's
+    # best_model.pt), not its last step's (trainer/best.py)
+    keep_best: bool = False
     checkpoint_every: int = 0  # steps between checkpoints in <run dir>/checkpoints; 0: none
     keep_last: int = 2  # checkpoints kept, newest first
     resume: Resume = Resume.disabled  # auto: go on from the newest checkpoint of this run directory

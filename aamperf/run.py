@@ -29,7 +29,7 @@ from aamperf.metrics.target import write_val_predictions
 from aamperf.phases.compile import compiled_graphs
 from aamperf.summary import Summary, resolved_config
 from aamperf.trainer import fit
-from aamperf.weights import save_model
+from aamperf.weights import full_weights, save_model
 
 
 def per_rank(summary: dict[str, Any], keys: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -87,9 +87,13 @@ def train(
             )  # fmt: skip
         summary.loop_ended_at = time.perf_counter()
         summary["recompiles"] = compiled_graphs() - graphs  # graphs compiled for new shapes while training
-        kept = save_model(
-            run_dir, job.plan.model, resolved_config(cfg), summary.get("target"), summary.get("categorical")
-        )
+        best = result.best
+        if best.keep and best.step is not None:  # the run's result is its best validation: model and figures
+            weights, result.val, result.val_detail = best.weights, best.val, best.detail
+        else:
+            weights = full_weights(job.plan.model)
+        config, target, categorical = resolved_config(cfg), summary.get("target"), summary.get("categorical")
+        kept = save_model(run_dir, weights, config, target, categorical)
         summary["model_file"] = kept and kept.name  # python -m aamperf.predict run=<run dir> uses it
         summary.update(target_record(run_dir, result.val_detail, job.data.sample_ids, main))
         summary.trained(result, job.plan, monitor)
@@ -151,6 +155,8 @@ def print_result(summary: dict, run_dir: Path) -> None:
         print(f"  timed under load: {load}; its speed figures include that contention")
     if summary.get("duration_parts_s"):
         print(duration_line(summary))
+    if (summary.get("best") or {}).get("step") is not None:
+        print(best_line(summary["best"]))
     found = summary.get("batch_finder")
     if found:
         print(
@@ -172,6 +178,19 @@ def duration_line(summary: dict) -> str:
     since = "the process's start" if summary.get("clock_origin") == "process_start" else "the job's start"
     shown = ", ".join(f"{name} {s:.2f}" for name, s in parts.items() if s >= 0.01 * total)
     return f"  {total:.1f} s from {since}: {shown} (seconds; summary.json duration_parts_s)"
+
+
+def best_line(best: dict) -> str:
+    """Which validation was the best (trainer.monitor), whether it ended the run, what model.pt holds."""
+    line = f"  best validation: {best['monitor']} {best['value']:.4g} at step {best['step']}"
+    if best["stopped_early_at"] is not None:
+        line += (
+            f"; stopped early after step {best['stopped_early_at']}, {best['patience']} validations "
+            f"without improving (trainer.patience={best['patience']})"
+        )
+    if best["kept"]:
+        line += "; model.pt and the val figures are that validation's (trainer.keep_best)"
+    return line
 
 
 def target_line(summary: dict) -> str | None:

@@ -86,6 +86,7 @@ class Summary(dict):
             resume_changes=result.resume_changes,
             profile=result.profile,
             alerts=result.alerts,
+            best=result.best and result.best.record(),
         )
 
     def completed(self, job, model_flops: float, hardware_flops: float) -> None:

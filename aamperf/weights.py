@@ -24,24 +24,32 @@ FORMAT = 1
 OWN_MODELS = frozenset({"aamperf.model.AAM", "aamperf.model.aam.AAM"})
 
 
-def save_model(
-    run_dir: Path,
-    model: nn.Module,
-    config: dict[str, Any],
-    target: dict | None,
-    categorical: dict | None = None,
-) -> Path | None:
-    """Write the trained model (every rank calls this: FSDP2 gathers the full weights; rank 0 writes);
-    the path, on rank 0. `categorical`: data.categorical's record (columns, vocabularies), plain data."""
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The model's whole weights, a copy on the CPU, on rank 0 (every rank calls this: FSDP2 gathers its
+    shards); None on the other ranks."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(model, options=options)  # names without the wrappers' prefixes
     if rank() != 0:
         return None
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights.items()}
+
+
+def save_model(
+    run_dir: Path,
+    weights: dict[str, torch.Tensor] | None,
+    config: dict[str, Any],
+    target: dict | None,
+    categorical: dict | None = None,
+) -> Path | None:
+    """Write the trained model, its `full_weights` (rank 0 writes; the others hold None); the path, on
+    rank 0. `categorical`: data.categorical's record (columns, vocabularies), plain data."""
+    if rank() != 0:
+        return None
     payload = {
         "format": FORMAT,
-        "weights": {name: tensor.detach().cpu() for name, tensor in weights.items()},
+        "weights": weights,
         "config": config,  # resolved: model, loss and data as trained
         "target": target,  # the target column's mean and std (predictions in its own units), or None
         # the categorical columns' vocabularies (aamperf/data/categorical.py): predict maps a new table's

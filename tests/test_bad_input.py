@@ -51,6 +51,12 @@ CONFIG_CASES = {
         "trainer.batch_size=5 (the global batch) must divide evenly",
     ),
     "no steps": (["trainer.max_steps=0"], "trainer.max_steps=0 must be > 0"),
+    "negative patience": (["trainer.patience=-1"], "trainer.patience=-1 must be >= 0 (0: never stop early)"),
+    "a monitor that is no validation figure": (["trainer.monitor=loss"], "trainer.monitor=loss is not a"),
+    "a target's figure without a target": (
+        ["trainer.monitor=val_target_r2", "data.target=null"],
+        "set data.target, or watch val_loss",
+    ),
     "a renamed option": (["memory=checkpointing"], "memory=checkpointing is now memory=full"),
     "another renamed option": (["optimizer=adamw"], "optimizer=adamw is now optimizer=adamw_for_loop"),
     "a renamed key": (["memory.checkpoint_every=3"], "memory.checkpoint_every is now memory.recompute_every"),

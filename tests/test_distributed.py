@@ -99,6 +99,22 @@ def test_two_ranks_train_like_one_process_with_the_whole_batch(launch, strategy)
     assert sorted(p.name for p in run_dir.iterdir()) == sorted(files)
 
 
+@pytest.mark.slow  # two FSDP2 ranks and one process: 12 s on a 2-core Zen 4 EPYC, more on AVX2-only ones
+def test_fsdp_ranks_stop_early_together_and_keep_the_best_weights_as_one_process_does(launch):
+    """The first validation is the best and no later one clears min_delta: every rank stops after step 3
+    (patience 2), and model.pt holds step 1's weights, gathered from the shards when they were the best."""
+    best = ["trainer.val_every=1", "trainer.min_delta=1e9", "trainer.patience=2", "trainer.keep_best=true"]
+    _, one, one_dir = trained(launch, "one", *best)
+    _, two, run_dir = trained(launch, "two", "distributed=fsdp", *best, launcher=torchrun(2))
+    assert two["steps"] == one["steps"] == 3
+    assert two["best"] == {**one["best"], "value": pytest.approx(one["best"]["value"], rel=1e-5)}
+    assert one["best"]["step"] == 1 and one["best"]["stopped_early_at"] == 3
+    mine, theirs = (torch.load(d / "model.pt", weights_only=True)["weights"] for d in (run_dir, one_dir))
+    assert mine.keys() == theirs.keys()
+    trained_keys = [k for k in mine if not k.endswith("score.bias")]  # as in the test above
+    assert all(torch.allclose(mine[k], theirs[k], rtol=1e-4, atol=1e-6) for k in trained_keys)
+
+
 def test_distributed_without_torchrun_is_a_one_line_error(launch):
     proc, _ = launch("distributed=ddp")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

@@ -18,6 +18,8 @@ from aamperf.summary import resolved_config
 
 log = logging.getLogger(__name__)
 
+ADDED_STATE = ("best",)  # the loop's state an earlier version's checkpoint lacks: it starts afresh there
+
 
 def steps_left(tc: DictConfig, run_dir: Path | None) -> int:
     """The optimizer steps this process will train: trainer.max_steps, less the newest checkpoint's
@@ -61,7 +63,8 @@ class Checkpoints:
         path, loaded = self._newest_readable(saved)
         checkpoint.use_run_hyperparameters(self.optimizer, fresh)
         for name, obj in self.state.items():
-            obj.load_state_dict(loaded[name])
+            if name in loaded or name not in ADDED_STATE:
+                obj.load_state_dict(loaded[name])
         self.resumed_from = loaded["step"]
         self.record.truncate_after(self.resumed_from)  # lines logged after the checkpoint are logged again
         return self.resumed_from

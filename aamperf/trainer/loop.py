@@ -22,6 +22,7 @@ from aamperf.metrics.interval import Interval
 from aamperf.metrics.profile import step_profilers
 from aamperf.metrics.target import validation_figures
 from aamperf.phases import Plan
+from aamperf.trainer.best import Best
 from aamperf.trainer.checkpoints import Checkpoints
 from aamperf.trainer.gradcache import accumulation
 from aamperf.trainer.schedule import build_scheduler
@@ -47,6 +48,7 @@ class FitResult:
     resume_changes: dict[str, list] | None = None  # {key: [at the checkpoint, now]} that a resume applied
     profile: dict[str, Any] | None = None  # metrics.profile_steps: what torch.profiler saw
     alerts: list[dict[str, Any]] = field(default_factory=list)  # raised while training (aamperf/alerts.py)
+    best: Best | None = None  # the best validation, early stopping (trainer.patience, trainer.keep_best)
     # seconds of this process's loop: its steps, validations, checkpoints, and the rest of it ("loop")
     times_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LOOP_PARTS, 0.0))
 
@@ -234,16 +236,18 @@ def fit(
     run_dir: Path | None = None,
     interrupts: Interrupts | None = None,
 ) -> FitResult:
-    """Train for `trainer.max_steps` optimizer steps; log every `metrics.log_every` steps. A guard's stop,
-    or a stop signal (`interrupts`), ends the run after the step it came in, with a checkpoint of it."""
+    """Train for `trainer.max_steps` optimizer steps; log every `metrics.log_every` steps; fewer where
+    `trainer.patience` validations in a row did not improve (`Best`). A guard's stop, or a stop signal
+    (`interrupts`), ends the run after the step it came in, with a checkpoint of it."""
     started = time.perf_counter()
     tc, batches = cfg.trainer, BatchStream(data.train_loader)
     guards, interval = Guards(cfg, plan, device, record), Interval(device)
-    result = FitResult(meter, nonfinite_check=guards.nonfinite.check, alerts=guards.alerts.raised)
+    best = Best(tc, plan.model)
+    result = FitResult(meter, nonfinite_check=guards.nonfinite.check, alerts=guards.alerts.raised, best=best)
     times = result.times_s
     checkpoints = Checkpoints(
         run_dir, cfg, plan.model, plan.optimizer, record, scaler=plan.scaler, stream=batches, meter=meter,
-        nonfinite=guards.nonfinite, interval=interval, result=result,
+        nonfinite=guards.nonfinite, interval=interval, result=result, best=best,
     )  # fmt: skip
     done = checkpoints.resume()
     result.resumed_from, result.resume_changes = checkpoints.resumed_from, checkpoints.changes
@@ -300,9 +304,11 @@ def fit(
                             plan.model, loss_fn, data.val_loader, tc.val_batches, device, non_blocking,
                             result.val_detail,
                         )  # fmt: skip
-                    times["validation"] += time.perf_counter() - validating
                     row.update(result.val)
                     stop = guards.check_validation(step, result.val)  # a NaN validation is no result
+                    if not stop:  # the best so far kept (keep_best: its weights gathered); patience counted
+                        best.update(step, result.val, result.val_detail)
+                    times["validation"] += time.perf_counter() - validating
                 record.log(row)
                 warmed = step - interval.steps >= cfg.metrics.skip_steps  # the interval held no warm-up step
                 stop = stop or guards.check_alerts(step, row, warmed, monitor.gpu_util_percent)
@@ -318,6 +324,8 @@ def fit(
                 checkpoints.save(step)
             if interrupts.requested(device):  # a stop signal: this step is whole; keep it, then stop
                 raise interrupted(interrupts, step, checkpoints, result)
+            if best.stopped_at == step:  # trainer.patience validations without improving: the run is done
+                break
     finally:  # however the loop ended
         interrupts.in_loop, interrupts.loop_ended = False, True
         bar.close()
