@@ -53,6 +53,10 @@ CONFIG_CASES = {
     "no steps": (["trainer.max_steps=0"], "trainer.max_steps=0 must be > 0"),
     "negative patience": (["trainer.patience=-1"], "trainer.patience=-1 must be >= 0 (0: never stop early)"),
     "a monitor that is no validation figure": (["trainer.monitor=loss"], "trainer.monitor=loss is not a"),
+    "a plateau factor that reduces nothing": (
+        ["trainer.lr_schedule=plateau", "trainer.plateau_factor=1"],
+        "trainer.plateau_factor=1.0 must be between 0 and 1 (excluded)",
+    ),
     "a target's figure without a target": (
         ["trainer.monitor=val_target_r2", "data.target=null"],
         "set data.target, or watch val_loss",

@@ -17,6 +17,7 @@ def lrs(schedule: str, steps: int = 20, warmup: int = 4, done: int = 0, taken: i
     """The lr of each step from step `done` on (a resumed run's), for a schedule over `steps`."""
     tc = OmegaConf.create(
         {"lr_schedule": schedule, "warmup_steps": warmup, "max_steps": steps, "lr": 0.01, "min_lr_ratio": 0.1}
+        | {"monitor": "val_loss", "plateau_factor": 0.5, "plateau_patience": 1}
     )
     param = torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.AdamW([param], lr=tc.lr)
@@ -30,7 +31,8 @@ def lrs(schedule: str, steps: int = 20, warmup: int = 4, done: int = 0, taken: i
 
 
 def test_each_schedule_warms_up_then_decays_as_named():
-    cosine, linear, constant, onecycle = (lrs(s) for s in LrSchedule)
+    cosine, linear, constant, onecycle, plateau = (lrs(s) for s in LrSchedule)
+    assert plateau == pytest.approx(constant)  # no validation: nothing to reduce on (below)
     for path in (cosine, linear, constant):
         assert path[0] == pytest.approx(0.01 / 4) and path[4] == pytest.approx(0.01)  # warm-up to the lr
         assert all(a < b for a, b in zip(path[:4], path[1:5], strict=True))
@@ -46,6 +48,52 @@ def test_each_schedule_warms_up_then_decays_as_named():
 def test_a_resumed_schedule_goes_on_with_the_same_lr_values(schedule):
     whole = lrs(schedule)
     assert lrs(schedule, done=7) == whole[7:]  # replayed to step 7: bit for bit the rest
+
+
+def plateau_lrs(figures: list[float | None], monitor: str = "val_loss", warmup: int = 2) -> list[float]:
+    """lr_schedule=plateau validated after every step from the first: the lr of each next step."""
+    tc = OmegaConf.create(
+        {"lr_schedule": "plateau", "warmup_steps": warmup, "max_steps": 20, "lr": 0.01, "min_lr_ratio": 0.1}
+        | {"monitor": monitor, "plateau_factor": 0.5, "plateau_patience": 1}
+    )
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=tc.lr)
+    scheduler = build_scheduler(optimizer, tc)
+    seen = []
+    for figure in figures:
+        optimizer.step()
+        scheduler.step()
+        scheduler.validated(figure)
+        seen.append(optimizer.param_groups[0]["lr"])
+    return seen
+
+
+def test_a_plateau_halves_the_lr_after_more_than_its_patience_of_validations_without_improving():
+    # validations during the warm-up (steps 1 and 2) reduce nothing; then the best is 2.0 at step 3, and
+    # the second validation after it that does not improve (step 5) halves the lr, as does step 7's
+    lrs_ = plateau_lrs([9.0, 9.0, 2.0, 2.5, 2.1, 3.0, 2.2, 1.0, 1.5])
+    assert lrs_ == pytest.approx([0.0075, 0.01, 0.01, 0.01, 0.005, 0.005, 0.0025, 0.0025, 0.0025])
+    # down to lr x min_lr_ratio; a validation without the figure changes nothing
+    assert plateau_lrs([1.0] + [2.0] * 12, warmup=0)[-1] == pytest.approx(0.001)
+    assert plateau_lrs([1.0, None, None, None], warmup=0) == [pytest.approx(0.01)] * 4
+    # R^2 improves upward: a falling R^2 is what a plateau is
+    assert plateau_lrs([0.1, 0.2, 0.3], "val_target_r2", warmup=0) == [pytest.approx(0.01)] * 3
+    assert plateau_lrs([0.3, 0.2, 0.1], "val_target_r2", warmup=0)[-1] == pytest.approx(0.005)
+
+
+def test_a_resumed_plateau_keeps_its_reductions_and_trains_as_the_whole_run(make_cfg, tmp_path):
+    """Stopped after step 8 with the lr reduced, resumed to step 16: every step's lr and loss as the
+    uninterrupted run's (the reductions come from the checkpoint, not from a replay of the steps)."""
+    same = [
+        *("trainer.lr_schedule=plateau", "trainer.plateau_patience=0", "trainer.plateau_factor=0.5"),
+        *("trainer.lr=0.05", "trainer.val_every=2", "trainer.checkpoint_every=4", "trainer.resume=auto"),
+    ]
+    train(make_cfg(*same, "trainer.max_steps=16"), tmp_path / "whole")
+    train(make_cfg(*same, "trainer.max_steps=8"), tmp_path / "resumed")
+    train(make_cfg(*same, "trainer.max_steps=16"), tmp_path / "resumed")
+    whole, resumed = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "resumed")
+    assert min(row["lr"] for row in whole[:8]) < 0.05  # reduced before the checkpoint
+    assert [row["lr"] for row in resumed] == [row["lr"] for row in whole]
+    assert [row["loss"] for row in resumed] == [row["loss"] for row in whole]
 
 
 @pytest.mark.parametrize("schedule", ["onecycle", "warmup_cosine"])

@@ -33,8 +33,14 @@ TARGET_FIGURES = ("val_target", "val_accuracy", "val_macro_f1", "val_roc_auc")  
 
 
 def monitor_problems(tc: DictConfig, target: str | None) -> list[str]:
-    """What is wrong with the early-stopping keys (each naming its override); `target`: data.target."""
+    """What is wrong with the keys that watch a validation figure, early stopping's and the plateau
+    schedule's (each naming its override); `target`: data.target."""
     problems = []
+    if tc.lr_schedule == "plateau" and not (0 < tc.plateau_factor < 1 and tc.plateau_patience >= 0):
+        problems.append(
+            f"trainer.plateau_factor={tc.plateau_factor} must be between 0 and 1 (excluded) and "
+            f"trainer.plateau_patience={tc.plateau_patience} >= 0"
+        )
     if tc.patience < 0:
         problems.append(f"trainer.patience={tc.patience} must be >= 0 (0: never stop early)")
     if not (tc.min_delta >= 0 and math.isfinite(tc.min_delta)):
@@ -51,6 +57,18 @@ def monitor_problems(tc: DictConfig, target: str | None) -> list[str]:
             "data.target, or watch val_loss"
         )
     return problems
+
+
+def watched(val: dict[str, Any], monitor: str) -> float | None:
+    """`monitor`'s figure of a validation (None where it has no value: an R^2 of equal targets); a
+    UserError where the validation has no such figure."""
+    if monitor not in val:
+        shown = ", ".join(k for k in val if k not in NOT_A_QUALITY)
+        raise UserError(
+            f"trainer.monitor={monitor} is not a figure of this run's validation (it has {shown}): "
+            "set trainer.monitor to one of them"
+        )
+    return val[monitor]
 
 
 def _portable(value: Any, to_tensor: bool) -> Any:
@@ -99,13 +117,7 @@ class Best:
         stops now (`patience` validations in a row without improving)."""
         if not self.on:
             return False
-        if self.monitor not in val:
-            shown = ", ".join(k for k in val if k not in NOT_A_QUALITY)
-            raise UserError(
-                f"trainer.monitor={self.monitor} is not a figure of this run's validation (it has {shown}): "
-                "set trainer.monitor to one of them"
-            )
-        value = val[self.monitor]
+        value = watched(val, self.monitor)
         if self.improves(value):
             self.step, self.value, self.since = step, value, 0
             if self.keep:

@@ -45,6 +45,7 @@ class Checkpoints:
         self.model, self.optimizer, self.state = model, optimizer, state
         self.config = resolved_config(cfg)
         self.kept: dict[str, Any] = {}  # saved to be read, never loaded (the scheduler: a resume rebuilds it)
+        self.saved: dict[str, Any] = {}  # ... and what the checkpoint a resume read held of them
         self.resumed_from: int | None = None  # the checkpoint's step, when the run went on from one
         self.changes: dict[str, list] | None = None  # {key: [at the checkpoint, now]} that the resume applied
         self._last: tuple[int, Path] | None = None
@@ -66,6 +67,7 @@ class Checkpoints:
             if name in loaded or name not in ADDED_STATE:
                 obj.load_state_dict(loaded[name])
         self.resumed_from = loaded["step"]
+        self.saved = {name: loaded[name] for name in ("scheduler",) if name in loaded}
         self.record.truncate_after(self.resumed_from)  # lines logged after the checkpoint are logged again
         return self.resumed_from
 

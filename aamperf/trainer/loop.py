@@ -22,10 +22,10 @@ from aamperf.metrics.interval import Interval
 from aamperf.metrics.profile import step_profilers
 from aamperf.metrics.target import validation_figures
 from aamperf.phases import Plan
-from aamperf.trainer.best import Best
+from aamperf.trainer.best import Best, watched
 from aamperf.trainer.checkpoints import Checkpoints
 from aamperf.trainer.gradcache import accumulation
-from aamperf.trainer.schedule import build_scheduler
+from aamperf.trainer.schedule import OnPlateau, build_scheduler
 from aamperf.trainer.stream import BatchStream
 
 LossFn = Callable[[torch.nn.Module, dict[str, Any], int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -252,6 +252,8 @@ def fit(
     done = checkpoints.resume()
     result.resumed_from, result.resume_changes = checkpoints.resumed_from, checkpoints.changes
     scheduler = checkpoints.kept["scheduler"] = build_scheduler(plan.optimizer, tc, done_steps=done)
+    if isinstance(scheduler, OnPlateau):  # its reductions are not a replay of the steps: the checkpoint's
+        scheduler.resume(checkpoints.saved.get("scheduler"))
     train_step = TrainStep(plan, loss_fn, batches, tc, guards, scheduler, device, non_blocking)
     bar = tqdm(
         total=tc.max_steps,
@@ -308,6 +310,8 @@ def fit(
                     stop = guards.check_validation(step, result.val)  # a NaN validation is no result
                     if not stop:  # the best so far kept (keep_best: its weights gathered); patience counted
                         best.update(step, result.val, result.val_detail)
+                        if isinstance(scheduler, OnPlateau):  # the next step's lr, on a plateau
+                            scheduler.validated(watched(result.val, tc.monitor))
                     times["validation"] += time.perf_counter() - validating
                 record.log(row)
                 warmed = step - interval.steps >= cfg.metrics.skip_steps  # the interval held no warm-up step

@@ -1,9 +1,14 @@
-"""The learning-rate schedule (`trainer.lr_schedule`): torch's schedulers, stepped once per optimizer step."""
+"""The learning-rate schedule (`trainer.lr_schedule`): torch's schedulers, stepped once per optimizer step
+(and, for `plateau`, at each validation)."""
 
+import math
 import warnings
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
+
+from aamperf.trainer.best import higher_is_better
 
 
 def check_schedule(tc: DictConfig) -> list[str]:
@@ -22,16 +27,66 @@ def check_schedule(tc: DictConfig) -> list[str]:
     ]
 
 
+class OnPlateau:
+    """lr_schedule=plateau: a linear warm-up over `warmup_steps`, stepped with the optimizer, then torch's
+    ReduceLROnPlateau, stepped at each validation after it with `trainer.monitor`'s figure (`validated`):
+    the lr times `plateau_factor`, down to lr x `min_lr_ratio`, once more than `plateau_patience`
+    validations in a row did not improve it (torch's threshold: 1e-4 of the best, relative)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, tc: DictConfig):
+        lrs = torch.optim.lr_scheduler
+        self.optimizer, self.steps, self.warmup = optimizer, 0, min(tc.warmup_steps, tc.max_steps)
+        floor = [group["lr"] * tc.min_lr_ratio for group in optimizer.param_groups]  # before the warm-up's
+        self.warm = (
+            lrs.LinearLR(optimizer, start_factor=1.0 / self.warmup, end_factor=1.0, total_iters=self.warmup)
+            if self.warmup
+            else None
+        )
+        mode = "max" if higher_is_better(tc.monitor) else "min"
+        self.plateau = lrs.ReduceLROnPlateau(
+            optimizer, mode=mode, factor=tc.plateau_factor, patience=tc.plateau_patience, min_lr=floor
+        )
+        self.settings = {"factor": tc.plateau_factor, "patience": tc.plateau_patience, "min_lrs": floor}
+
+    def step(self) -> None:  # once per optimizer step: the warm-up's
+        self.steps += 1
+        if self.warm is not None and self.steps <= self.warmup:
+            self.warm.step()
+
+    def validated(self, value: float | None) -> None:
+        """After a validation: its `trainer.monitor` figure (None: the validation had none, the lr stays)."""
+        if self.steps > self.warmup and value is not None and math.isfinite(value):
+            self.plateau.step(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        return {"schedule": "plateau", "steps": self.steps, "plateau": self.plateau.state_dict(), "lrs": lrs}
+
+    def resume(self, state: dict[str, Any] | None) -> None:
+        """Go on from a checkpoint's plateau (its reductions so far and its count of validations without
+        improving), with this run's factor, patience and floor; another schedule's state: start afresh."""
+        if not state or state.get("schedule") != "plateau":
+            return
+        self.plateau.load_state_dict({**state["plateau"], **self.settings})
+        if state["steps"] > self.warmup:  # past the warm-up (the replay set it up to there)
+            for group, lr in zip(self.optimizer.param_groups, state["lrs"], strict=True):
+                group["lr"] = lr
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, tc: DictConfig, done_steps: int = 0):
     """torch's schedulers for `trainer.lr_schedule`, stepped once per optimizer step over `max_steps`:
     a linear warm-up over `warmup_steps`, then cosine or linear decay to lr x `min_lr_ratio`, or the lr
-    kept (constant); or OneCycleLR (its rise over `warmup_steps`, torch's 30% without one). A resumed
-    run replays its `done_steps`: the lr values it had, or, where the schedule's settings changed, this
-    run's schedule at that step (a scheduler's own state would keep the old settings)."""
+    kept (constant); or OneCycleLR (its rise over `warmup_steps`, torch's 30% without one); or the
+    warm-up, then the lr reduced on a plateau of validations (`OnPlateau`: a resume also gives it the
+    checkpoint's state). A resumed run replays its `done_steps`: the lr values it had, or, where the
+    schedule's settings changed, this run's schedule at that step (a scheduler's own state would keep the
+    old settings)."""
     lrs = torch.optim.lr_scheduler
     warmup = min(tc.warmup_steps, tc.max_steps)
     rest = max(1, tc.max_steps - warmup)
-    if tc.lr_schedule == "onecycle":
+    if tc.lr_schedule == "plateau":
+        scheduler = OnPlateau(optimizer, tc)
+    elif tc.lr_schedule == "onecycle":
         rise = warmup / tc.max_steps if warmup else 0.3
         max_lr = [group["lr"] for group in optimizer.param_groups]
         scheduler = lrs.OneCycleLR(optimizer, max_lr=max_lr, total_steps=tc.max_steps, pct_start=rise)
