@@ -90,6 +90,7 @@ def train(
         best = result.best
         if best.keep and best.step is not None:  # the run's result is its best validation: model and figures
             weights, result.val, result.val_detail = best.weights, best.val, best.detail
+            best.used = True
         else:
             weights = full_weights(job.plan.model)
         config, target, categorical = resolved_config(cfg), summary.get("target"), summary.get("categorical")

@@ -77,6 +77,26 @@ def test_a_resume_goes_on_counting_and_keeps_the_best_it_had(make_cfg, tmp_path)
     assert read_summary(tmp_path / "resumed")["val_loss"] == whole["val_loss"]
 
 
+def test_a_run_started_again_from_the_checkpoint_of_its_early_stop_trains_nothing_more(make_cfg, tmp_path):
+    """Killed after the checkpoint of its stop, before its summary (a requeued job): started again, it
+    goes on from that checkpoint and ends there, as it had."""
+    cfg = make_cfg(*NEVER_BETTER, "trainer.patience=2", "trainer.checkpoint_every=2", "trainer.resume=auto")
+    assert train(cfg, tmp_path)["steps"] == 6
+    (tmp_path / "summary.json").unlink()
+    (tmp_path / "model.pt").unlink()
+    again = train(cfg, tmp_path)
+    assert again["resumed_from_step"] == 6 and again["steps"] == 6 and again["status"] == "completed"
+    assert again["best"]["stopped_early_at"] == 6 and max(row["step"] for row in read_metrics(tmp_path)) == 6
+    assert (tmp_path / "model.pt").exists()
+
+
+def test_kept_says_whether_model_pt_holds_the_best(make_cfg):
+    tc = OmegaConf.create({"monitor": "val_roc_auc", "patience": 0, "min_delta": 0.0, "keep_best": True})
+    watched = Best(tc, torch.nn.Linear(1, 1))
+    watched.update(2, {"val_roc_auc": None}, {})  # no figure at any validation: no best to keep
+    assert watched.step is None and watched.record()["kept"] is False
+
+
 def test_a_monitor_the_validation_does_not_have_is_one_line_naming_those_it_has(make_cfg, tmp_path):
     with pytest.raises(
         UserError, match="trainer.monitor=val_loss_foo is not a figure of this run's validation"

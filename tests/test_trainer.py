@@ -17,7 +17,7 @@ def lrs(schedule: str, steps: int = 20, warmup: int = 4, done: int = 0, taken: i
     """The lr of each step from step `done` on (a resumed run's), for a schedule over `steps`."""
     tc = OmegaConf.create(
         {"lr_schedule": schedule, "warmup_steps": warmup, "max_steps": steps, "lr": 0.01, "min_lr_ratio": 0.1}
-        | {"monitor": "val_loss", "plateau_factor": 0.5, "plateau_patience": 1}
+        | {"monitor": "val_loss", "plateau_factor": 0.5, "plateau_patience": 1, "min_delta": 0.0}
     )
     param = torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.AdamW([param], lr=tc.lr)
@@ -50,14 +50,19 @@ def test_a_resumed_schedule_goes_on_with_the_same_lr_values(schedule):
     assert lrs(schedule, done=7) == whole[7:]  # replayed to step 7: bit for bit the rest
 
 
-def plateau_lrs(figures: list[float | None], monitor: str = "val_loss", warmup: int = 2) -> list[float]:
-    """lr_schedule=plateau validated after every step from the first: the lr of each next step."""
+def plateau(monitor: str = "val_loss", warmup: int = 2, lr: float = 0.01, done: int = 0):
+    """An optimizer and its lr_schedule=plateau (replayed to step `done`)."""
     tc = OmegaConf.create(
-        {"lr_schedule": "plateau", "warmup_steps": warmup, "max_steps": 20, "lr": 0.01, "min_lr_ratio": 0.1}
-        | {"monitor": monitor, "plateau_factor": 0.5, "plateau_patience": 1}
+        {"lr_schedule": "plateau", "warmup_steps": warmup, "max_steps": 20, "lr": lr, "min_lr_ratio": 0.1}
+        | {"monitor": monitor, "plateau_factor": 0.5, "plateau_patience": 1, "min_delta": 0.0}
     )
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=tc.lr)
-    scheduler = build_scheduler(optimizer, tc)
+    return optimizer, build_scheduler(optimizer, tc, done_steps=done)
+
+
+def plateau_lrs(figures: list[float | None], monitor: str = "val_loss", warmup: int = 2) -> list[float]:
+    """lr_schedule=plateau validated after every step from the first: the lr of each next step."""
+    optimizer, scheduler = plateau(monitor, warmup)
     seen = []
     for figure in figures:
         optimizer.step()
@@ -65,6 +70,28 @@ def plateau_lrs(figures: list[float | None], monitor: str = "val_loss", warmup: 
         scheduler.validated(figure)
         seen.append(optimizer.param_groups[0]["lr"])
     return seen
+
+
+def test_a_resumed_plateau_applies_its_reductions_to_a_changed_lr_and_a_new_monitor_starts_afresh():
+    optimizer, scheduler = plateau(warmup=0)
+    for figure in (1.0, 2.0, 2.0):  # one reduction: the lr halved
+        optimizer.step()
+        scheduler.step()
+        scheduler.validated(figure)
+    state = scheduler.state_dict()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.005)
+    assert state["reduced"] == [pytest.approx(0.5)]
+    optimizer, resumed = plateau(warmup=0, lr=0.02, done=3)  # trainer.lr changed at the resume
+    resumed.resume(state)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01)  # the new lr, halved
+    resumed.step()
+    resumed.validated(2.0)  # the count went on: one more without improving on 1.0 reduces
+    resumed.step()
+    resumed.validated(2.0)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.005)
+    optimizer, other = plateau("val_target_r2", warmup=0, done=3)
+    other.resume(state)  # watched val_loss: nothing of it applies to R^2
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01) and other.plateau.best == -math.inf
 
 
 def test_a_plateau_halves_the_lr_after_more_than_its_patience_of_validations_without_improving():

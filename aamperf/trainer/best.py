@@ -36,11 +36,10 @@ def monitor_problems(tc: DictConfig, target: str | None) -> list[str]:
     """What is wrong with the keys that watch a validation figure, early stopping's and the plateau
     schedule's (each naming its override); `target`: data.target."""
     problems = []
-    if tc.lr_schedule == "plateau" and not (0 < tc.plateau_factor < 1 and tc.plateau_patience >= 0):
-        problems.append(
-            f"trainer.plateau_factor={tc.plateau_factor} must be between 0 and 1 (excluded) and "
-            f"trainer.plateau_patience={tc.plateau_patience} >= 0"
-        )
+    if tc.lr_schedule == "plateau" and not 0 < tc.plateau_factor < 1:
+        problems.append(f"trainer.plateau_factor={tc.plateau_factor} must be between 0 and 1 (excluded)")
+    if tc.lr_schedule == "plateau" and tc.plateau_patience < 0:
+        problems.append(f"trainer.plateau_patience={tc.plateau_patience} must be >= 0 (validations)")
     if tc.patience < 0:
         problems.append(f"trainer.patience={tc.patience} must be >= 0 (0: never stop early)")
     if not (tc.min_delta >= 0 and math.isfinite(tc.min_delta)):
@@ -97,6 +96,7 @@ class Best:
         self.value: float | None = None
         self.since = 0  # validations since the best that did not improve on it
         self.stopped_at: int | None = None
+        self.used = False  # model.pt was written from the best weights (a completed run's, run.py)
         self.val: dict[str, Any] = {}  # with keep_best: the best validation's figures and detail
         self.detail: dict[str, Any] = {}
         self.weights: dict[str, torch.Tensor] | None = None  # ... and its weights (first rank, CPU)
@@ -134,6 +134,12 @@ class Best:
             )  # fmt: skip
         return self.stopped_at == step
 
+    def resumed_at(self, step: int) -> None:
+        """A run resumed at `step` whose count already reaches its patience (the checkpoint of its stop, or
+        a patience lowered since) has stopped there: it trains no further step."""
+        if self.patience and self.since >= self.patience:
+            self.stopped_at = step
+
     def record(self) -> dict[str, Any] | None:
         """summary.json's `best`: which validation was the best, and whether it ended the run."""
         if not self.on:
@@ -145,7 +151,7 @@ class Best:
             "value": self.value,
             "stopped_early_at": self.stopped_at,
             "patience": self.patience,
-            "kept": self.keep,  # model.pt and `val` are this validation's
+            "kept": self.used,  # model.pt and `val` are this validation's
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -165,5 +171,6 @@ class Best:
         if state["monitor"] != self.monitor or (self.keep and state["step"] is not None and not state["val"]):
             return
         self.step, self.value, self.since = state["step"], state["value"], state["since"]
-        self.val, self.detail = state["val"], _portable(state["detail"], to_tensor=False)
-        self.weights = state["weights"]
+        if self.keep:  # else none of it is used: not held
+            self.val, self.detail = state["val"], _portable(state["detail"], to_tensor=False)
+            self.weights = state["weights"]

@@ -250,6 +250,7 @@ def fit(
         nonfinite=guards.nonfinite, interval=interval, result=result, best=best,
     )  # fmt: skip
     done = checkpoints.resume()
+    best.resumed_at(done)  # a checkpoint of an early stop: nothing left to train
     result.resumed_from, result.resume_changes = checkpoints.resumed_from, checkpoints.changes
     scheduler = checkpoints.kept["scheduler"] = build_scheduler(plan.optimizer, tc, done_steps=done)
     if isinstance(scheduler, OnPlateau):  # its reductions are not a replay of the steps: the checkpoint's
@@ -272,7 +273,7 @@ def fit(
     interrupts.in_loop, result.steps = True, done
     interrupts.sigint_keeps = bool(tc.checkpoint_every)  # SIGTERM always writes one (a preemption)
     try:
-        for step in range(done + 1, tc.max_steps + 1):
+        for step in range(done + 1, tc.max_steps + 1 if best.stopped_at is None else done + 1):
             val_due = step % tc.val_every == 0 or step == tc.max_steps
             log_due = step % cfg.metrics.log_every == 0 or val_due
             # the GPU's work done before a log line (host reads), a checkpoint or a profiled step

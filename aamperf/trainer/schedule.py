@@ -29,14 +29,16 @@ def check_schedule(tc: DictConfig) -> list[str]:
 
 class OnPlateau:
     """lr_schedule=plateau: a linear warm-up over `warmup_steps`, stepped with the optimizer, then torch's
-    ReduceLROnPlateau, stepped at each validation after it with `trainer.monitor`'s figure (`validated`):
-    the lr times `plateau_factor`, down to lr x `min_lr_ratio`, once more than `plateau_patience`
-    validations in a row did not improve it (torch's threshold: 1e-4 of the best, relative)."""
+    ReduceLROnPlateau, stepped at each validation after the warm-up with `trainer.monitor`'s figure
+    (`validated`): the lr times `plateau_factor`, down to lr x `min_lr_ratio`, once more than
+    `plateau_patience` validations in a row did not improve on the best by more than `trainer.min_delta`
+    (absolute, as early stopping counts: a relative threshold turns around for a negative R^2)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, tc: DictConfig):
         lrs = torch.optim.lr_scheduler
         self.optimizer, self.steps, self.warmup = optimizer, 0, min(tc.warmup_steps, tc.max_steps)
-        floor = [group["lr"] * tc.min_lr_ratio for group in optimizer.param_groups]  # before the warm-up's
+        self.monitor, self.base = tc.monitor, [group["lr"] for group in optimizer.param_groups]  # this run's
+        floor = [lr * tc.min_lr_ratio for lr in self.base]
         self.warm = (
             lrs.LinearLR(optimizer, start_factor=1.0 / self.warmup, end_factor=1.0, total_iters=self.warmup)
             if self.warmup
@@ -44,9 +46,13 @@ class OnPlateau:
         )
         mode = "max" if higher_is_better(tc.monitor) else "min"
         self.plateau = lrs.ReduceLROnPlateau(
-            optimizer, mode=mode, factor=tc.plateau_factor, patience=tc.plateau_patience, min_lr=floor
-        )
-        self.settings = {"factor": tc.plateau_factor, "patience": tc.plateau_patience, "min_lrs": floor}
+            optimizer, mode=mode, factor=tc.plateau_factor, patience=tc.plateau_patience, min_lr=floor,
+            threshold=tc.min_delta, threshold_mode="abs",
+        )  # fmt: skip
+        self.settings = {
+            "factor": tc.plateau_factor, "patience": tc.plateau_patience, "min_lrs": floor,
+            "threshold": tc.min_delta, "threshold_mode": "abs",
+        }  # fmt: skip
 
     def step(self) -> None:  # once per optimizer step: the warm-up's
         self.steps += 1
@@ -59,18 +65,27 @@ class OnPlateau:
             self.plateau.step(value)
 
     def state_dict(self) -> dict[str, Any]:
-        lrs = [group["lr"] for group in self.optimizer.param_groups]
-        return {"schedule": "plateau", "steps": self.steps, "plateau": self.plateau.state_dict(), "lrs": lrs}
+        # the reductions so far, as a share of the run's lr (1 during the warm-up: none yet)
+        groups = zip(self.optimizer.param_groups, self.base, strict=True)
+        reduced = [group["lr"] / lr if self.steps > self.warmup else 1.0 for group, lr in groups]
+        return {
+            "schedule": "plateau", "monitor": self.monitor, "steps": self.steps,
+            "plateau": self.plateau.state_dict(), "reduced": reduced,
+        }  # fmt: skip
 
     def resume(self, state: dict[str, Any] | None) -> None:
-        """Go on from a checkpoint's plateau (its reductions so far and its count of validations without
-        improving), with this run's factor, patience and floor; another schedule's state: start afresh."""
-        if not state or state.get("schedule") != "plateau":
+        """Go on from a checkpoint's plateau (its count of validations without improving, and its
+        reductions applied to this run's lr), with this run's factor, patience, threshold and floor. Start
+        afresh from another schedule's state, one that watched another figure, or within the warm-up."""
+        if not state or state.get("schedule") != "plateau" or state.get("monitor") != self.monitor:
+            return
+        if self.steps <= self.warmup:  # (the replay set the warm-up's lr)
             return
         self.plateau.load_state_dict({**state["plateau"], **self.settings})
-        if state["steps"] > self.warmup:  # past the warm-up (the replay set it up to there)
-            for group, lr in zip(self.optimizer.param_groups, state["lrs"], strict=True):
-                group["lr"] = lr
+        for group, lr, share, floor in zip(
+            self.optimizer.param_groups, self.base, state["reduced"], self.settings["min_lrs"], strict=True
+        ):
+            group["lr"] = max(lr * share, floor)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, tc: DictConfig, done_steps: int = 0):
