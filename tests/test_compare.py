@@ -516,6 +516,22 @@ def test_runs_timed_while_other_processes_used_their_cores_are_named(tmp_path):
     )
 
 
+def test_runs_that_stopped_early_are_named_with_their_steps(tmp_path):
+    from aamperf.report import to_markdown
+
+    best = {"monitor": "val_loss", "mode": "min", "step": 20, "value": 2.0, "stopped_early_at": 40}
+    for level, stopped in (("baseline", None), ("ultra", best)):
+        make_run(tmp_path, level, [f"optim={level}", "seed=0"], optim=level, seed=0, samples_per_s=10.0,
+                 val_loss=2.0, best=stopped)  # fmt: skip
+    result = compare(find_runs([tmp_path]))
+    stops = [r["stopped_early"] for r in result["rows"]]
+    assert stops == [None, "seed 0 at step 40 (best val_loss at step 20)"]
+    assert (
+        "Stopped early (trainer.patience), before trainer.max_steps: `optim=ultra`: seed 0 at step 40 (best "
+        "val_loss at step 20)." in to_markdown(result)
+    )
+
+
 def test_a_stop_signal_ends_the_report_in_one_line(sweep, monkeypatch, capsys):
     def interrupted_report(*args, **kwargs):  # a report long enough to be stopped (W&B's, a big sweep)
         os.kill(os.getpid(), signal.SIGINT)

@@ -93,6 +93,18 @@ def target_figures(group: Group) -> dict[str, Any]:
     return {"target_figure": None, "target_value": None, "rf_value": None}
 
 
+def early_stops(group: Group) -> dict[str, Any]:
+    """Where the runs stopped early (trainer.patience; summary.json `best`): each seed's step and its best
+    validation's, or None where none did."""
+    stops = [(run.seed, run.summary.get("best") or {}) for run in group.ok_runs]
+    each = [
+        f"seed {seed} at step {best['stopped_early_at']} (best {best['monitor']} at step {best['step']})"
+        for seed, best in stops
+        if best.get("stopped_early_at") is not None
+    ]
+    return {"stopped_early": "; ".join(each) or None}
+
+
 def compare(
     runs: list[Run],
     baseline: str = "optim=baseline",
@@ -175,6 +187,7 @@ def compare_group(
         **memory_figures(group, base),
         **quality_figures(group, base, quality, few),
         **target_figures(group),  # a fine-tuning run's: the model's beside a random forest's
+        **early_stops(group),
         **validity(group, pairs, beside),
     }
     row["verdict"], row["seeds_needed"] = verdict(row, group is base, speed, quality, tolerance, confidence)

@@ -90,6 +90,15 @@ def target_lines(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def early_stop_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Configurations whose runs stopped early (trainer.patience): their figures are of fewer steps."""
+    shown = [r for r in rows if r.get("stopped_early")]
+    if not shown:
+        return []
+    each = "; ".join(f"`{r['config']}`: {r['stopped_early']}" for r in shown)
+    return ["", f"Stopped early (trainer.patience), before trainer.max_steps: {each}."]
+
+
 def same_training_lines(found: list[dict[str, Any]]) -> list[str]:
     """Configurations that trained the same way as each other (the same phases applied after `auto`, the
     rest of the config equal): the difference between their rows is the machine's."""
@@ -169,6 +178,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += target_lines(result["rows"])
+    lines += early_stop_lines(result["rows"])
     lines += same_training_lines(result.get("same_trainings") or [])
     return "\n".join(lines) + "\n"
 
