@@ -25,11 +25,11 @@ HIGHER_IS_BETTER = ("_r2", "accuracy", "_f1", "_auc")  # a figure named so impro
 NOT_A_QUALITY = ("val_samples", "val_target_interval_coverage", "val_target_interval_nominal")
 
 
+NEEDS_TARGET = ("val_target", "val_accuracy", "val_macro_f1", "val_roc_auc")  # figures of data.target's
+
+
 def higher_is_better(figure: str) -> bool:
     return figure.endswith(HIGHER_IS_BETTER)
-
-
-TARGET_FIGURES = ("val_target", "val_accuracy", "val_macro_f1", "val_roc_auc")  # need data.target
 
 
 def monitor_problems(tc: DictConfig, target: str | None) -> list[str]:
@@ -50,7 +50,7 @@ def monitor_problems(tc: DictConfig, target: str | None) -> list[str]:
             "val_nucleotide, val_target, val_target_mae, val_target_rmse, val_target_r2, val_accuracy, "
             "val_macro_f1 or val_roc_auc"
         )
-    elif str(tc.monitor).startswith(TARGET_FIGURES) and not target:
+    elif str(tc.monitor).startswith(NEEDS_TARGET) and not target:
         problems.append(
             f"trainer.monitor={tc.monitor} is a figure of a target, and data.target is null: set "
             "data.target, or watch val_loss"
@@ -112,11 +112,11 @@ class Best:
             return True
         return (value - self.value if self.higher else self.value - value) > self.min_delta
 
-    def update(self, step: int, val: dict[str, Any], detail: dict[str, Any]) -> bool:
-        """After the validation of `step`: keep it where it is the best so far; True where the run
-        stops now (`patience` validations in a row without improving)."""
+    def update(self, step: int, val: dict[str, Any], detail: dict[str, Any]) -> None:
+        """After the validation of `step`: keep it where it is the best so far; `stopped_at` is `step`
+        where the run stops now (`patience` validations in a row without improving)."""
         if not self.on:
-            return False
+            return
         value = watched(val, self.monitor)
         if self.improves(value):
             self.step, self.value, self.since = step, value, 0
@@ -132,7 +132,6 @@ class Best:
                 "(trainer.patience=%d)",
                 step, self.monitor, self.step, self.value, self.since, self.patience,
             )  # fmt: skip
-        return self.stopped_at == step
 
     def resumed_at(self, step: int) -> None:
         """A run resumed at `step` whose count already reaches its patience (the checkpoint of its stop, or

@@ -27,6 +27,10 @@ def check_schedule(tc: DictConfig) -> list[str]:
     ]
 
 
+# what a resumed plateau takes from this run's config, not from the checkpoint (ReduceLROnPlateau's names)
+RUN_SETTINGS = ("factor", "patience", "min_lrs", "threshold", "threshold_mode")
+
+
 class OnPlateau:
     """lr_schedule=plateau: a linear warm-up over `warmup_steps`, stepped with the optimizer, then torch's
     ReduceLROnPlateau, stepped at each validation after the warm-up with `trainer.monitor`'s figure
@@ -49,10 +53,6 @@ class OnPlateau:
             optimizer, mode=mode, factor=tc.plateau_factor, patience=tc.plateau_patience, min_lr=floor,
             threshold=tc.min_delta, threshold_mode="abs",
         )  # fmt: skip
-        self.settings = {
-            "factor": tc.plateau_factor, "patience": tc.plateau_patience, "min_lrs": floor,
-            "threshold": tc.min_delta, "threshold_mode": "abs",
-        }  # fmt: skip
 
     def step(self) -> None:  # once per optimizer step: the warm-up's
         self.steps += 1
@@ -81,9 +81,10 @@ class OnPlateau:
             return
         if self.steps <= self.warmup:  # (the replay set the warm-up's lr)
             return
-        self.plateau.load_state_dict({**state["plateau"], **self.settings})
+        mine = {k: v for k, v in self.plateau.state_dict().items() if k in RUN_SETTINGS}
+        self.plateau.load_state_dict({**state["plateau"], **mine})
         for group, lr, share, floor in zip(
-            self.optimizer.param_groups, self.base, state["reduced"], self.settings["min_lrs"], strict=True
+            self.optimizer.param_groups, self.base, state["reduced"], self.plateau.min_lrs, strict=True
         ):
             group["lr"] = max(lr * share, floor)
 
