@@ -37,7 +37,9 @@ SdpaBackend = choices("SdpaBackend", "flash", "efficient", "cudnn", "math")
 DropoutImpl = choices("DropoutImpl", "standard", "fast")
 Checkpointing = choices("Checkpointing", "none", "full", "selective", "ops", "budget", "auto")
 OptimizerImpl = choices("OptimizerImpl", "for_loop", "foreach", "fused")
-LrSchedule = choices("LrSchedule", "warmup_cosine", "warmup_linear", "constant", "onecycle", "plateau")
+LrSchedule = choices(
+    "LrSchedule", "warmup_cosine", "warmup_linear", "constant", "onecycle", "plateau", "cosine_restarts"
+)
 Resume = choices("Resume", "disabled", "auto")
 Strategy = choices("Strategy", "none", "ddp", "fsdp")
 DistBackend = choices("DistBackend", "auto", "gloo", "nccl")
@@ -220,12 +222,19 @@ class TrainerConfig:
     weight_decay: float = 0.01
     lr_schedule: LrSchedule = LrSchedule.warmup_cosine  # torch's schedulers (aamperf/trainer/schedule.py)
     warmup_steps: int = 10  # linear warm-up (onecycle: its rise)
-    min_lr_ratio: float = 0.1  # warmup_cosine / warmup_linear decay to lr * min_lr_ratio at max_steps
+    # warmup_cosine / warmup_linear decay to lr * min_lr_ratio at max_steps (cosine_restarts: each cycle)
+    min_lr_ratio: float = 0.1
     # lr_schedule=plateau: after the warm-up, the lr times plateau_factor (down to lr * min_lr_ratio) once
     # more than plateau_patience validations in a row did not improve `monitor` (torch's
     # ReduceLROnPlateau; the original AAM's --scheduler plateau, --scheduler-factor, --scheduler-patience)
     plateau_factor: float = 0.3
     plateau_patience: int = 5
+    # lr_schedule=cosine_restarts: after the warm-up, cosine from the lr to lr * min_lr_ratio over
+    # restart_steps (null: a quarter of the steps after the warm-up), then again from the lr, each cycle
+    # restart_mult times as long (torch's CosineAnnealingWarmRestarts; the original AAM's
+    # --scheduler cosine_restarts, --scheduler-t0, --scheduler-t-mult)
+    restart_steps: int | None = None
+    restart_mult: int = 2
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     max_nonfinite: int = 10  # non-finite steps in a row (each skipped) before the run stops as aborted
     val_every: int = 50  # steps between validations (and one at the end)

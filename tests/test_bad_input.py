@@ -57,6 +57,14 @@ CONFIG_CASES = {
         ["trainer.lr_schedule=plateau", "trainer.plateau_factor=1"],
         "trainer.plateau_factor=1.0 must be between 0 and 1 (excluded)",
     ),
+    "a restart cycle of no steps": (
+        ["trainer.lr_schedule=cosine_restarts", "trainer.restart_steps=0"],
+        "trainer.restart_steps=0 must be >= 1 (the first cycle's steps), or null",
+    ),
+    "restart cycles that shrink": (
+        ["trainer.lr_schedule=cosine_restarts", "trainer.restart_mult=0"],
+        "trainer.restart_mult=0 must be an integer >= 1 (1: equal cycles)",
+    ),
     "a target's figure without a target": (
         ["trainer.monitor=val_target_r2", "data.target=null"],
         "set data.target, or watch val_loss",

@@ -13,11 +13,13 @@ from aamperf.run import train
 from aamperf.trainer import build_scheduler
 
 
-def lrs(schedule: str, steps: int = 20, warmup: int = 4, done: int = 0, taken: int | None = None):
+def lrs(schedule: str, steps: int = 20, warmup: int = 4, done: int = 0, taken: int | None = None, **keys):
     """The lr of each step from step `done` on (a resumed run's), for a schedule over `steps`."""
     tc = OmegaConf.create(
         {"lr_schedule": schedule, "warmup_steps": warmup, "max_steps": steps, "lr": 0.01, "min_lr_ratio": 0.1}
         | {"monitor": "val_loss", "plateau_factor": 0.5, "plateau_patience": 1, "min_delta": 0.0}
+        | {"restart_steps": None, "restart_mult": 2}
+        | keys
     )
     param = torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.AdamW([param], lr=tc.lr)
@@ -31,7 +33,7 @@ def lrs(schedule: str, steps: int = 20, warmup: int = 4, done: int = 0, taken: i
 
 
 def test_each_schedule_warms_up_then_decays_as_named():
-    cosine, linear, constant, onecycle, plateau = (lrs(s) for s in LrSchedule)
+    cosine, linear, constant, onecycle, plateau, _ = (lrs(s) for s in LrSchedule)
     assert plateau == pytest.approx(constant)  # no validation: nothing to reduce on (below)
     for path in (cosine, linear, constant):
         assert path[0] == pytest.approx(0.01 / 4) and path[4] == pytest.approx(0.01)  # warm-up to the lr
@@ -42,6 +44,28 @@ def test_each_schedule_warms_up_then_decays_as_named():
     # its rise over the warm-up: torch peaks at step pct_start x total_steps - 1
     assert max(onecycle) == pytest.approx(0.01) and onecycle.index(max(onecycle)) == 3
     assert onecycle[-1] < 1e-4
+
+
+def test_cosine_restarts_warms_up_then_restarts_each_longer_cycle_from_the_lr():
+    # no warm-up: the original AAM's --scheduler cosine_restarts (T_0 a quarter of the steps, T_mult 2)
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([param], lr=0.01)
+    torch_s = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(optimizer, T_0=10, T_mult=2, eta_min=0.001)
+    theirs = []
+    for _ in range(40):
+        theirs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        torch_s.step()
+    assert lrs("cosine_restarts", steps=40, warmup=0) == pytest.approx(theirs, rel=1e-12)
+    # a warm-up of 4, then cycles of 9 (a quarter of the 36 steps after it) and 18 steps
+    path = lrs("cosine_restarts", steps=40, warmup=4)
+    assert path[:5] == pytest.approx([0.0025, 0.004375, 0.00625, 0.008125, 0.01], rel=1e-9)
+    restarts = [s for s in range(5, 40) if path[s] > path[s - 1]]
+    assert restarts == [13, 31]
+    assert min(path[4:13]) == pytest.approx(0.001 + 0.009 * 0.5 * (1 + math.cos(math.pi * 8 / 9)))
+    # restart_steps and restart_mult set: equal cycles of 5 steps
+    equal = lrs("cosine_restarts", steps=20, warmup=0, restart_steps=5, restart_mult=1)
+    assert equal[:5] == pytest.approx(equal[5:10]) and equal[0] == pytest.approx(0.01)
 
 
 @pytest.mark.parametrize("schedule", LrSchedule)
@@ -123,7 +147,7 @@ def test_a_resumed_plateau_keeps_its_reductions_and_trains_as_the_whole_run(make
     assert [row["loss"] for row in resumed] == [row["loss"] for row in whole]
 
 
-@pytest.mark.parametrize("schedule", ["onecycle", "warmup_cosine"])
+@pytest.mark.parametrize("schedule", ["onecycle", "warmup_cosine", "cosine_restarts"])
 def test_each_logged_lr_is_the_one_its_step_used(make_cfg, tmp_path, schedule):
     """metrics.jsonl `lr` of step s: the lr the optimizer stepped with at step s (not step s + 1's)."""
     cfg = make_cfg(

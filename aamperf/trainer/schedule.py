@@ -14,8 +14,21 @@ from aamperf.trainer.best import higher_is_better
 def check_schedule(tc: DictConfig) -> list[str]:
     """The problem of a schedule torch's scheduler cannot run, found before the run starts: OneCycleLR
     divides by the steps of its rise (warmup_steps - 1, from its first step to its peak) and of its fall
-    (max_steps - warmup_steps), a ZeroDivisionError at the first step where either is 0."""
+    (max_steps - warmup_steps), a ZeroDivisionError at the first step where either is 0; the restarts'
+    cycle must be a step or more, each next one as long or longer."""
     warmup, steps = tc.warmup_steps, tc.max_steps
+    if tc.lr_schedule == "cosine_restarts":
+        problems = []
+        if tc.restart_steps is not None and tc.restart_steps < 1:
+            problems.append(
+                f"trainer.restart_steps={tc.restart_steps} must be >= 1 (the first cycle's steps), or null: "
+                "a quarter of the steps after the warm-up"
+            )
+        if tc.restart_mult < 1:
+            problems.append(
+                f"trainer.restart_mult={tc.restart_mult} must be an integer >= 1 (1: equal cycles)"
+            )
+        return problems
     if tc.lr_schedule != "onecycle" or warmup <= 0 or steps <= 0 or 2 <= warmup < steps:
         return []  # warmup 0: torch's 30% of max_steps; negative values and no steps: check_config's
     fix = "trainer.warmup_steps=0 (torch's 30%)"
@@ -93,15 +106,24 @@ def build_scheduler(optimizer: torch.optim.Optimizer, tc: DictConfig, done_steps
     """torch's schedulers for `trainer.lr_schedule`, stepped once per optimizer step over `max_steps`:
     a linear warm-up over `warmup_steps`, then cosine or linear decay to lr x `min_lr_ratio`, or the lr
     kept (constant); or OneCycleLR (its rise over `warmup_steps`, torch's 30% without one); or the
-    warm-up, then the lr reduced on a plateau of validations (`OnPlateau`: a resume also gives it the
-    checkpoint's state). A resumed run replays its `done_steps`: the lr values it had, or, where the
-    schedule's settings changed, this run's schedule at that step (a scheduler's own state would keep the
-    old settings)."""
+    warm-up, then cosine cycles, each restarting from the lr (`restart_steps` long, each next
+    `restart_mult` times as long); or the warm-up, then the lr reduced on a plateau of validations
+    (`OnPlateau`: a resume also gives it the checkpoint's state). A resumed run replays its
+    `done_steps`: the lr values it had, or, where the schedule's settings changed, this run's schedule at
+    that step (a scheduler's own state would keep the old settings)."""
     lrs = torch.optim.lr_scheduler
     warmup = min(tc.warmup_steps, tc.max_steps)
     rest = max(1, tc.max_steps - warmup)
     if tc.lr_schedule == "plateau":
         scheduler = OnPlateau(optimizer, tc)
+    elif tc.lr_schedule == "cosine_restarts":
+        cycle = tc.restart_steps if tc.restart_steps is not None else max(1, (tc.max_steps - warmup) // 4)
+        scheduler = lrs.CosineAnnealingWarmRestarts(
+            optimizer, T_0=cycle, T_mult=tc.restart_mult, eta_min=tc.lr * tc.min_lr_ratio
+        )
+        if warmup:
+            warm = lrs.LinearLR(optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup)
+            scheduler = lrs.SequentialLR(optimizer, [warm, scheduler], milestones=[warmup])
     elif tc.lr_schedule == "onecycle":
         rise = warmup / tc.max_steps if warmup else 0.3
         max_lr = [group["lr"] for group in optimizer.param_groups]
