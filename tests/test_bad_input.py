@@ -57,6 +57,10 @@ CONFIG_CASES = {
         ["trainer.lr_schedule=plateau", "trainer.plateau_factor=1"],
         "trainer.plateau_factor=1.0 must be between 0 and 1 (excluded)",
     ),
+    "an unknown mask strategy": (
+        ["loss.mask_strategy=block"],
+        "loss.mask_strategy=block must be one of random, span",
+    ),
     "a restart cycle of no steps": (
         ["trainer.lr_schedule=cosine_restarts", "trainer.restart_steps=0"],
         "trainer.restart_steps=0 must be >= 1 (the first cycle's steps), or null",

@@ -1,5 +1,6 @@
 """AAM training loss: UniFrac distance + masked-nucleotide + optional target, with a deterministic mask."""
 
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -24,8 +25,15 @@ def _hash32(x):
     return (x >> 16) ^ x
 
 
-def nucleotide_mask(tokens: Tensor, asv_ids: Tensor, step: int, seed: int, fraction: float) -> Tensor:
-    """Bool [B, S, L]: which real bases (A/C/G/T) to hide at this step.
+MASK_STRATEGIES = ("random", "span")
+SPAN_BASES = (3, 4, 5)  # a span's length, each as likely: the original AAM's --nuc-mask-strategy span
+
+
+def nucleotide_mask(
+    tokens: Tensor, asv_ids: Tensor, step: int, seed: int, fraction: float, strategy: str = "random"
+) -> Tensor:
+    """Bool [B, S, L]: which real bases (A/C/G/T) to hide at this step: each on its own (`random`), or
+    in spans of 3 to 5 bases in a row (`span`), `fraction` of them in expectation.
 
     Each position draws from a counter-based hash of (seed, step, global ASV id, base index),
     computed on the tokens' device: at a given step an ASV is masked the same way in every sample
@@ -37,9 +45,33 @@ def nucleotide_mask(tokens: Tensor, asv_ids: Tensor, step: int, seed: int, fract
     step_key = _hash32(_hash32(seed & _M32) ^ (step & _M32))  # a Python int
     asv_key = _hash32(_hash32(asv_ids.to(torch.int64) & _M32) ^ step_key).unsqueeze(-1)  # [B, S, 1]
     position = torch.arange(length, device=tokens.device, dtype=torch.int64)
-    draw = _hash32(asv_key ^ _hash32(position)) >> 8  # 24 uniform bits
-    hidden = draw < int(fraction * (1 << 24))
-    return hidden & real_bases(tokens)
+    draw = _hash32(asv_key ^ _hash32(position))
+    real = real_bases(tokens)
+    if strategy == "random":
+        return (draw >> 8 < int(fraction * (1 << 24))) & real  # 24 uniform bits
+    # a real base starts a span with the chance that covers `fraction` of the bases; its length from the
+    # draw's low 8 bits; a span hides the real bases it reaches (a sequence's end or padding cuts it short)
+    starts = (draw >> 8 < int(span_start_rate(fraction) * (1 << 24))) & real
+    bases = SPAN_BASES[0] + (((draw & 0xFF) * len(SPAN_BASES)) >> 8)
+    hidden = starts.clone()
+    for back in range(1, SPAN_BASES[-1]):
+        hidden[..., back:] |= (starts & (bases > back))[..., :-back]
+    return hidden & real
+
+
+@functools.cache
+def span_start_rate(fraction: float) -> float:
+    """The chance q that a base starts a span, so that `fraction` of a long sequence's bases are hidden: a
+    base is covered unless no span starts on it or on the bases before it that reach it,
+    1 - prod over d = 0..4 of (1 - q P(length > d)) = fraction (bisection; the left side grows with q)."""
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        q = (low + high) / 2
+        kept = 1.0
+        for back in range(SPAN_BASES[-1]):
+            kept *= 1 - q * sum(n > back for n in SPAN_BASES) / len(SPAN_BASES)
+        low, high = (q, high) if 1 - kept < fraction else (low, q)
+    return low
 
 
 WEIGHTS = ("unifrac_weight", "nucleotide_weight", "target_weight")
@@ -62,6 +94,10 @@ def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
         problems.append(
             f"{prefix}mask_fraction={fraction} must be a number between 0 and 1 (the share of real bases "
             "hidden and predicted)"
+        )
+    if args["mask_strategy"] not in MASK_STRATEGIES:
+        problems.append(
+            f"{prefix}mask_strategy={args['mask_strategy']} must be one of {', '.join(MASK_STRATEGIES)}"
         )
     return problems
 
@@ -115,6 +151,7 @@ class AAMLoss(nn.Module):
         nucleotide_weight: float = 1.0,
         target_weight: float = 1.0,
         mask_fraction: float = 0.15,
+        mask_strategy: str = "random",
         seed: int = 0,
         target_loss: str = "mse",
         quantiles: Sequence[float] = (0.1, 0.5, 0.9),
@@ -126,7 +163,7 @@ class AAMLoss(nn.Module):
             raise ValueError("; ".join(problems))
         super().__init__()
         self.weights = {"unifrac": unifrac_weight, "nucleotide": nucleotide_weight, "target": target_weight}
-        self.mask_fraction, self.seed = mask_fraction, seed
+        self.mask_fraction, self.mask_strategy, self.seed = mask_fraction, mask_strategy, seed
         self.target_loss, self.huber_delta = target_loss, huber_delta
         self.quantiles = [float(q) for q in quantiles]
         self.quantile_levels = torch.tensor(self.quantiles)  # pinball's, moved to the device once (on_device)
@@ -218,7 +255,9 @@ class AAMLoss(nn.Module):
         """Which bases of the batch this step hides (`nucleotide_mask`), or None where none are."""
         if not self.hides_bases:
             return None
-        return nucleotide_mask(batch["tokens"], batch["asv_ids"], step, self.seed, self.mask_fraction)
+        return nucleotide_mask(
+            batch["tokens"], batch["asv_ids"], step, self.seed, self.mask_fraction, self.mask_strategy
+        )
 
     def outputs(self, model: nn.Module, batch: dict, step: int) -> tuple[dict[str, Tensor], Tensor | None]:
         """(the model's outputs on the batch with this step's bases hidden, which bases are hidden or None).

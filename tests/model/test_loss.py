@@ -9,6 +9,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from aamperf.model import AAMLoss, nucleotide_mask
+from aamperf.model.loss import MASK_STRATEGIES
 
 CONF = Path(__file__).parents[2] / "conf"
 
@@ -30,32 +31,60 @@ def asv_ids(tokens: torch.Tensor, first: int) -> torch.Tensor:
     return ids
 
 
-def test_mask_of_an_asv_depends_only_on_seed_step_and_asv_id():
+@pytest.mark.parametrize("strategy", MASK_STRATEGIES)
+def test_mask_of_an_asv_depends_only_on_seed_step_and_asv_id(strategy):
     a = random_tokens(3, 8, seed=0)
     b = random_tokens(4, 16, seed=1)
     ids_a, ids_b = asv_ids(a, 100), asv_ids(b, 200)
     # ASV 7: slot (0, 2) and (2, 5) of batch a, slot (3, 9) of batch b (another batch, more padding)
     a[2, 5], b[3, 9] = a[0, 2], a[0, 2]
     ids_a[0, 2] = ids_a[2, 5] = ids_b[3, 9] = 7
-    mask_a = nucleotide_mask(a, ids_a, step=3, seed=0, fraction=0.15)
-    mask_b = nucleotide_mask(b, ids_b, step=3, seed=0, fraction=0.15)
+    mask_a = nucleotide_mask(a, ids_a, step=3, seed=0, fraction=0.15, strategy=strategy)
+    mask_b = nucleotide_mask(b, ids_b, step=3, seed=0, fraction=0.15, strategy=strategy)
     assert mask_a[0, 2].sum() > 5  # ~0.15 * 139 bases
     assert torch.equal(mask_a[2, 5], mask_a[0, 2]) and torch.equal(mask_b[3, 9], mask_a[0, 2])
     assert not torch.equal(mask_a[0, 3], mask_a[0, 2])  # another ASV, another draw
     assert not mask_b[:, -1].any()  # padding slots
     # another step, seed or ASV id draws another mask
-    assert not torch.equal(nucleotide_mask(a, ids_a, 4, 0, 0.15)[0, 2], mask_a[0, 2])
-    assert not torch.equal(nucleotide_mask(a, ids_a, 3, 1, 0.15)[0, 2], mask_a[0, 2])
-    assert not torch.equal(nucleotide_mask(a, ids_a + 1, 3, 0, 0.15)[0, 2], mask_a[0, 2])
+    assert not torch.equal(nucleotide_mask(a, ids_a, 4, 0, 0.15, strategy)[0, 2], mask_a[0, 2])
+    assert not torch.equal(nucleotide_mask(a, ids_a, 3, 1, 0.15, strategy)[0, 2], mask_a[0, 2])
+    assert not torch.equal(nucleotide_mask(a, ids_a + 1, 3, 0, 0.15, strategy)[0, 2], mask_a[0, 2])
 
 
-def test_mask_hides_the_fraction_of_real_bases_and_nothing_else():
+@pytest.mark.parametrize("strategy", MASK_STRATEGIES)
+def test_mask_hides_the_fraction_of_real_bases_and_nothing_else(strategy):
     tokens = random_tokens(8, 32, seed=2)
-    mask = nucleotide_mask(tokens, asv_ids(tokens, 0), step=0, seed=0, fraction=0.15)
+    mask = nucleotide_mask(tokens, asv_ids(tokens, 0), step=0, seed=0, fraction=0.15, strategy=strategy)
     real_bases = (tokens >= 1) & (tokens <= 4)
     assert not (mask & ~real_bases).any()  # never START, never padding
-    assert abs(mask.sum() / real_bases.sum() - 0.15) < 0.01  # 34k bases: sd of the fraction ~0.002
-    assert nucleotide_mask(tokens, asv_ids(tokens, 0), 0, 0, 0.0).sum() == 0
+    # 34k bases: sd of the fraction ~0.002 each on its own, ~0.005 in spans (a few bases cut by the ends)
+    assert abs(mask.sum() / real_bases.sum() - 0.15) < 0.015
+    assert nucleotide_mask(tokens, asv_ids(tokens, 0), 0, 0, 0.0, strategy).sum() == 0
+
+
+def hidden_runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, length) of each run of hidden positions in every row of a bool [..., L] mask."""
+    runs = []
+    for row in mask.reshape(-1, mask.size(-1)).tolist():
+        start = None
+        for i, hidden in enumerate([*row, False]):
+            if hidden and start is None:
+                start = i
+            elif not hidden and start is not None:
+                runs.append((start, i - start))
+                start = None
+    return runs
+
+
+def test_span_masking_hides_runs_of_three_bases_or_more_and_random_masking_does_not():
+    tokens = random_tokens(4, 32, seed=3)  # bases at positions 1 to 139, padding from 140
+    ids = asv_ids(tokens, 0)
+    spans = hidden_runs(nucleotide_mask(tokens, ids, 0, 0, 0.15, "span"))
+    inside = [length for start, length in spans if start + length < 140]  # not cut by the padding
+    assert len(inside) > 500 and min(inside) >= 3
+    assert sum(length <= 5 for length in inside) / len(inside) > 0.8  # most alone, some run together
+    singles = hidden_runs(nucleotide_mask(tokens, ids, 0, 0, 0.15, "random"))
+    assert sum(length == 1 for _, length in singles) / len(singles) > 0.7  # 0.85 ** 2 of them
 
 
 class Stub(torch.nn.Module):
@@ -136,4 +165,8 @@ def test_loss_config_instantiates_with_the_run_seed():
     cfg = OmegaConf.merge({"seed": 4}, {"loss": OmegaConf.load(CONF / "loss" / "aam.yaml")})
     loss = instantiate(cfg.loss)
     assert isinstance(loss, AAMLoss)
-    assert (loss.seed, loss.mask_fraction) == (4, 0.15)
+    assert (loss.seed, loss.mask_fraction, loss.mask_strategy) == (4, 0.15, "random")
+    span = instantiate(OmegaConf.merge(cfg.loss, {"mask_strategy": "span"}))
+    batch = stub_batch()
+    hidden = span.hidden_bases(batch, step=5)
+    assert torch.equal(hidden, nucleotide_mask(batch["tokens"], batch["asv_ids"], 5, 4, 0.15, "span"))
