@@ -47,7 +47,9 @@ CommHook = choices("CommHook", "none", "fp16", "bf16")
 LoggerBackend = choices("LoggerBackend", "none", "wandb", "tensorboard")
 WandbMode = choices("WandbMode", "auto", "online", "offline", "disabled")
 TargetType = choices("TargetType", "auto", "regression", "classification")
-TargetTransform = choices("TargetTransform", "none", "zscore", "minmax", "log_zscore")
+TargetTransform = choices(
+    "TargetTransform", "none", "zscore", "minmax", "log_zscore", "log1p_zscore", "log1p_minmax"
+)
 Freeze = choices("Freeze", "none", "encoder", "asv_encoder")
 
 

@@ -13,19 +13,22 @@ from torch import Tensor
 
 from aamperf.errors import UserError
 
-TRANSFORMS = ("none", "zscore", "minmax", "log_zscore")
+TRANSFORMS = ("none", "zscore", "minmax", "log_zscore", "log1p_zscore", "log1p_minmax")
 KINDS = ("auto", "regression", "classification")
 
 
 @dataclass
 class TargetSpec:
-    """model units = (g(y) - shift) / scale, with g = log for log_* transforms, else the identity: every
-    transform is affine in y or in log y, so one inverse serves all. Classification: the target is the
+    """model units = (g(y) - shift) / scale, with g = log for log_* transforms, log(1 + y) for log1p_*
+    (the original AAM's log-zscore and log-minmax), else the identity: every transform is affine in y or
+    in g(y), so one inverse serves all. Classification: the target is the
     class index into `classes`."""
 
     column: str
     kind: str = "regression"  # regression | classification
-    transform: str = "zscore"  # of a regression: none | zscore | minmax | log_zscore
+    transform: str = (
+        "zscore"  # of a regression: none | zscore | minmax | log_zscore | log1p_zscore | log1p_minmax
+    )
     shift: float = 0.0
     scale: float = 1.0
     classes: list[str] = field(default_factory=list)  # of a classification, sorted
@@ -39,17 +42,25 @@ class TargetSpec:
         """Own units -> the units the model predicts (a regression's; class indices are left as they are)."""
         if self.is_classification:
             return y
-        y = y.log() if self.transform.startswith("log_") else y
-        return (y - self.shift) / self.scale
+        return (self.g(y) - self.shift) / self.scale
+
+    def g(self, y: Tensor) -> Tensor:
+        """The target's values before the affine part: log y, log(1 + y) or y itself."""
+        if self.transform.startswith("log1p_"):
+            return y.log1p()
+        return y.log() if self.transform.startswith("log_") else y
 
     def inverse(self, t: Tensor) -> Tensor:
         """The model's units -> the target's own units."""
         y = t * self.scale + self.shift
+        if self.transform.startswith("log1p_"):
+            return y.expm1()
         return y.exp() if self.transform.startswith("log_") else y
 
     def payload(self) -> dict[str, Any]:
         """What is saved with the model and in summary.json's `target`. `mean` / `std`: the affine part
-        (shift, scale) under the names readers of the zscore-only payload know; with log_zscore, of log y."""
+        (shift, scale) under the names readers of the zscore-only payload know; with log_zscore, of log y
+        (log1p_*: of log(1 + y))."""
         out: dict[str, Any] = {"column": self.column, "type": self.kind}
         if self.is_classification:
             return {**out, "classes": self.classes, "train_class_counts": self.class_counts}
@@ -59,23 +70,27 @@ class TargetSpec:
 
 def fit_regression(column: str, values: Tensor, train: Tensor, transform: str) -> TargetSpec:
     """The transform `transform` fitted on the training samples' values `values[train]`; a log transform
-    refuses any value <= 0 (of every sample: each is transformed). A constant target is only centred."""
+    refuses any value <= 0, a log1p one any value <= -1 (of every sample: each is transformed). A constant
+    target is only centred."""
     if transform not in TRANSFORMS:
         raise UserError(f"data.target_transform={transform} is not one of {', '.join(TRANSFORMS)}")
     values = values.double()
-    if transform.startswith("log_"):
-        low = float(values.min())
-        if low <= 0:
+    spec = TargetSpec(column, "regression", transform)
+    if transform.startswith("log"):
+        low, bound = float(values.min()), (-1 if transform.startswith("log1p_") else 0)
+        if low <= bound:
+            other = ", log1p_zscore" if low > -1 else ""  # log(1 + y) takes 0 and values above -1
             raise UserError(
-                f"data.target_transform={transform}: column {column!r} holds values <= 0 (lowest {low:g}), "
-                "whose log is undefined; set data.target_transform=zscore (or minmax, none)"
+                f"data.target_transform={transform}: column {column!r} holds values <= {bound} (lowest "
+                f"{low:g}), whose {'log' if bound == 0 else 'log of 1 + y'} is undefined; set "
+                f"data.target_transform=zscore (or minmax, none{other})"
             )
-        values = values.log()
+        values = spec.g(values)
     fitted = values[train]
     shift, scale = 0.0, 1.0
     if transform.endswith("zscore"):
         shift, scale = float(fitted.mean()), float(fitted.std())  # unbiased: as the original zscore
-    elif transform == "minmax":
+    elif transform.endswith("minmax"):
         shift, scale = float(fitted.min()), float(fitted.max() - fitted.min())
     if not scale > 0 or not math.isfinite(scale):
         scale = 1.0

@@ -55,12 +55,13 @@ def sklearn_regression(observed, predicted) -> dict:
     }
 
 
-@pytest.mark.parametrize("transform", ["log_zscore", "minmax"])
+@pytest.mark.parametrize("transform", ["log_zscore", "minmax", "log1p_minmax"])
 def test_a_regression_is_predicted_in_the_target_s_own_units_through_its_saved_transform(
     make_cfg, tmp_path, transform
 ):
-    """The simulated target made positive (data=biom on the simulated files), learnt as log y z-scored or
-    min-max scaled: targets.tsv holds the model's output with the transform inverted by hand."""
+    """The simulated target made positive (data=biom on the simulated files), learnt as log y z-scored,
+    min-max scaled, or log(1 + y) min-max scaled: targets.tsv holds the model's output with the transform
+    inverted by hand."""
     files = resolve_files(make_cfg().data)
     metadata = pd.read_csv(files["metadata"], sep="\t", index_col=0)
     metadata["target"] = np.exp(metadata["target"]) * 100
@@ -72,7 +73,7 @@ def test_a_regression_is_predicted_in_the_target_s_own_units_through_its_saved_t
     ids, outputs, payload = model_outputs(tmp_path / "run")
     saved = payload["target"]
     linear = outputs.squeeze(1) * saved["scale"] + saved["shift"]
-    own = linear.exp() if transform == "log_zscore" else linear
+    own = {"log_zscore": linear.exp(), "log1p_minmax": linear.expm1()}.get(transform, linear)
     assert list(table.index) == ids and list(table.columns) == ["predicted", "observed"]
     np.testing.assert_allclose(table["predicted"], own.numpy(), rtol=1e-5)
     np.testing.assert_allclose(table["observed"], metadata.loc[ids, "target"], rtol=1e-5)

@@ -109,7 +109,7 @@ def test_a_transform_is_fitted_on_the_training_samples_and_inverted_exactly(tran
     if transform.endswith("zscore"):
         assert float(fitted.mean()) == pytest.approx(0, abs=1e-12)
         assert float(fitted.std()) == pytest.approx(1)
-    elif transform == "minmax":
+    elif transform.endswith("minmax"):
         assert (float(fitted.min()), float(fitted.max())) == pytest.approx((0, 1))
     else:
         torch.testing.assert_close(fitted, values[train])
@@ -118,6 +118,26 @@ def test_a_transform_is_fitted_on_the_training_samples_and_inverted_exactly(tran
 def test_a_log_transform_of_a_target_with_values_at_or_below_zero_is_refused():
     with pytest.raises(UserError, match=r"^data\.target_transform=log_zscore: column 'y' holds values <= 0 "):
         fit_regression("y", torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0, 2]), "log_zscore")
+    with pytest.raises(
+        UserError, match=r"holds values <= -1 \(lowest -2\), whose log of 1 \+ y is undefined"
+    ):
+        fit_regression("y", torch.tensor([1.0, -2.0, 2.0]), torch.tensor([0, 2]), "log1p_zscore")
+
+
+def test_the_log1p_transforms_are_the_original_aam_s_log_zscore_and_log_minmax():
+    """The original's --target-transform log-zscore / log-minmax: log(y + 1), then z-scored (its std
+    unbiased) or min-max scaled on the training samples; a target of 0 is taken."""
+    values = torch.tensor([0.0, 3.0, 50.0, 7.5, 0.2], dtype=torch.float64)
+    train = torch.tensor([0, 1, 3, 4])
+    logged = np.log(values.numpy() + 1)
+    theirs = {
+        "log1p_zscore": (logged - logged[[0, 1, 3, 4]].mean()) / logged[[0, 1, 3, 4]].std(ddof=1),
+        "log1p_minmax": (logged - logged[[0, 1, 3, 4]].min()) / np.ptp(logged[[0, 1, 3, 4]]),
+    }
+    for transform, expected in theirs.items():
+        spec = fit_regression("y", values, train, transform)
+        np.testing.assert_allclose(spec.forward(values).numpy(), expected, rtol=1e-12)
+        torch.testing.assert_close(spec.inverse(spec.forward(values)), values)
 
 
 def sklearn_regression(observed, predicted) -> dict[str, float]:
