@@ -61,6 +61,10 @@ CONFIG_CASES = {
         ["loss.mask_strategy=block"],
         "loss.mask_strategy=block must be one of random, span",
     ),
+    "a negative asymmetric weight": (
+        ["loss.target_loss=asymmetric", "loss.under_weight=-1"],
+        "loss.under_weight=-1 must be a number >= 0",
+    ),
     "a restart cycle of no steps": (
         ["trainer.lr_schedule=cosine_restarts", "trainer.restart_steps=0"],
         "trainer.restart_steps=0 must be >= 1 (the first cycle's steps), or null",

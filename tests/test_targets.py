@@ -57,9 +57,12 @@ def predicted_again(make_cfg, overrides: list[str], run_dir) -> tuple[torch.Tens
     return torch.cat(outputs), torch.cat(observed), loss_fn
 
 
-@pytest.mark.parametrize("loss", ["mse", "huber", "mae", "quantile"])
+@pytest.mark.parametrize("loss", ["mse", "huber", "mae", "quantile", "asymmetric"])
 def test_each_regression_loss_is_torch_s_formula_on_a_batch_and_micro_batches_share_it(make_cfg, loss):
-    data, model, loss_fn, batch = target_setup(make_cfg, f"loss.target_loss={loss}", "model.dropout=0")
+    weights = ["loss.over_weight=3", "loss.under_weight=0.5"]  # asymmetric's; the others do not read them
+    data, model, loss_fn, batch = target_setup(
+        make_cfg, f"loss.target_loss={loss}", "model.dropout=0", *weights
+    )
     _, parts = loss_fn(model, batch, STEP)
     out, _ = loss_fn.outputs(model, batch, STEP)
     predicted = out["target"]
@@ -70,6 +73,10 @@ def test_each_regression_loss_is_torch_s_formula_on_a_batch_and_micro_batches_sh
         "huber": lambda: F.huber_loss(predicted, standard, delta=1.0),
         "mae": lambda: F.l1_loss(predicted, standard),
         "quantile": lambda: pinball(predicted, standard, [0.1, 0.5, 0.9]).mean(),
+        # the original AAM's compute_asymmetric_loss with over_penalty 3, under_penalty 0.5
+        "asymmetric": lambda: (
+            3 * (predicted - standard).clamp(min=0) + 0.5 * (standard - predicted).clamp(min=0)
+        ).mean(),
     }[loss]()
     torch.testing.assert_close(parts["target"], want)
     # gradient caching: the micro-batches' shares of the target part add up to the whole batch's
@@ -151,7 +158,14 @@ def sklearn_regression(observed, predicted) -> dict[str, float]:
 
 
 @pytest.mark.parametrize(
-    ("loss", "transform"), [("mse", "zscore"), ("huber", "minmax"), ("mae", "none"), ("quantile", "zscore")]
+    ("loss", "transform"),
+    [
+        ("mse", "zscore"),
+        ("huber", "minmax"),
+        ("mae", "none"),
+        ("quantile", "zscore"),
+        ("asymmetric", "zscore"),
+    ],
 )
 def test_a_regression_trains_and_reports_sklearn_s_figures_in_the_target_s_own_units(
     make_cfg, tmp_path, loss, transform

@@ -75,7 +75,13 @@ def span_start_rate(fraction: float) -> float:
 
 
 WEIGHTS = ("unifrac_weight", "nucleotide_weight", "target_weight")
-TARGET_LOSSES = ("mse", "huber", "mae", "quantile")  # of a regression; a classification's is cross-entropy
+TARGET_LOSSES = (
+    "mse",
+    "huber",
+    "mae",
+    "quantile",
+    "asymmetric",
+)  # a regression's; a classification: cross-entropy
 
 
 def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
@@ -121,6 +127,11 @@ def target_argument_problems(args: dict[str, Any], prefix: str) -> list[str]:
             )
     if not is_number(args["huber_delta"]) or args["huber_delta"] <= 0:
         problems.append(f"{prefix}huber_delta={args['huber_delta']} must be a number > 0")
+    for name in ("over_weight", "under_weight"):
+        if not is_number(args[name]) or args[name] < 0:
+            problems.append(
+                f"{prefix}{name}={args[name]} must be a number >= 0 (asymmetric: the error's weight)"
+            )
     return problems
 
 
@@ -157,6 +168,8 @@ class AAMLoss(nn.Module):
         quantiles: Sequence[float] = (0.1, 0.5, 0.9),
         class_weights: str | Sequence[float] | None = None,
         huber_delta: float = 1.0,
+        over_weight: float = 1.0,
+        under_weight: float = 1.0,
     ):
         problems = argument_problems({k: v for k, v in locals().items() if k not in ("self", "__class__")})
         if problems:
@@ -165,6 +178,7 @@ class AAMLoss(nn.Module):
         self.weights = {"unifrac": unifrac_weight, "nucleotide": nucleotide_weight, "target": target_weight}
         self.mask_fraction, self.mask_strategy, self.seed = mask_fraction, mask_strategy, seed
         self.target_loss, self.huber_delta = target_loss, huber_delta
+        self.over_weight, self.under_weight = over_weight, under_weight
         self.quantiles = [float(q) for q in quantiles]
         self.quantile_levels = torch.tensor(self.quantiles)  # pinball's, moved to the device once (on_device)
         self.class_weights_option = class_weights
@@ -237,6 +251,9 @@ class AAMLoss(nn.Module):
             summed = F.huber_loss(predicted, standard, delta=self.huber_delta, reduction="sum")
         elif self.target_loss == "mae":
             summed = F.l1_loss(predicted, standard, reduction="sum")
+        elif self.target_loss == "asymmetric":  # an absolute error, weighed by its sign
+            error = predicted - standard
+            summed = (self.over_weight * error.clamp(min=0) - self.under_weight * error.clamp(max=0)).sum()
         else:
             summed = F.mse_loss(predicted, standard, reduction="sum")
         own = self.target.inverse(self.point(predicted.detach()))  # the target's own units

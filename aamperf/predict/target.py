@@ -25,7 +25,7 @@ class SavedTarget:
     which quantile each output column is."""
 
     spec: TargetSpec
-    loss: str | None = None  # a regression's: mse | huber | mae | quantile (None: a file that does not say)
+    loss: str | None = None  # a regression's: one of TARGET_LOSSES (None: a file that does not say)
     quantiles: list[float] = field(default_factory=list)  # loss=quantile: one per output column
 
     @property
