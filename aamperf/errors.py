@@ -178,6 +178,16 @@ RENAMED_KEYS = {
 }
 
 
+# the original AAM's names for a setting aamperf calls otherwise (docs/from-the-original.md)
+ORIGINAL_NAMES = {
+    ("trainer.lr_schedule", "cosine"): (
+        "trainer.lr_schedule=warmup_cosine trainer.warmup_steps=0 trainer.min_lr_ratio=0"
+    ),
+    ("data.target_transform", "log-zscore"): "data.target_transform=log1p_zscore",
+    ("data.target_transform", "log-minmax"): "data.target_transform=log1p_minmax",
+}
+
+
 def no_such_option(group: str, option: str, options: list[str]) -> str:
     if (group, option) in RENAMED_OPTIONS:
         return f"{group}={option} is now {group}={RENAMED_OPTIONS[group, option]} (the same setting, renamed)"
@@ -261,6 +271,8 @@ def choice_type(full_key: str) -> type[Enum] | None:
 def not_a_choice(full_key: str, value: object, choice: type[Enum]) -> str:
     """`compile.mode=fastest` -> its choices, and the options of conf/compile/ that set compile.mode."""
     key = full_key.partition("[")[0]
+    if (key, str(value)) in ORIGINAL_NAMES:
+        return f"{key}={value} is the original AAM's name; here it is {ORIGINAL_NAMES[key, str(value)]}"
     group, _, inner = key.partition(".")
     options = [
         p.stem

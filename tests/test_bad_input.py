@@ -65,6 +65,16 @@ CONFIG_CASES = {
         ["loss.target_loss=asymmetric", "loss.under_weight=-1"],
         "loss.under_weight=-1 must be a number >= 0",
     ),
+    "the original's name of a schedule": (
+        ["trainer.lr_schedule=cosine"],
+        "trainer.lr_schedule=cosine is the original AAM's name; here it is trainer.lr_schedule=warmup_cosine "
+        "trainer.warmup_steps=0 trainer.min_lr_ratio=0",
+    ),
+    "the original's name of a transform": (
+        ["data.target_transform=log-zscore"],
+        "data.target_transform=log-zscore is the original AAM's name; here it is "
+        "data.target_transform=log1p_zscore",
+    ),
     "a restart cycle of no steps": (
         ["trainer.lr_schedule=cosine_restarts", "trainer.restart_steps=0"],
         "trainer.restart_steps=0 must be >= 1 (the first cycle's steps), or null",

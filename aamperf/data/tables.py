@@ -276,8 +276,9 @@ def read_unifrac(path: Path) -> tuple[np.ndarray, list[str]]:
     """A precomputed distance matrix and its sample ids, by file type.
 
     .npy: the matrix, with the ids one per line in `<name>.ids.txt` (or `<name>.npy.ids.txt`) beside it;
-    .h5/.hdf5: datasets `matrix` and `ids`; .csv/.tsv: square, sample ids as header row and first column
-    (the layout of scikit-bio's DistanceMatrix.write and of QIIME 2's exported distance-matrix.tsv).
+    .h5/.hdf5: datasets `matrix` and `ids`, or `matrix` and `order` (the unifrac package's `ssu -o
+    <file> --format hdf5`); .csv/.tsv: square, sample ids as header row and first column (the layout of
+    scikit-bio's DistanceMatrix.write and of QIIME 2's exported distance-matrix.tsv).
     """
     suffix, ids_file = path.suffix.lower(), unifrac_ids_file(path)
     try:
@@ -286,8 +287,14 @@ def read_unifrac(path: Path) -> tuple[np.ndarray, list[str]]:
             ids = [line.strip() for line in ids_file.read_text().splitlines() if line.strip()]
         elif suffix in (".h5", ".hdf5"):
             with h5py.File(path, "r") as f:
+                named = [key for key in ("ids", "order") if key in f]
+                if "matrix" not in f or not named:
+                    raise UserError(
+                        f"data.unifrac: {path} holds datasets {', '.join(sorted(f)) or 'none'}; an HDF5 "
+                        "matrix needs `matrix` and its sample ids in `ids` (or `order`, as ssu writes them)"
+                    )
                 matrix = f["matrix"][()]
-                ids = decoded(f["ids"][()])
+                ids = decoded(f[named[0]][()])
         else:  # .csv, .tsv, .txt
             frame = pd.read_csv(path, sep="," if suffix == ".csv" else "\t", index_col=0, dtype={0: str})
             if list(frame.columns.astype(str)) != list(frame.index.astype(str)):

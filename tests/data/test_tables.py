@@ -99,7 +99,7 @@ def test_target_column_is_read_as_numbers(tmp_path):
         read_target(path, "site")
 
 
-@pytest.mark.parametrize("layout", ["npy", "npy.ids", "h5", "csv", "tsv"])
+@pytest.mark.parametrize("layout", ["npy", "npy.ids", "h5", "ssu.h5", "csv", "tsv"])
 def test_precomputed_unifrac_formats(tmp_path, layout):
     if layout.startswith("npy"):
         path = tmp_path / "dist.npy"
@@ -110,6 +110,11 @@ def test_precomputed_unifrac_formats(tmp_path, layout):
         path = tmp_path / "dist.h5"
         with h5py.File(path, "w") as f:
             f["matrix"], f["ids"] = MATRIX, np.array(IDS, dtype="S")
+    elif layout == "ssu.h5":  # the unifrac package's ssu: variable-length string ids in `order`, fp32
+        path = tmp_path / "dist.h5"
+        with h5py.File(path, "w") as f:
+            f["matrix"] = MATRIX.astype(np.float32)
+            f.create_dataset("order", data=IDS, dtype=h5py.string_dtype())
     else:
         sep = "," if layout == "csv" else "\t"
         path = tmp_path / f"dist.{layout}"
@@ -119,10 +124,16 @@ def test_precomputed_unifrac_formats(tmp_path, layout):
         path.write_text("\n".join(lines) + "\n")
     matrix, ids = read_unifrac(path)
     assert ids == IDS
-    np.testing.assert_array_equal(matrix, MATRIX)
+    np.testing.assert_allclose(matrix, MATRIX, rtol=1e-7 if layout == "ssu.h5" else 0)
 
 
 def test_precomputed_unifrac_errors(tmp_path):
+    with h5py.File(tmp_path / "dist.h5", "w") as f:  # the original AAM's own layout: no sample ids
+        f["distances"] = MATRIX
+    with pytest.raises(
+        UserError, match=r"^data\.unifrac: .* holds datasets distances; .* `ids` \(or `order`"
+    ):
+        read_unifrac(tmp_path / "dist.h5")
     np.save(tmp_path / "dist.npy", MATRIX)
     with pytest.raises(UserError, match=r"^data\.unifrac: .* dist\.ids\.txt or dist\.npy\.ids\.txt"):
         read_unifrac(tmp_path / "dist.npy")
