@@ -77,7 +77,12 @@ def test_cached_embeddings_give_the_frozen_paths_losses_at_every_step(
     # the validation's target figures too: of the same samples, from the same predictions
     assert runs["auto"]["val"] == pytest.approx(runs["false"]["val"], rel=1e-5)
     ours, theirs = weights_of(tmp_path / "auto"), weights_of(tmp_path / "false")
-    assert all(torch.allclose(ours[n], theirs[n], rtol=1e-5, atol=1e-7) for n in ours)
+    # but a pooling's score bias: it shifts every score alike, which the softmax ignores, so its gradient is
+    # 0 up to rounding, and AdamW's m / sqrt(v) turns that rounding, another on each path, into steps (seen
+    # 4e-6 apart on an Intel Xeon with AMX); it stays within the steps' lr
+    noise = {n for n in ours if n.endswith("pool.score.bias")}
+    assert all(ours[n].abs().max() <= 5 * 3e-3 and theirs[n].abs().max() <= 5 * 3e-3 for n in noise)
+    assert all(torch.allclose(ours[n], theirs[n], rtol=1e-5, atol=1e-7) for n in set(ours) - noise)
 
 
 @pytest.mark.parametrize(
