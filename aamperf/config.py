@@ -28,6 +28,7 @@ def choices(name: str, *values: str) -> type[StrEnum]:
 
 DataSource = choices("DataSource", "simulated", "biom")
 UnifracMode = choices("UnifracMode", "batch", "precomputed")
+UnifracMetric = choices("UnifracMetric", "unweighted", "weighted_normalized")
 Dtype = choices("Dtype", "fp32", "bf16", "fp16", "auto")
 MatmulPrecision = choices("MatmulPrecision", "highest", "high", "medium")
 Residual = choices("Residual", "fp32", "autocast")
@@ -89,6 +90,9 @@ class DataConfig:
     # precomputed: the whole n x n matrix up front (data.unifrac's, or scikit-bio's from data.tree, cached);
     # null: batch with data.tree, precomputed with data.unifrac
     unifrac_mode: UnifracMode | None = None
+    # what UniFrac data.tree gives: unweighted (which branches two samples share), or weighted_normalized
+    # (their reads' share on each branch; scikit-bio's, computed up front: data.unifrac_mode=precomputed)
+    unifrac_metric: UnifracMetric = UnifracMetric.unweighted
     # pipeline
     rarefy_depth: int = 1000
     max_asvs: int = "${model.max_asvs}"  # type: ignore[assignment]  # keep the most abundant per sample

@@ -75,6 +75,10 @@ CONFIG_CASES = {
         "data.target_transform=log-zscore is the original AAM's name; here it is "
         "data.target_transform=log1p_zscore",
     ),
+    "a weighted metric per batch": (
+        ["data.unifrac_metric=weighted_normalized", "data.unifrac_mode=batch"],
+        "data.unifrac_metric=weighted_normalized is computed up front: set data.unifrac_mode=precomputed",
+    ),
     "a restart cycle of no steps": (
         ["trainer.lr_schedule=cosine_restarts", "trainer.restart_steps=0"],
         "trainer.restart_steps=0 must be >= 1 (the first cycle's steps), or null",

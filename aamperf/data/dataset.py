@@ -351,7 +351,7 @@ def build_data(
     elif mode == "precomputed":
         cache_dir = Path(cfg.cache_dir).expanduser()
         unifrac, cached, samples.missing_lengths = cached_unifrac(
-            rarefied_table(samples), files["tree"], cache_dir
+            rarefied_table(samples), files["tree"], cache_dir, str(cfg.unifrac_metric)
         )
     unifrac = None if unifrac is None else torch.from_numpy(unifrac).float()
 
@@ -420,10 +420,11 @@ def fit_target(cfg: DictConfig, metadata: Path, dataset: SampleDataset, train_id
 
 
 def unifrac_mode(cfg: DictConfig, files: dict) -> str:
-    """data.unifrac_mode, or what the files given imply: batch from a tree, precomputed from a matrix
-    (`batch` without a tree was refused up front: tables.check_data)."""
+    """data.unifrac_mode, or what the files given imply: batch from a tree (precomputed for a weighted
+    metric), precomputed from a matrix (`batch` without a tree was refused up front: tables.check_data)."""
     if cfg.unifrac_mode is None:
-        return "batch" if files["tree"] is not None else "precomputed"
+        batch = files["tree"] is not None and cfg.unifrac_metric == "unweighted"
+        return "batch" if batch else "precomputed"
     return str(cfg.unifrac_mode)
 
 

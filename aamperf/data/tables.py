@@ -37,6 +37,16 @@ def check_data(cfg: DictConfig) -> list[str]:
             problems.append(str(exc))
     if d.rarefy_depth < 1:
         problems.append(f"data.rarefy_depth={d.rarefy_depth} must be >= 1 (the reads kept per sample)")
+    if d.unifrac_metric != "unweighted" and d.unifrac_mode == "batch":
+        problems.append(
+            f"data.unifrac_metric={d.unifrac_metric} is computed up front: set data.unifrac_mode=precomputed "
+            "(or null; batch computes unweighted UniFrac only)"
+        )
+    if d.unifrac_metric != "unweighted" and d.get("unifrac") is not None:
+        problems.append(
+            f"data.unifrac_metric={d.unifrac_metric} is of UniFrac computed from data.tree; data.unifrac's "
+            "matrix is read as it is: leave data.unifrac_metric=unweighted"
+        )
     return problems + (check_simulated(cfg) if d.source == "simulated" else check_biom(d))
 
 

@@ -1,4 +1,5 @@
-"""Unweighted UniFrac between samples: computed with scikit-bio and cached on disk, or precomputed."""
+"""UniFrac between samples (unweighted, or weighted and normalized): computed with scikit-bio and cached on
+disk, or precomputed."""
 
 import hashlib
 import logging
@@ -19,12 +20,17 @@ if TYPE_CHECKING:  # scikit-bio costs ~2 s to import; a cache hit never needs it
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = 1  # part of the cache key: bump when the computation changes
-METRIC = "unweighted_unifrac"
+# data.unifrac_metric -> scikit-bio's metric and its arguments (the name is part of the cache key)
+METRICS = {
+    "unweighted": ("unweighted_unifrac", {}),
+    "weighted_normalized": ("weighted_unifrac", {"normalized": True}),
+}
 
 
-def cache_key(table: biom.Table, tree_text: bytes) -> str:
+def cache_key(table: biom.Table, tree_text: bytes, metric: str = "unweighted") -> str:
     """sha256 of the table's content (ids and counts), the tree's text and the options."""
-    h = hashlib.sha256(f"{METRIC}|v{CACHE_VERSION}|".encode())
+    name = METRICS[metric][0] + ("_normalized" if METRICS[metric][1] else "")
+    h = hashlib.sha256(f"{name}|v{CACHE_VERSION}|".encode())
     for axis in ("sample", "observation"):
         h.update("\t".join(table.ids(axis=axis)).encode() + b"\n")
     data = table.matrix_data.tocsr(copy=True)
@@ -37,45 +43,48 @@ def cache_key(table: biom.Table, tree_text: bytes) -> str:
     return h.hexdigest()
 
 
-def compute_unifrac(table: biom.Table, tree: "TreeNode") -> np.ndarray:
-    """Unweighted UniFrac [n_samples, n_samples] in the table's sample order (scikit-bio)."""
+def compute_unifrac(table: biom.Table, tree: "TreeNode", metric: str = "unweighted") -> np.ndarray:
+    """UniFrac [n_samples, n_samples] in the table's sample order (scikit-bio's, of `metric`)."""
     from skbio.diversity import beta_diversity
 
     obs_ids = [str(obs) for obs in table.ids(axis="observation")]  # plain strings in messages
     check_tips([tip.name for tip in tree.tips()], obs_ids)
     counts = table.matrix_data.T.toarray().astype(np.int64)  # samples x ASVs
     try:
-        dm = beta_diversity(METRIC, counts, ids=list(table.ids()), taxa=obs_ids, tree=tree)
+        name, options = METRICS[metric]
+        dm = beta_diversity(name, counts, ids=list(table.ids()), taxa=obs_ids, tree=tree, **options)
     except ValueError as e:  # e.g. missing branch lengths
         raise UserError(f"data.tree: scikit-bio cannot compute UniFrac with this tree ({e})") from e
     return dm.data
 
 
-def cached_unifrac(table: biom.Table, tree_path: Path, cache_dir: Path) -> tuple[np.ndarray, bool, int]:
-    """UniFrac of `table` with the tree in `tree_path`: (matrix, served from the cache, branches of the
-    tree without a length, read as 0: warned, as each run that uses the tree is).
+def cached_unifrac(
+    table: biom.Table, tree_path: Path, cache_dir: Path, metric: str = "unweighted"
+) -> tuple[np.ndarray, bool, int]:
+    """UniFrac (`metric`) of `table` with the tree in `tree_path`: (matrix, served from the cache, branches
+    of the tree without a length, read as 0: warned, as each run that uses the tree is).
 
     The cache is `<cache_dir>/unifrac/<key>.npz`; on a hit the tree is not even parsed. One process
     computes a missing matrix; others started with it (torchrun ranks) wait and read it.
     """
-    path = cache_dir / "unifrac" / f"{cache_key(table, tree_path.read_bytes())}.npz"
+    path = cache_dir / "unifrac" / f"{cache_key(table, tree_path.read_bytes(), metric)}.npz"
     sample_ids = np.asarray(table.ids(), dtype=str)
     hit = read_cached(path, sample_ids, warn=False)
     if hit is None:
         with one_builder(path.parent):
             hit = read_cached(path, sample_ids, warn=True)  # another process computed it meanwhile?
             if hit is None:
-                return computed_unifrac(table, tree_path, path, sample_ids)
+                return computed_unifrac(table, tree_path, path, sample_ids, metric)
     warn_missing_lengths(hit[1], tree_path)
     return hit[0], True, hit[1]
 
 
-def computed_unifrac(table: biom.Table, tree_path: Path, path: Path, sample_ids: np.ndarray):
+def computed_unifrac(table: biom.Table, tree_path: Path, path: Path, sample_ids: np.ndarray, metric: str):
     """cached_unifrac's miss: the matrix computed, then kept in `path` with the count of missing lengths."""
     tree = read_tree(tree_path)
     missing_lengths = zero_missing_lengths(tree)
     warn_missing_lengths(missing_lengths, tree_path)
-    matrix = compute_unifrac(table, tree)
+    matrix = compute_unifrac(table, tree, metric)
     try:  # atomic: a reader sees the old file, no file, or the whole new one
         write_atomic(
             path, lambda f: np.savez(f, matrix=matrix, ids=sample_ids, missing_lengths=missing_lengths)

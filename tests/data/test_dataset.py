@@ -107,6 +107,23 @@ def test_batch_layout(cache_dir):
     assert data.has_target and data.n_train + data.n_val == len(table.ids())
 
 
+def test_a_weighted_metric_gives_each_batch_its_samples_weighted_unifrac(cache_dir):
+    """data.unifrac_metric=weighted_normalized from the tree: computed up front (precomputed, whatever
+    data.unifrac_mode=null would give a tree), each batch's the sub-matrix of scikit-bio's."""
+    data = build_data(
+        data_cfg(cache_dir, unifrac_metric="weighted_normalized"), batch_size=8, seed=0, loader=LOADER
+    )
+    assert data.unifrac_mode == "precomputed"
+    batch = to_device(next(iter(data.train_loader)), torch.device("cpu"))
+    table = rarefy(read_table(data.files["table"]), 500, seed=0)
+    tree = TreeNode.read(data.files["tree"])
+    weighted = compute_unifrac(table, tree, "weighted_normalized")
+    idx = batch["sample_idx"].numpy()
+    np.testing.assert_allclose(batch["unifrac"].numpy(), weighted[np.ix_(idx, idx)], atol=1e-6)
+    unweighted = compute_unifrac(table, tree)[np.ix_(idx, idx)]
+    assert np.abs(batch["unifrac"].numpy() - unweighted).max() > 0.05  # another metric
+
+
 def test_max_asvs_keeps_the_most_abundant(cache_dir):
     data = build_data(data_cfg(cache_dir, max_asvs=5), batch_size=4, seed=0, loader=LOADER)
     table = rarefy(read_table(data.files["table"]), 500, seed=0)

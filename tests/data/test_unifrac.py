@@ -33,6 +33,14 @@ TABLE = biom.Table(
 HAND = np.array([[0.0, 0.8125, 1.0], [0.8125, 0.0, 0.85], [1.0, 0.85, 0.0]])
 
 
+# weighted, normalized: sum over branches of length x |share of A's reads below it - share of B's|, over
+# sum over tips of root distance x (A's share + B's share). Root distances a 1.5, b 2.5, c 4.5, d 5.5.
+# S1 (a .6, b .4) - S2 (a 1/6, c 5/6): (1 x 13/30 + 2 x .4 + .5 x 5/6 + 3 x 5/6 + 1.5 x 5/6) / (1.9 + 4)
+# = 5.4 / 5.9;
+# S1 - S3 (d): nothing shared, 1; S2 - S3: (1/6 + .5/6 + 2.5 + 1.5/6 + 4) / (4 + 5.5) = 7 / 9.5
+WEIGHTED_HAND = np.array([[0.0, 5.4 / 5.9, 1.0], [5.4 / 5.9, 0.0, 7 / 9.5], [1.0, 7 / 9.5, 0.0]])
+
+
 def tree() -> TreeNode:
     return TreeNode.read(io.StringIO(NEWICK))
 
@@ -48,6 +56,19 @@ def test_unifrac_equals_hand_computation_and_scikit_bio():
         tree=tree(),
     )
     np.testing.assert_allclose(matrix, direct.data, atol=1e-12)
+
+
+def test_weighted_normalized_unifrac_equals_hand_computation_and_is_cached_apart(tmp_path):
+    np.testing.assert_allclose(
+        compute_unifrac(TABLE, tree(), "weighted_normalized"), WEIGHTED_HAND, atol=1e-12
+    )
+    (tmp_path / "t.nwk").write_text(NEWICK)
+    unweighted, _, _ = cached_unifrac(TABLE, tmp_path / "t.nwk", tmp_path)
+    weighted, cached, _ = cached_unifrac(TABLE, tmp_path / "t.nwk", tmp_path, "weighted_normalized")
+    assert not cached  # not the unweighted matrix's entry
+    np.testing.assert_allclose(unweighted, HAND, atol=1e-12)
+    np.testing.assert_allclose(weighted, WEIGHTED_HAND, atol=1e-12)
+    assert cached_unifrac(TABLE, tmp_path / "t.nwk", tmp_path, "weighted_normalized")[1]
 
 
 def test_second_call_is_served_from_the_cache_file(tmp_path):
