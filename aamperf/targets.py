@@ -135,6 +135,12 @@ def learn_target(cfg: DictConfig, loss_fn: Any, target: TargetSpec | None, summa
     `target`. Without a target the model config is left as it is (pretraining)."""
     if target is None or not hasattr(loss_fn, "set_target"):
         return
+    activation = cfg.model.get("target_activation", "none")
+    if target.is_classification and activation != "none":
+        raise UserError(
+            f"model.target_activation={activation} bounds a regression's output; {target.column!r} is a "
+            "classification (its logits): set model.target_activation=none"
+        )
     loss_fn.set_target(target)
     if "target_dim" in cfg.model:  # before the model is built from it (and saved with the run)
         cfg.model.target_dim = loss_fn.target_outputs

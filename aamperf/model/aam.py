@@ -18,6 +18,15 @@ FUSIONS = ("concat", "add")  # how categorical embeddings join the sample embedd
 # encoder's per-ASV states, through a transformer of its own and an attention pooling (the original's
 # target_encoder + target_pooling, aam/models/sequence_predictor.py), then a Linear
 TARGET_HEADS = ("linear", "transformer")
+# a regression's output through a function that bounds it (`AAM(target_activation=...)`): sigmoid to (0, 1),
+# relu / softplus / exp to >= 0 (the original AAM's --bounded-targets and --output-activation)
+TARGET_ACTIVATIONS = {
+    "none": None,
+    "sigmoid": torch.sigmoid,
+    "relu": torch.relu,
+    "softplus": torch.nn.functional.softplus,
+    "exp": torch.exp,
+}
 # AAM's integer arguments and the least each may be (0 layers: a stack that passes its input through)
 LEAST = {
     "embedding_dim": 1,
@@ -47,6 +56,11 @@ def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
         problems.append(f"{prefix}embedding_dim={dim} is not divisible by {prefix}num_heads={heads}")
     if args["target_head"] not in TARGET_HEADS:
         problems.append(f"{prefix}target_head={args['target_head']} must be one of {', '.join(TARGET_HEADS)}")
+    activation = args["target_activation"]
+    if activation not in TARGET_ACTIVATIONS:
+        problems.append(
+            f"{prefix}target_activation={activation} must be one of {', '.join(TARGET_ACTIVATIONS)}"
+        )
     if args["categorical_fusion"] not in FUSIONS:
         problems.append(
             f"{prefix}categorical_fusion={args['categorical_fusion']} must be one of {', '.join(FUSIONS)}"
@@ -182,6 +196,7 @@ class AAM(FlopCount, nn.Module):
         categorical_fusion: str = "concat",
         target_head: str = "linear",
         target_layers: int = 1,
+        target_activation: str = "none",
     ):
         problems = argument_problems({k: v for k, v in locals().items() if k not in ("self", "__class__")})
         if problems:
@@ -207,6 +222,7 @@ class AAM(FlopCount, nn.Module):
         self.encoder_transformer = Transformer(dim, num_heads, encoder_layers, ffn_mult, dropout)
         self.sample_pool = AttentionPooling(dim)
         self.target_head = nn.Linear(dim, target_dim) if target_dim > 0 else None
+        self.target_activation = TARGET_ACTIVATIONS[target_activation]
         # target_head=transformer: the head's own stack and pooling over the per-ASV states
         self.target_encoder = self.target_pool = None
         if target_dim > 0 and target_head == "transformer":
@@ -322,7 +338,7 @@ class AAM(FlopCount, nn.Module):
         if self.target_head is None:
             return out
         if self.target_encoder is None:
-            out["target"] = self.target_head(self.condition(sample_embedding, categorical))
+            out["target"] = self.activated(self.target_head(self.condition(sample_embedding, categorical)))
             return out
         h, real = states
         if isinstance(real, Packing):  # each packed ASV's sample's categories
@@ -330,8 +346,13 @@ class AAM(FlopCount, nn.Module):
         else:
             conditioned = self.condition(h, None if categorical is None else categorical[:, None, :])
         pooled = self.target_pool(self.target_encoder(conditioned, real), real)
-        out["target"] = self.target_head(pooled)
+        out["target"] = self.activated(self.target_head(pooled))
         return out
+
+    def activated(self, target: Tensor) -> Tensor:
+        """The target head's output through `target_activation` (a regression's: learn_target refuses one
+        for a classification's logits)."""
+        return target if self.target_activation is None else self.target_activation(target)
 
     def condition(self, sample_embedding: Tensor, categorical: Tensor | None) -> Tensor:
         """The sample embeddings [B, D] the target head reads: with categorical columns, fused with each

@@ -2,6 +2,7 @@
 and attention pooling over the sample encoder's per-ASV states. Its outputs from the tokens, from cached
 states, padded and packed, are one; the option is checked before a run and fine-tuned into fresh."""
 
+import pandas as pd
 import pytest
 import torch
 from conftest import weights_of
@@ -95,3 +96,39 @@ def test_a_frozen_fine_tune_with_the_head_trains_on_cached_states_and_predicts_i
     own = outputs.squeeze(1) * payload["target"]["scale"] + payload["target"]["shift"]
     assert list(table.index) == ids
     torch.testing.assert_close(torch.tensor(table["predicted"].to_numpy()), own, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("head", ["linear", "transformer"])
+def test_a_target_activation_is_that_function_of_the_plain_head_s_output(head):
+    data = batch(full_length=False)
+    outputs, shift = {}, None
+    for activation in ("none", "sigmoid", "relu", "softplus", "exp"):
+        net = model(target_head=head, target_layers=1, target_activation=activation).eval()
+        with torch.no_grad():  # the same weights each time, the outputs centred: some below 0, some above
+            if shift is None:
+                shift = -net(data["tokens"], data["counts"], asv_ids=data["asv_ids"])["target"].median()
+            net.target_head.bias += shift
+        outputs[activation] = net(data["tokens"], data["counts"], asv_ids=data["asv_ids"])["target"]
+    plain = outputs["none"]
+    assert plain.min() < 0 < plain.max()  # something for relu to cut
+    for activation, function in (
+        ("sigmoid", torch.sigmoid),
+        ("relu", torch.relu),
+        ("softplus", torch.nn.functional.softplus),
+        ("exp", torch.exp),
+    ):
+        torch.testing.assert_close(outputs[activation], function(plain))
+    with pytest.raises(ValueError, match="target_activation=tanh must be one of none, sigmoid, relu"):
+        model(target_activation="tanh")
+
+
+def test_a_bounded_regression_predicts_within_its_bound_and_a_classification_is_refused(make_cfg, tmp_path):
+    """softplus on a target of the simulated data's, half of it below 0 (no transform): every prediction
+    written is >= 0; an activation over a classification's logits is refused before any step."""
+    bounded = ["model.target_activation=softplus", "data.target_transform=none", "trainer.max_steps=4"]
+    summary = train(make_cfg(*bounded), tmp_path / "softplus")
+    assert summary["status"] == "completed"
+    table = pd.read_csv(tmp_path / "softplus" / "val_predictions.tsv", sep="\t", index_col=0)
+    assert (table["observed"] < 0).any() and (table["predicted"] >= 0).all()
+    with pytest.raises(UserError, match=r"^model.target_activation=sigmoid bounds a regression's output; "):
+        train(make_cfg("model.target_activation=sigmoid", "data.target=environment"), tmp_path / "classes")
