@@ -226,7 +226,13 @@ RESUME_FIXED = (
 )
 RESUME_IGNORED = ("trainer.resume", "data.cache_dir", "probe", "trainer.progress")
 # keys a checkpoint of an earlier version does not hold, and the value its run had
-BEFORE_THE_KEY = {"finetune.freeze": "none"}
+BEFORE_THE_KEY = {
+    "finetune.freeze": "none",
+    "data.unifrac_metric": "unweighted",
+    "loss.mask_strategy": "random",
+    "loss.over_weight": 1.0,
+    "loss.under_weight": 1.0,
+}
 
 
 def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, list]:

@@ -1,15 +1,19 @@
 """Checkpoints: a run killed with SIGKILL goes on exactly where it stopped; bad checkpoints are refused."""
 
+import copy
 import shutil
 import signal
+from pathlib import Path
 
 import psutil
 import pytest
 import torch
 from conftest import losses, read_summary, torchrun, wait_for_steps
 
+from aamperf.checkpoint import check_resume, config_changes
 from aamperf.errors import UserError
 from aamperf.run import train
+from aamperf.summary import resolved_config
 
 RESUMABLE = [
     "trainer.max_steps=12",
@@ -86,6 +90,23 @@ def test_a_checkpoint_of_another_model_is_refused_with_the_fix(make_cfg, tmp_pat
     with pytest.raises(UserError, match=fix):
         train(make_cfg("trainer.max_steps=4", "trainer.resume=auto", "model.embedding_dim=24"), tmp_path)
     assert (tmp_path / "metrics.jsonl").read_text() == before  # nothing written before is lost
+
+
+# keys of the groups a resume keeps, added since: a checkpoint written before them ran as their defaults
+ADDED_KEYS = {"data": ["unifrac_metric"], "loss": ["mask_strategy", "over_weight", "under_weight"]}
+
+
+def test_a_checkpoint_from_before_a_key_resumes_where_the_run_keeps_its_value(make_cfg):
+    now = resolved_config(make_cfg())
+    saved = copy.deepcopy(now)
+    for group, keys in ADDED_KEYS.items():
+        for key in keys:
+            del saved[group][key]
+    assert config_changes(saved, now) == {}
+    check_resume(Path("step_00000002.pt"), config_changes(saved, now))
+    span = resolved_config(make_cfg("loss.mask_strategy=span"))
+    with pytest.raises(UserError, match=r"with loss.mask_strategy=span \(checkpoint: None\)"):
+        check_resume(Path("step_00000002.pt"), config_changes(saved, span))
 
 
 def test_a_corrupt_checkpoint_is_refused_with_the_fix(make_cfg, tmp_path):
