@@ -232,6 +232,7 @@ BEFORE_THE_KEY = {
     "loss.mask_strategy": "random",
     "loss.over_weight": 1.0,
     "loss.under_weight": 1.0,
+    "model.target_activation": "none",
 }
 
 

@@ -185,6 +185,7 @@ ORIGINAL_NAMES = {
     ),
     ("data.target_transform", "log-zscore"): "data.target_transform=log1p_zscore",
     ("data.target_transform", "log-minmax"): "data.target_transform=log1p_minmax",
+    ("data.unifrac_metric", "weighted"): "data.unifrac_metric=weighted_normalized",
 }
 
 

@@ -79,6 +79,11 @@ CONFIG_CASES = {
         ["data.unifrac_metric=weighted_normalized", "data.unifrac_mode=batch"],
         "data.unifrac_metric=weighted_normalized is computed up front: set data.unifrac_mode=precomputed",
     ),
+    "the original's name of a metric": (
+        ["data.unifrac_metric=weighted"],
+        "data.unifrac_metric=weighted is the original AAM's name; here it is "
+        "data.unifrac_metric=weighted_normalized",
+    ),
     "a restart cycle of no steps": (
         ["trainer.lr_schedule=cosine_restarts", "trainer.restart_steps=0"],
         "trainer.restart_steps=0 must be >= 1 (the first cycle's steps), or null",

@@ -93,7 +93,11 @@ def test_a_checkpoint_of_another_model_is_refused_with_the_fix(make_cfg, tmp_pat
 
 
 # keys of the groups a resume keeps, added since: a checkpoint written before them ran as their defaults
-ADDED_KEYS = {"data": ["unifrac_metric"], "loss": ["mask_strategy", "over_weight", "under_weight"]}
+ADDED_KEYS = {
+    "data": ["unifrac_metric"],
+    "loss": ["mask_strategy", "over_weight", "under_weight"],
+    "model": ["target_activation"],
+}
 
 
 def test_a_checkpoint_from_before_a_key_resumes_where_the_run_keeps_its_value(make_cfg):
