@@ -12,7 +12,20 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "in_turn.py"
 
 
-@pytest.mark.parametrize("pair", ["mask-threads", "asv-masks", "chunk-bytes", "mask-cast", "pad-keys"])
+# one pair in the default suite, the others (5-10 s each on a 2-core AMX Xeon) in `pytest -m slow`
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [
+        "asv-masks",
+        pytest.param("mask-threads", marks=SLOW),
+        pytest.param("chunk-bytes", marks=SLOW),
+        pytest.param("mask-cast", marks=SLOW),
+        pytest.param("pad-keys", marks=SLOW),
+    ],
+)
 def test_each_pair_trains_the_same_and_prints_its_ratio(pair, cache_dir):
     args = [sys.executable, str(SCRIPT), pair, "2", "model=aam_tiny", f"data.cache_dir={cache_dir}"]
     if pair in ("chunk-bytes", "pad-keys"):  # the chunked dropout attention: attention=sdpa on a CPU

@@ -539,6 +539,7 @@ def test_compile_auto_times_no_step_where_the_cached_probe_says_compiling_is_slo
     assert probe.cached("eager_step", {"context": "c"}) is None
 
 
+@pytest.mark.slow  # 14 s (a real compile) on a 2-core AMX Xeon: the default suite stays near 10 min
 def test_compile_auto_trial_times_both_and_caches_its_figures(tmp_path):
     """A real trial: eager and compiled steps timed here, the decision follows the figures."""
     from aamperf.phases.compile import auto_compile, pays

@@ -68,6 +68,8 @@ def unbudgeted():
     set_compiled_recompute(False, UNBUDGETED)  # a failed test leaves no budget behind
 
 
+# 27 s (three compiles) on a 2-core AMX Xeon: `pytest -m slow`, which CI runs too (the default suite: ~10 min)
+@pytest.mark.slow
 def test_a_smaller_budget_keeps_fewer_bytes_with_the_gradients_of_no_checkpointing(make_cfg):
     """One transformer stack (a block of AAM's, dropout on), compiled as the phases compile it. Against the
     compiled stack without a budget: a compiled graph draws its dropout masks its own way (the same in
