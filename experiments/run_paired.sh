@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A study as paired runs: levels x seeds on the study's data (data.seed fixed), each run in its own
 # process (its time from launch includes its own start-up, as a user's run does), the levels
-# alternating within each seed (a change of machine load falls on all of them), then the report.
+# alternating within each seed (a change of machine load falls on all of them), in reverse order on
+# every other seed (a run right after another may be slower: the order falls on each level both ways
+# round, as in seeds_in_turn.sh), then the report.
 #   experiments/run_paired.sh EXPERIMENT [OUT_DIR] [LEVELS] [SEEDS] [-- extra overrides]
 #   experiments/run_paired.sh convergence outputs/convergence "baseline advanced ultra" "0 1 2"
 # A "level" with an '=' is an override in place of a level (the level then among the extra overrides),
@@ -19,8 +21,14 @@ study=("experiment=$experiment")
 [[ $experiment == default ]] && study=()
 [[ ${1:-} == -- ]] && shift
 lscpu | grep -E "^Model name" || true
+pass=0
 for seed in $seeds; do
-  for optim in $levels; do
+  read -r -a order <<<"$levels"
+  if ((pass % 2)); then
+    reversed=(); for ((i = ${#order[@]} - 1; i >= 0; i--)); do reversed+=("${order[i]}"); done; order=("${reversed[@]}")
+  fi
+  pass=$((pass + 1))
+  for optim in "${order[@]}"; do
     choice=("optim=$optim") name=$optim
     [[ $optim == *=* ]] && choice=("$optim") name=${optim//[=.]/_}
     python -m aamperf.train "${study[@]}" "${choice[@]}" "seed=$seed" trainer.progress=false \
