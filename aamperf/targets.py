@@ -14,6 +14,8 @@ from torch import Tensor
 from aamperf.errors import UserError
 
 TRANSFORMS = ("none", "zscore", "minmax", "log_zscore", "log1p_zscore", "log1p_minmax")
+# the log transforms' prefix -> (g, its inverse): log y, or log(1 + y) (the original AAM's log-*)
+LOGS = {"log_": (torch.log, torch.exp), "log1p_": (torch.log1p, torch.expm1)}
 KINDS = ("auto", "regression", "classification")
 
 
@@ -26,9 +28,7 @@ class TargetSpec:
 
     column: str
     kind: str = "regression"  # regression | classification
-    transform: str = (
-        "zscore"  # of a regression: none | zscore | minmax | log_zscore | log1p_zscore | log1p_minmax
-    )
+    transform: str = "zscore"  # of a regression: one of TRANSFORMS
     shift: float = 0.0
     scale: float = 1.0
     classes: list[str] = field(default_factory=list)  # of a classification, sorted
@@ -44,18 +44,19 @@ class TargetSpec:
             return y
         return (self.g(y) - self.shift) / self.scale
 
+    @property
+    def logs(self) -> tuple[Any, Any] | None:
+        """(g, its inverse) of a log transform, else None."""
+        return next((pair for prefix, pair in LOGS.items() if self.transform.startswith(prefix)), None)
+
     def g(self, y: Tensor) -> Tensor:
         """The target's values before the affine part: log y, log(1 + y) or y itself."""
-        if self.transform.startswith("log1p_"):
-            return y.log1p()
-        return y.log() if self.transform.startswith("log_") else y
+        return y if self.logs is None else self.logs[0](y)
 
     def inverse(self, t: Tensor) -> Tensor:
         """The model's units -> the target's own units."""
         y = t * self.scale + self.shift
-        if self.transform.startswith("log1p_"):
-            return y.expm1()
-        return y.exp() if self.transform.startswith("log_") else y
+        return y if self.logs is None else self.logs[1](y)
 
     def payload(self) -> dict[str, Any]:
         """What is saved with the model and in summary.json's `target`. `mean` / `std`: the affine part
@@ -75,8 +76,8 @@ def fit_regression(column: str, values: Tensor, train: Tensor, transform: str) -
     if transform not in TRANSFORMS:
         raise UserError(f"data.target_transform={transform} is not one of {', '.join(TRANSFORMS)}")
     values = values.double()
-    spec = TargetSpec(column, "regression", transform)
-    if transform.startswith("log"):
+    spec = TargetSpec(column, "regression", transform)  # its shift and scale fitted below
+    if spec.logs is not None:
         low, bound = float(values.min()), (-1 if transform.startswith("log1p_") else 0)
         if low <= bound:
             other = ", log1p_zscore" if low > -1 else ""  # log(1 + y) takes 0 and values above -1
@@ -94,7 +95,8 @@ def fit_regression(column: str, values: Tensor, train: Tensor, transform: str) -
         shift, scale = float(fitted.min()), float(fitted.max() - fitted.min())
     if not scale > 0 or not math.isfinite(scale):
         scale = 1.0
-    return TargetSpec(column, "regression", transform, shift, scale)
+    spec.shift, spec.scale = shift, scale
+    return spec
 
 
 def fit_classes(column: str, codes: Tensor, names: list[str], train: Tensor, val: Tensor) -> tuple[

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # scikit-bio costs ~2 s to import; a cache hit never needs it
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = 1  # part of the cache key: bump when the computation changes
-# data.unifrac_metric -> scikit-bio's metric and its arguments (the name is part of the cache key)
+# data.unifrac_metric -> scikit-bio's metric and its arguments (both part of the cache key)
 METRICS = {
     "unweighted": ("unweighted_unifrac", {}),
     "weighted_normalized": ("weighted_unifrac", {"normalized": True}),
@@ -29,8 +29,8 @@ METRICS = {
 
 def cache_key(table: biom.Table, tree_text: bytes, metric: str = "unweighted") -> str:
     """sha256 of the table's content (ids and counts), the tree's text and the options."""
-    name = METRICS[metric][0] + ("_normalized" if METRICS[metric][1] else "")
-    h = hashlib.sha256(f"{name}|v{CACHE_VERSION}|".encode())
+    name, options = METRICS[metric]
+    h = hashlib.sha256(f"{'_'.join([name, *options])}|v{CACHE_VERSION}|".encode())  # unweighted_unifrac|v1|
     for axis in ("sample", "observation"):
         h.update("\t".join(table.ids(axis=axis)).encode() + b"\n")
     data = table.matrix_data.tocsr(copy=True)

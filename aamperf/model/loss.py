@@ -1,6 +1,7 @@
 """AAM training loss: UniFrac distance + masked-nucleotide + optional target, with a deterministic mask."""
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -63,25 +64,16 @@ def nucleotide_mask(
 def span_start_rate(fraction: float) -> float:
     """The chance q that a base starts a span, so that `fraction` of a long sequence's bases are hidden: a
     base is covered unless no span starts on it or on the bases before it that reach it,
-    1 - prod over d = 0..4 of (1 - q P(length > d)) = fraction (bisection; the left side grows with q)."""
-    low, high = 0.0, 1.0
-    for _ in range(60):
-        q = (low + high) / 2
-        kept = 1.0
-        for back in range(SPAN_BASES[-1]):
-            kept *= 1 - q * sum(n > back for n in SPAN_BASES) / len(SPAN_BASES)
-        low, high = (q, high) if 1 - kept < fraction else (low, q)
-    return low
+    1 - prod over d = 0..4 of (1 - q P(length > d)) = fraction (scipy's root finder; it grows with q)."""
+    from scipy.optimize import brentq  # once per fraction (cached), and only for span masks
+
+    reach = [sum(n > back for n in SPAN_BASES) / len(SPAN_BASES) for back in range(SPAN_BASES[-1])]
+    return brentq(lambda q: 1 - math.prod(1 - q * r for r in reach) - fraction, 0.0, 1.0)
 
 
 WEIGHTS = ("unifrac_weight", "nucleotide_weight", "target_weight")
-TARGET_LOSSES = (
-    "mse",
-    "huber",
-    "mae",
-    "quantile",
-    "asymmetric",
-)  # a regression's; a classification: cross-entropy
+# a regression's; a classification's is cross-entropy
+TARGET_LOSSES = ("mse", "huber", "mae", "quantile", "asymmetric")
 
 
 def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
