@@ -233,6 +233,8 @@ BEFORE_THE_KEY = {
     "loss.over_weight": 1.0,
     "loss.under_weight": 1.0,
     "model.target_activation": "none",
+    "model.count_head": False,
+    "loss.count_weight": 1.0,
 }
 
 

@@ -22,11 +22,16 @@ from aamperf.weights import MODEL_FILE, read_model_file
 # so its target head never learned one (AdamW leaves a parameter without gradients as initialized), and a
 # pretraining that had one (aamperf's data.target) learned its own column, not this run's.
 # The categorical conditioning (data.categorical) is of the target head: fresh with it.
-FRESH = ("target_head", "target_encoder", "target_pool", "categorical_embeddings", "categorical_projection")
+# The count head (model.count_head) is fresh too: the original's pretraining has none.
+FRESH = (
+    "target_head", "target_encoder", "target_pool", "categorical_embeddings", "categorical_projection",
+    "count_encoder", "count_head",
+)  # fmt: skip
 # Model arguments a fine-tune may change; any other that differs from the file's changes what the loaded
 # weights compute (num_heads splits the same tensors into other heads) and is refused.
 CHANGEABLE = (
-    "dropout", "target_dim", "target_head", "target_layers", "categorical_sizes", "categorical_fusion"
+    "dropout", "target_dim", "target_head", "target_layers", "categorical_sizes", "categorical_fusion",
+    "count_head", "count_layers",
 )  # fmt: skip
 # The modules (aamperf/model/aam.py) each `finetune.freeze` option keeps as pretrained.
 ASV_LEVEL = ("token_embedding", "base_position", "asv_encoder", "asv_pool")

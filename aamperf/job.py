@@ -19,6 +19,7 @@ from aamperf.batch_size import find_batch_size, smallest_batch
 from aamperf.data import build_data, rebatch
 from aamperf.data.categorical import condition_model
 from aamperf.data.dataset import make_loaders
+from aamperf.data.samples import count_range
 from aamperf.device import resolve_device, sync, to_device
 from aamperf.distributed import World, from_main, init_world, main_decides, world_size
 from aamperf.errors import UserError
@@ -194,6 +195,10 @@ def build_model(cfg: DictConfig, device: torch.device, world: World, data, summa
     loss_fn = build(cfg, "loss")
     learn_target(cfg, loss_fn, data.target, summary)  # before the model: its target head follows the target
     condition_model(cfg, data.categorical, summary)  # its categorical tables follow data.categorical
+    if cfg.model.get("count_head") and hasattr(loss_fn, "set_counts"):  # the scale of the counts it learns
+        low, high = count_range(data.dataset.reads, list(data.train_loader.dataset.indices))
+        loss_fn.set_counts(low, high)
+        summary["count_head"] = {"count_low": low, "count_high": high}
     model = build(cfg, "model")
     if not isinstance(model, torch.nn.Module):
         raise UserError(

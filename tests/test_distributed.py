@@ -28,6 +28,9 @@ from aamperf.targets import learn_target
 SAME_TRAINING = ["model.dropout=0", "data.val_fraction=0.31", "trainer.batch_size=8", "trainer.max_steps=4"]
 # a classification target whose class weights differ: each rank's samples weigh differently in all
 WEIGHTED_CLASSES = ["data.target=environment", "loss.class_weights=[1.0,2.0,0.5,3.0]"]
+# the count head's part: each rank's share of the global batch's real ASVs
+COUNT_HEAD = ["model.count_head=true"]
+TARGETS = {"pretraining": [], "weighted-classes": WEIGHTED_CLASSES, "count-head": COUNT_HEAD}
 
 
 def trained(launch, name, *overrides, launcher=PYTHON):
@@ -274,7 +277,7 @@ def _rank_main(rank: int, config: dict, port: int, out: str) -> None:
 
 
 @pytest.mark.slow  # over 15 s on a 2-core AVX2-only EPYC: the default suite stays near 10 minutes
-@pytest.mark.parametrize("target", [[], WEIGHTED_CLASSES], ids=["pretraining", "weighted-classes"])
+@pytest.mark.parametrize("target", TARGETS.values(), ids=TARGETS.keys())
 def test_ddp_gradients_equal_one_process_parameter_by_parameter(make_cfg, tmp_path, target):
     """A weighted cross-entropy too: the global batch's weighted mean, not the mean of the ranks' ones."""
     ddp = OmegaConf.to_container(make_cfg(*SAME_TRAINING, *target, "distributed=ddp"), resolve=True)
@@ -546,7 +549,7 @@ def _cached_step_on_two_ranks(rank: int, config: dict, port: int, out: str) -> N
 
 
 @pytest.mark.slow  # two ranks spawned: over 15 s on a 2-core AVX2-only EPYC
-@pytest.mark.parametrize("target", [[], WEIGHTED_CLASSES], ids=["pretraining", "weighted-classes"])
+@pytest.mark.parametrize("target", TARGETS.values(), ids=TARGETS.keys())
 def test_cached_micro_batches_on_two_ranks_give_the_whole_batch_s_gradients(make_cfg, tmp_path, target):
     """Every UniFrac pair of the step's 8 samples, across micro-batches and ranks: the gradients and loss
     of one process with the whole batch (dropout off: its masks are drawn per rank); a weighted

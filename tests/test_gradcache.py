@@ -63,6 +63,10 @@ def in_one_graph(plan, loss_fn, batch, micro_batches: int):
         "nucleotide": ce / sum(h.sum() for h in hidden),
         "target": F.mse_loss(torch.cat([o["target"] for o in outs]), standard),
     }
+    if "count" in outs[0]:  # the squared errors of every micro-batch's real ASVs over their number
+        counts = batch["counts"].split(rows)
+        squares = sum(loss_fn.count_sums(o["count"], c)[0] for o, c in zip(outs, counts, strict=True))
+        parts["count"] = squares / (batch["counts"] > 0).sum()
     loss = sum(loss_fn.weights[k] * v for k, v in parts.items())
     loss.backward()
     return loss.detach(), {k: v.detach() for k, v in parts.items()}, gradients(plan.model)
@@ -107,6 +111,19 @@ def test_without_dropout_the_cached_step_is_one_forward_of_the_whole_batch(make_
     loss, parts = loss_fn(plan.model, batch, STEP)  # the batch of 8 in one forward
     loss.backward()
     assert_same(got, (loss.detach(), parts, gradients(plan.model)))
+
+
+def test_cached_micro_batches_with_a_count_head_give_the_whole_batch_s_count_part(make_cfg):
+    """The count part's shares over the step's real ASVs, with dropout (so the step is two passes)."""
+    plan, loss_fn, batch = first_step(make_cfg("model.dropout=0.3", "model.count_head=true"), 2)
+    loss_fn.set_counts(1, 60)
+    torch.manual_seed(7)
+    got = cached_step(plan, loss_fn, batch, 2)
+    plan.optimizer.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
+    want = in_one_graph(plan, loss_fn, batch, 2)
+    assert want[1]["count"] > 0 and any(name.startswith("count_head.") for name in want[2])
+    assert_same(got, want)
 
 
 @pytest.mark.parametrize("micro_batches", [2, 4])

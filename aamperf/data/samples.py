@@ -189,6 +189,15 @@ def table_tokens(obs_ids: list[str], sequences_path) -> tuple[torch.Tensor, np.n
     return tokens, count_real_tokens(tokens).numpy(), lengths
 
 
+def count_range(reads: Ragged, samples: list[int]) -> tuple[int, int]:
+    """(least, greatest) count among these samples' rarefied ASVs (every one, not only max_asvs): the
+    scale of AAM's count head, as the original AAM's min-max of its training table's non-zero counts."""
+    counts = [c for c in (reads[i] for i in samples) if len(c)]
+    if not counts:
+        return 0, 1
+    return int(min(c.min() for c in counts)), int(max(c.max() for c in counts))
+
+
 @dataclass
 class Samples:
     ids: list[str]  # index = a batch's `sample_idx`

@@ -61,6 +61,11 @@ def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
         problems.append(
             f"{prefix}target_activation={activation} must be one of {', '.join(TARGET_ACTIVATIONS)}"
         )
+    if not isinstance(args["count_head"], bool):
+        problems.append(f"{prefix}count_head={args['count_head']} must be true or false")
+    layers = args["count_layers"]
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 0):
+        problems.append(f"{prefix}count_layers={layers} must be null (sample_layers) or an integer >= 0")
     if args["categorical_fusion"] not in FUSIONS:
         problems.append(
             f"{prefix}categorical_fusion={args['categorical_fusion']} must be one of {', '.join(FUSIONS)}"
@@ -158,6 +163,12 @@ class AAM(FlopCount, nn.Module):
     [B, S, D] (those states, 0 on padding ASVs) and `asv_real` [B, S] bool: forward(sample_embedding=,
     asv_states=, asv_real=) runs the heads on them. A training step does not copy them.
 
+    `count_head` (the original AAM's count prediction, on by default in its `aam train`): a transformer of
+    `count_layers` layers (None: `sample_layers`, as the original's) over the sample encoder's per-ASV
+    states, then Linear(D, 1) and a sigmoid: the outputs add `count` [B, S], each ASV's predicted count
+    scaled to [0, 1] (0 on padding ASVs), which AAMLoss's `count` part fits. It reads states a cache of
+    sample embeddings does not keep: forward on given embeddings outputs no `count`.
+
     Set by `aamperf/phases/aam_ops.py`, none changing the outputs (up to fp32 rounding):
     `pack_samples`: the sample level runs on each sample's real ASVs packed along one axis
     (`aamperf/model/packed.py`: variable-length attention) instead of the batch padded to its width;
@@ -197,6 +208,8 @@ class AAM(FlopCount, nn.Module):
         target_head: str = "linear",
         target_layers: int = 1,
         target_activation: str = "none",
+        count_head: bool = False,
+        count_layers: int | None = None,
     ):
         problems = argument_problems({k: v for k, v in locals().items() if k not in ("self", "__class__")})
         if problems:
@@ -228,6 +241,12 @@ class AAM(FlopCount, nn.Module):
         if target_dim > 0 and target_head == "transformer":
             self.target_encoder = Transformer(dim, num_heads, target_layers, ffn_mult, dropout)
             self.target_pool = AttentionPooling(dim)
+        # count_head: each ASV's count predicted from its state (the original's count_encoder + count_head)
+        count_layers = sample_layers if count_layers is None else count_layers
+        self.count_encoder = (
+            Transformer(dim, num_heads, count_layers, ffn_mult, dropout) if count_head else None
+        )
+        self.count_head = nn.Linear(dim, 1) if count_head else None
         self.keep_states = False  # output the per-ASV states too (aamperf/trainer/cached.py, embedding)
         # categorical conditioning of the target head: a table per column, row 0 (unseen / missing) zero
         self.categorical_fusion = categorical_fusion
@@ -315,7 +334,19 @@ class AAM(FlopCount, nn.Module):
                 out.update(asv_states=padded.view(batch, n_asvs, -1), asv_real=real_asv)
             else:
                 out.update(asv_states=h * real_asv[..., None].to(h.dtype), asv_real=real_asv)
+        if self.count_head is not None:
+            out["count"] = self.predict_counts(h, packing, rows, (batch, n_asvs))
         return {**out, **self.heads(sample, categorical, (h, packing))}
+
+    def predict_counts(
+        self, h: Tensor, packing: Tensor | Packing, rows: Tensor | None, shape: tuple[int, int]
+    ) -> Tensor:
+        """The count head on the sample encoder's per-ASV states `h` ([B, S, D] padded, `packing` the real
+        ASVs [B, S]; or [T, D] packed, `rows` their slots in [0, B*S)) -> [B, S] in (0, 1), 0 on padding."""
+        count = torch.sigmoid(self.count_head(self.count_encoder(h, packing))).squeeze(-1)
+        if isinstance(packing, Packing):  # the real slots' back into the batch's
+            return count.new_zeros(shape[0] * shape[1]).index_copy(0, rows, count).view(shape)
+        return count * packing.to(count.dtype)
 
     def packed(self, asv_states: Tensor, asv_real: Tensor) -> tuple[Tensor, Tensor | Packing]:
         """Per-ASV states [B, S, D] and which are real [B, S] as the sample level lays them out: packed

@@ -54,6 +54,7 @@ class FlopCount:
             + (sample_layers + encoder_layers) * sample_layer
             + 2 * 2 * sum(widths) * dim  # sample pooling
             + self.target_head_flops(widths)
+            + self.count_head_flops(widths)
         )
         recompute = recomputed[0] * asv_layer + (recomputed[1] + recomputed[2]) * sample_layer
         return float(forwards) * forward + recompute
@@ -83,6 +84,14 @@ class FlopCount:
             return linear + condition
         layers = len(self.target_encoder.blocks) * self._layer_flops(sum(widths), sum(w * w for w in widths))
         return linear + condition + layers + 2 * 2 * sum(widths) * dim  # + the target pooling
+
+    def count_head_flops(self, widths: list[int]) -> int:
+        """Forward FLOPs of the count head (0 when absent) on samples of `widths` ASVs each: its layers over
+        each sample's ASVs and its Linear(D, 1) on each ASV's state."""
+        if self.count_head is None:
+            return 0
+        layers = len(self.count_encoder.blocks) * self._layer_flops(sum(widths), sum(w * w for w in widths))
+        return layers + 2 * sum(widths) * self.embedding_dim
 
     def flops_per_step(
         self,

@@ -71,7 +71,7 @@ def span_start_rate(fraction: float) -> float:
     return brentq(lambda q: 1 - math.prod(1 - q * r for r in reach) - fraction, 0.0, 1.0)
 
 
-WEIGHTS = ("unifrac_weight", "nucleotide_weight", "target_weight")
+WEIGHTS = ("unifrac_weight", "nucleotide_weight", "target_weight", "count_weight")
 # a regression's; a classification's is cross-entropy
 TARGET_LOSSES = ("mse", "huber", "mae", "quantile", "asymmetric")
 
@@ -131,6 +131,7 @@ class StepCounts(NamedTuple):
     hidden: Tensor  # bases hidden in the step's batch, on every rank
     samples: int  # the step's samples on this rank
     target_weight: Tensor  # the step's samples' target weights on every rank (1 each but in a weighted CE)
+    asvs: Tensor  # the step's real ASV slots on every rank (the count part's)
 
 
 def is_number(value: Any) -> bool:
@@ -140,8 +141,9 @@ def is_number(value: Any) -> bool:
 class AAMLoss(nn.Module):
     """loss(model, batch, step) -> (total, parts). Parts the model does not output are left out:
     `unifrac` needs `sample_embedding`, `nucleotide` needs `nuc_logits` and nucleotide_weight > 0
-    (`hides_bases`), `target` needs both a `target` output and `batch["target"]`. total = weighted sum
-    of the parts present.
+    (`hides_bases`), `target` needs both a `target` output and `batch["target"]`, `count` a `count`
+    output (AAM's count head: the MSE of each real ASV's count, scaled to [0, 1] by `set_counts`, the
+    original AAM's count loss). total = weighted sum of the parts present.
 
     The batch needs `tokens`, `counts`, `unifrac` and `asv_ids` (the mask is drawn per ASV); the
     model is called as model(masked tokens, counts, asv_ids=...), the signature of AAM. A batch of
@@ -162,12 +164,16 @@ class AAMLoss(nn.Module):
         huber_delta: float = 1.0,
         over_weight: float = 1.0,
         under_weight: float = 1.0,
+        count_weight: float = 1.0,
     ):
         problems = argument_problems({k: v for k, v in locals().items() if k not in ("self", "__class__")})
         if problems:
             raise ValueError("; ".join(problems))
         super().__init__()
-        self.weights = {"unifrac": unifrac_weight, "nucleotide": nucleotide_weight, "target": target_weight}
+        self.weights = {
+            "unifrac": unifrac_weight, "nucleotide": nucleotide_weight, "target": target_weight,
+            "count": count_weight,
+        }  # fmt: skip
         self.mask_fraction, self.mask_strategy, self.seed = mask_fraction, mask_strategy, seed
         self.target_loss, self.huber_delta = target_loss, huber_delta
         self.over_weight, self.under_weight = over_weight, under_weight
@@ -176,6 +182,7 @@ class AAMLoss(nn.Module):
         self.class_weights_option = class_weights
         self.class_weights: Tensor | None = None  # per class, once the classes are known (set_target)
         self.target = TargetSpec("target")  # zscore with mean 0, std 1 until the data's is set
+        self.count_low, self.count_high = 0.0, 1.0  # the counts the count part scales to 0 and 1 (set_counts)
 
     @property
     def target_mean(self) -> float:
@@ -198,6 +205,21 @@ class AAMLoss(nn.Module):
         self.target, self.class_weights = target, None
         if target.is_classification and self.class_weights_option is not None:
             self.class_weights = class_weights(self.class_weights_option, target.class_counts)
+
+    def set_counts(self, low: float, high: float) -> None:
+        """The count part's scale: a count c is learnt as (c - low) / (high - low), the training samples'
+        least and greatest counts (the original AAM's min-max of its table's non-zero counts); one count
+        everywhere is only shifted."""
+        self.count_low, self.count_high = float(low), float(high) if high > low else float(low) + 1.0
+
+    def count_sums(self, predicted: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """(the squared error of the count head's `predicted` [B, S] against the batch's `counts` [B, S, 1]
+        scaled by `set_counts`, summed over the real ASVs, their number): the part is the first over the
+        second. A padding slot's count is 0, a real ASV's at least 1."""
+        counts = counts.squeeze(-1).float()
+        real = (counts > 0).float()
+        scaled = (counts - self.count_low) / (self.count_high - self.count_low)
+        return ((predicted.float() - scaled).square() * real).sum(), real.sum()
 
     def on_device(self, name: str, like: Tensor) -> Tensor:
         """The tensor attribute `name` (class_weights, quantile_levels) on `like`'s device and dtype, moved
@@ -320,6 +342,9 @@ class AAMLoss(nn.Module):
             parts["target"] = world * total_loss / all_sum(weight)
             metrics.update({name: value / predicted.size(0) for name, value in sums.items()})
             predicted = predicted.detach()
+        if "count" in out:
+            squares, n_real = self.count_sums(out["count"], batch["counts"])
+            parts["count"] = world * squares / all_sum(n_real).clamp(min=1.0)
         if not parts:
             raise ValueError("model output has no sample_embedding, nuc_logits or target: nothing to train")
         total = sum(self.weights[name] * value for name, value in parts.items())
@@ -349,7 +374,8 @@ class AAMLoss(nn.Module):
         if self.class_weights is not None and batches[0].get("target") is not None:
             weights = self.on_device("class_weights", batches[0]["target"].float())
             target_weight = sum(weights[b["target"].squeeze(1).long()].sum() for b in batches)
-        return StepCounts(all_sum(hidden.float()), samples, all_sum(target_weight))
+        asvs = sum((b["counts"] > 0).sum() for b in batches).float()
+        return StepCounts(all_sum(hidden.float()), samples, all_sum(target_weight), all_sum(asvs))
 
     def micro_loss(
         self, model: nn.Module, batch: dict, step: int, embedding_grad: Tensor | None, counts: StepCounts
@@ -369,6 +395,9 @@ class AAMLoss(nn.Module):
             total_loss, _, sums = self.target_sums(out["target"], batch["target"])
             parts["target"] = world * total_loss / counts.target_weight
             metrics.update({name: value / counts.samples for name, value in sums.items()})
+        if "count" in out:
+            squares, _ = self.count_sums(out["count"], batch["counts"])
+            parts["count"] = world * squares / counts.asvs.clamp(min=1.0)
         backward = sum(self.weights[name] * value for name, value in parts.items())
         if embedding_grad is not None:  # d(weighted UniFrac part)/d(embedding) = weight x the cached gradient
             embedding = out["sample_embedding"].float()

@@ -84,6 +84,8 @@ def why_not(cfg: DictConfig, model: torch.nn.Module, loss_fn: Any, world_size: i
         )
     if not isinstance(model, AAM):
         return f"model {cfg.model.get('_target_')} is not AAM: only AAM runs its heads on given embeddings"
+    if model.count_head is not None:
+        return "model.count_head=true: the count head reads each ASV's state and count, which are not cached"
     if not hasattr(loss_fn, "hides_bases"):
         return f"loss {cfg.loss.get('_target_')} is not AAMLoss: it may not take a batch of embeddings"
     if loss_fn.hides_bases:

@@ -60,6 +60,15 @@ SIZES = [
         "target_head": "transformer",
         "target_layers": 2,
     },
+    {  # the original AAM's count head: a transformer over the per-ASV states, a Linear(D, 1) on each
+        "embedding_dim": 32,
+        "num_heads": 2,
+        "asv_layers": 1,
+        "sample_layers": 1,
+        "encoder_layers": 1,
+        "count_head": True,
+        "count_layers": 2,
+    },
 ]
 
 
