@@ -234,6 +234,7 @@ BEFORE_THE_KEY = {
     "loss.under_weight": 1.0,
     "model.target_activation": "none",
     "model.count_head": False,
+    "data.asv_sampling": "abundance",
     "loss.count_weight": 1.0,
 }
 

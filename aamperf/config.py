@@ -29,6 +29,7 @@ def choices(name: str, *values: str) -> type[StrEnum]:
 DataSource = choices("DataSource", "simulated", "biom")
 UnifracMode = choices("UnifracMode", "batch", "precomputed")
 UnifracMetric = choices("UnifracMetric", "unweighted", "weighted_normalized")
+AsvSampling = choices("AsvSampling", "abundance", "first", "random")
 Dtype = choices("Dtype", "fp32", "bf16", "fp16", "auto")
 MatmulPrecision = choices("MatmulPrecision", "highest", "high", "medium")
 Residual = choices("Residual", "fp32", "autocast")
@@ -95,7 +96,11 @@ class DataConfig:
     unifrac_metric: UnifracMetric = UnifracMetric.unweighted
     # pipeline
     rarefy_depth: int = 1000
-    max_asvs: int = "${model.max_asvs}"  # type: ignore[assignment]  # keep the most abundant per sample
+    max_asvs: int = "${model.max_asvs}"  # type: ignore[assignment]  # ASVs a sample keeps (asv_sampling's)
+    # which of a sample's ASVs it keeps when it has more than max_asvs (aamperf/data/samples.py): abundance
+    # (the most abundant), first (the first in the table's order: the original AAM's default), random (a
+    # new draw each pass over the training samples; validation and predict draw 0 unless predict.passes)
+    asv_sampling: AsvSampling = AsvSampling.abundance
     val_fraction: float = 0.2
     # a text file of sample ids, one per line (as the original AAM's <output>/val_samples.txt): those samples
     # validate, every other sample of the data trains, and val_fraction is not used; null: the seeded split

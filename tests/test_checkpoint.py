@@ -94,9 +94,9 @@ def test_a_checkpoint_of_another_model_is_refused_with_the_fix(make_cfg, tmp_pat
 
 # keys of the groups a resume keeps, added since: a checkpoint written before them ran as their defaults
 ADDED_KEYS = {
-    "data": ["unifrac_metric"],
-    "loss": ["mask_strategy", "over_weight", "under_weight"],
-    "model": ["target_activation"],
+    "data": ["unifrac_metric", "asv_sampling"],
+    "loss": ["mask_strategy", "over_weight", "under_weight", "count_weight"],
+    "model": ["target_activation", "count_head", "count_layers"],
 }
 
 

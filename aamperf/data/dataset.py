@@ -1,6 +1,7 @@
 """Samples as unpadded ASV lists, the collate that pads them and slices UniFrac, the split and the loaders."""
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -10,7 +11,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, RandomSampler, Subset
+from torch.utils.data import DataLoader, RandomSampler, Sampler, Subset
 
 from aamperf.data.branches import batch_matrix
 from aamperf.data.categorical import check_columns, learn_categories
@@ -185,10 +186,13 @@ def make_loaders(
         if loader.prefetch_factor is not None:
             kwargs["prefetch_factor"] = loader.prefetch_factor
     train_set = Subset(dataset, train_idx)
+    sampler = RandomSampler(train_set, generator=torch.Generator().manual_seed(seed))
+    if getattr(dataset, "draws_anew", False):  # data.asv_sampling=random: each pass its own draw
+        train_set, sampler = Draws(dataset, train_idx), DrawSampler(sampler)
     train = DataLoader(
         train_set,
         batch_size=batch_size,
-        sampler=RandomSampler(train_set, generator=torch.Generator().manual_seed(seed)),
+        sampler=sampler,
         generator=torch.Generator().manual_seed(seed),  # worker seeds only
         **kwargs,
     )
@@ -202,6 +206,35 @@ def make_loaders(
         )
     val = DataLoader(Subset(dataset, val_idx), batch_size=val_batch, shuffle=False, **kwargs)
     return train, val
+
+
+class Draws(Subset):
+    """The training samples where each pass draws their ASVs anew (data.asv_sampling=random): indexed by
+    (draw, position) as `DrawSampler` yields them (any worker reads the same item for a key); by position
+    alone, draw 0."""
+
+    def __getitem__(self, key: int | tuple[int, int]) -> dict:
+        draw, k = key if isinstance(key, tuple) else (0, key)
+        return self.dataset.item(self.indices[k], draw)
+
+    def __getitems__(self, keys: list) -> list[dict]:
+        return [self[key] for key in keys]
+
+
+class DrawSampler(Sampler):
+    """A RandomSampler's positions, each with the pass's draw: a number taken from the sampler's own
+    generator as the pass begins, so a resumed run (the generator's state at the pass's start: BatchStream)
+    draws the same ASVs again."""
+
+    def __init__(self, sampler: RandomSampler):
+        self.sampler, self.generator = sampler, sampler.generator
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        draw = int(torch.randint(1 << 62, (), generator=self.generator))
+        return ((draw, k) for k in self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
 
 
 def step_loader(loader: DataLoader, micro_batches: int) -> DataLoader:

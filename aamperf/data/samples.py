@@ -44,6 +44,25 @@ def top_asvs(
     return column_rows[order], column_counts[order]
 
 
+ASV_SAMPLINGS = ("abundance", "first", "random")  # data.asv_sampling: `sample_asvs`
+
+
+def sample_asvs(
+    rows: np.ndarray, counts: np.ndarray, max_asvs: int, how: str, key: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ASVs of one sample (its observation rows, ascending, and their counts) the model reads, by
+    data.asv_sampling: `abundance` its `max_asvs` most abundant; `first` its first `max_asvs` in the table's
+    order (the original AAM's default); `random` `max_asvs` of them drawn without replacement by a generator
+    of `key` (data.seed, the sample's id, the draw: the same draw in every process). Each way most abundant
+    first, so that a slot's position means what it means under `abundance`."""
+    if how == "first":
+        rows, counts = rows[:max_asvs], counts[:max_asvs]
+    elif how == "random" and len(rows) > max_asvs:
+        kept = np.sort(np.random.default_rng(key).choice(len(rows), max_asvs, replace=False))
+        rows, counts = rows[kept], counts[kept]
+    return top_asvs(rows, counts, max_asvs)
+
+
 class Ragged:
     """Rows of different lengths: row i is values[ptr[i]:ptr[i + 1]]. The values are an array in memory,
     or a raw int32 file read one row at a time (a positioned read: no file position shared after a fork)."""
@@ -98,17 +117,44 @@ class SampleDataset(Dataset):
         # [n_samples, columns] long: each sample's categories (data.categorical), set once the training
         # samples' vocabularies are known (aamperf/data/categorical.py); None without conditioning
         self.categorical: torch.Tensor | None = None
+        # data.asv_sampling other than `abundance` (`sample_by`): how, the draws' key of each sample, and each
+        # observation's real tokens (a sample's n_tokens then follows its draw)
+        self.asv_sampling, self.keys, self.real_tokens = "abundance", None, None
+
+    def sample_by(self, how: str, seed: int, ids: list[str], real_tokens: np.ndarray) -> None:
+        """Keep each sample's ASVs by data.asv_sampling `how` (`sample_asvs`): the samples' `ids` and
+        data.seed key the random draws; `real_tokens` [observations]: each ASV's real nucleotides."""
+        self.asv_sampling, self.real_tokens = how, real_tokens
+        self.keys = [(seed, zlib.crc32(sid.encode())) for sid in ids]
+        if how == "first":  # the same ASVs every time: their tokens once
+            self.n_tokens = np.array([self.item(i)["n_tokens"] for i in range(len(self))], dtype=np.int64)
+
+    @property
+    def draws_anew(self) -> bool:
+        """Does a sample's item change from one pass to the next (`item`'s `draw`)?"""
+        return self.asv_sampling == "random"
 
     def __len__(self) -> int:
         return len(self.n_tokens)
 
     def __getitem__(self, i: int) -> dict:
-        rows, counts = top_asvs(self.rows[i], self.reads[i], self.max_asvs)
+        return self.item(i)
+
+    def item(self, i: int, draw: int = 0) -> dict:
+        """Sample i as the model reads it; under data.asv_sampling=random its ASVs of draw `draw` (0: the
+        draw validation and predict read)."""
+        if self.asv_sampling == "abundance":
+            rows, counts = top_asvs(self.rows[i], self.reads[i], self.max_asvs)
+            n_tokens = int(self.n_tokens[i])
+        else:
+            key = (*self.keys[i], draw)
+            rows, counts = sample_asvs(self.rows[i], self.reads[i], self.max_asvs, self.asv_sampling, key)
+            n_tokens = int(self.real_tokens[rows].sum())
         item = {
             "asv_idx": torch.from_numpy(rows.astype(np.int64)),
             "counts": torch.from_numpy(counts.astype(np.float32)),
             "sample_idx": i,
-            "n_tokens": int(self.n_tokens[i]),
+            "n_tokens": n_tokens,
         }
         if self.target is not None:
             item["target"] = self.target[i]
@@ -206,7 +252,7 @@ class Samples:
     files: dict[str, Any]  # table / tree / unifrac / metadata / sequences as resolved
     without_target: int  # samples of the table left out for want of a target value (training only)
     too_shallow: list[str]  # samples with fewer reads than data.rarefy_depth: left out
-    n_asvs: int  # distinct ASVs among the samples' max_asvs most abundant
+    n_asvs: int  # distinct ASVs a run may read: among the ones data.asv_sampling keeps (`keep_asvs_by`)
     branch_lengths: np.ndarray | None = None  # of the branches the samples' branch sets index (batch UniFrac)
     sequences_cut: int = 0  # observations of the table longer than ASV_BP bases: cut to their first ASV_BP
     longest_sequence_bp: int = 0  # of the table's observations
@@ -243,7 +289,24 @@ def read_samples(
     kept, cut = len(chunk.kept_asvs), int((lengths > ASV_BP).sum())
     samples = Samples(chunk.ids, dataset, tokens, files, without_target, chunk.too_shallow, kept)
     samples.sequences_cut, samples.longest_sequence_bp = cut, int(lengths.max())
+    keep_asvs_by(samples, cfg)
     return samples
+
+
+def keep_asvs_by(samples: Samples, cfg: DictConfig) -> None:
+    """The samples' ASVs kept by data.asv_sampling (`sample_asvs`; `abundance`, the store's, changes
+    nothing); `n_asvs` then counts the distinct ASVs a run may read: the first ones, or under `random` every
+    ASV of the samples."""
+    how = str(cfg.get("asv_sampling", "abundance"))
+    if how == "abundance":
+        return
+    dataset = samples.dataset
+    dataset.sample_by(how, cfg.seed, samples.ids, count_real_tokens(samples.tokens).numpy())
+    if how == "random":
+        samples.n_asvs = len(np.unique(dataset.rows.all()))
+    else:
+        first = [dataset[i]["asv_idx"].numpy() for i in range(len(dataset))]
+        samples.n_asvs = len(np.unique(np.concatenate(first)))
 
 
 def warn_too_shallow(too_shallow: list[str], total: int, depth: int) -> None:

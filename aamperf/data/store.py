@@ -39,6 +39,7 @@ from aamperf.data.samples import (
     Ragged,
     SampleDataset,
     Samples,
+    keep_asvs_by,
     no_sample_deep_enough,
     rarefy_chunk,
     table_tokens,
@@ -282,4 +283,5 @@ def open_store(path: Path, cfg: DictConfig, files: dict) -> Samples:
     samples = Samples(ids, dataset, tokens, files, without_target, too_shallow, n_asvs, lengths)
     samples.sequences_cut, samples.longest_sequence_bp = sequences_cut, longest_bp
     samples.missing_lengths = missing_lengths
+    keep_asvs_by(samples, cfg)
     return samples

@@ -37,6 +37,9 @@ class PredictData:
     metadata: str | None = None  # TSV, first column the sample id
     target: str | None = None  # the column to compare predicted targets with (default: the run's column)
     sequences: str | None = None  # FASTA id -> sequence, when observation ids are not sequences
+    # which ASVs of a sample with more than max_asvs the model reads: null the run's data.asv_sampling;
+    # abundance | first | random (draw 0, and with `passes` draws 0 to passes - 1)
+    asv_sampling: str | None = None
 
 
 @dataclass
@@ -77,6 +80,9 @@ class PredictConfig:
     # at a time, so memory does not grow with it; 0: the whole table at once
     chunk_samples: int = 10000
     pairwise: bool = False  # also the predicted UniFrac between every pair of samples (unifrac.npy, n x n)
+    # data.asv_sampling=random: each sample through the model this many times, each with its own draw of ASVs;
+    # written: the mean embedding and target (a class's mean probabilities), a regression's `predicted_std`
+    passes: int = 1
     # the inference level: the training groups that apply to a forward pass, plus quantize (conf/inference/)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)

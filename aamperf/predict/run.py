@@ -11,15 +11,15 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from aamperf.allocator import PREDICT, check_allocator
 from aamperf.batch_size import find_forward_batch
 from aamperf.checks import cache_file_problem, check_values
 from aamperf.data.categorical import saved_vocabularies
-from aamperf.data.dataset import Collate
-from aamperf.data.samples import read_samples
+from aamperf.data.dataset import Collate, Draws
+from aamperf.data.samples import ASV_SAMPLINGS, read_samples
 from aamperf.data.tables import resolve_files, table_ids
 from aamperf.device import resolve_device, to_device
 from aamperf.distributed import World, close_world, join_world, torchrun_env
@@ -56,6 +56,8 @@ def data_config(run_data: dict[str, Any], new: DictConfig, target: SavedTarget |
         cfg.source, cfg.table, cfg.tree, cfg.unifrac = "biom", new.table, None, None
         cfg.metadata, cfg.sequences = new.metadata, new.sequences
         cfg.target = (new.target or cfg.get("target")) if new.metadata is not None else None
+    if new.get("asv_sampling") is not None:
+        cfg.asv_sampling = new.asv_sampling
     if cfg.get("target") is not None and target is not None:
         cfg.target_type = target.spec.kind
     return cfg
@@ -95,6 +97,11 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             raise UserError(f"batch_size={cfg.batch_size}: give a number >= 1, or auto")
         if cfg.quality_samples < 0 or cfg.chunk_samples < 0:
             raise UserError("quality_samples and chunk_samples must be >= 0")
+        if cfg.data.asv_sampling not in (None, *ASV_SAMPLINGS):
+            raise UserError(
+                f"data.asv_sampling={cfg.data.asv_sampling} must be null (the run's) or one of "
+                + ", ".join(ASV_SAMPLINGS)
+            )
         if cfg.bench.enabled and world.world_size > 1:
             raise UserError("bench.enabled=true measures one process: run it without torchrun")
         payload = read_model_file(Path(cfg.run))
@@ -111,6 +118,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         target = read_saved_target(payload, Path(cfg.run) / MODEL_FILE)
         vocabularies = saved_vocabularies(payload.get("categorical"), Path(cfg.run) / MODEL_FILE)
         data_cfg = data_config(payload["config"]["data"], cfg.data, target)
+        check_passes(cfg.passes, data_cfg.get("asv_sampling", "abundance"))
         check_metadata(vocabularies, data_cfg, cfg.run)
         if vocabularies and cfg.export:
             raise UserError(
@@ -168,7 +176,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             }
             summary["bench"] = latencies(model, autocast, sizes, cfg)
             mine = apply_model(
-                model, autocast, samples, range(min(n, cfg.quality_samples)), cfg, device, False
+                model, autocast, samples, range(min(n, cfg.quality_samples)), cfg, device, False, passes=1
             )
             summary.update(n_samples=n, quality=check_quality(mine, samples, cfg, device, target))
         else:
@@ -178,7 +186,8 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             summary.update(n_samples=len(read["ids"]), too_shallow=read["too_shallow"])
             record_chunk_masks(phases["aam_ops"], cfg.aam_ops, read["unmasked"])
             if world.is_main:  # the first samples through the fp32 eager model too
-                summary["quality"] = check_quality(mine, samples, cfg, device, target)
+                level = (model, autocast)
+                summary["quality"] = check_quality(mine, samples, cfg, device, target, level)
             parts = gather_shares(out_dir, mine, world)
             if not world.is_main:
                 completed = True
@@ -187,7 +196,9 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             observed = observed_values(metadata, data_cfg.get("target"), read["ids"], target)
             summary["categorical"] = category_record(vocabularies, metadata, read["ids"])
             stop_if_signalled()  # a stop signal that code on the way swallowed: no file written after it
-            summary.update(write_predictions(out_dir, read, parts, cfg.pairwise, target, observed))
+            summary.update(
+                write_predictions(out_dir, read, parts, cfg.pairwise, target, observed, cfg.passes)
+            )
             if exported is not None:
                 summary["files"][exported["file"]] = (
                     "the model as a torch.export program: torch.export.load(path).module()"
@@ -198,6 +209,17 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         return summary
     finally:  # after a failure no barrier: a peer may never reach it
         close_world(completed=completed)
+
+
+def check_passes(passes: int, asv_sampling: str) -> None:
+    """`passes` > 1 reads each sample's ASVs anew each pass: only where they are drawn (random)."""
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise UserError(f"passes={passes} must be an integer >= 1")
+    if passes > 1 and asv_sampling != "random":
+        raise UserError(
+            f"passes={passes} reads each sample's ASVs anew each pass, which data.asv_sampling="
+            f"{asv_sampling} does not (the same ASVs every time): set data.asv_sampling=random, or passes=1"
+        )
 
 
 def sample_chunks(data_cfg: DictConfig, chunk_samples: int, batch_size: int) -> list[list[str] | None]:
@@ -279,14 +301,19 @@ def concat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(kept) if kept else tensors[0]
 
 
-def check_quality(mine: dict, samples, cfg: DictConfig, device, target: SavedTarget | None) -> dict | None:
-    """The level against the fp32 eager model on the first `quality_samples` samples (None: none asked)."""
+def check_quality(
+    mine: dict, samples, cfg: DictConfig, device, target: SavedTarget | None, level_model=None
+) -> dict | None:
+    """The level against the fp32 eager model on the first `quality_samples` samples (None: none asked).
+    Over `passes`, their first draw, through the level's (model, autocast) `level_model` again."""
     rows = range(min(cfg.quality_samples, len(mine["embedding"]), len(samples.ids)))
     if not len(rows):
         return None
     reference, _ = load_model(Path(cfg.run), device)
-    plain = apply_model(reference, nullcontext, samples, rows, cfg, device, False)
+    plain = apply_model(reference, nullcontext, samples, rows, cfg, device, False, passes=1)
     level = {key: mine[key][: len(rows)] for key in ("embedding", "predicted")}
+    if level_model is not None and cfg.passes > 1:  # means over draws: the level's first draw compared
+        level = apply_model(*level_model, samples, rows, cfg, device, False, passes=1)
     return quality(plain, level, target)
 
 
@@ -300,23 +327,36 @@ def collate_of(samples) -> Collate:
     return Collate(samples.tokens, None, pad_to=None)
 
 
-def apply_model(model, autocast, samples, share: range, cfg: DictConfig, device, show: bool) -> dict:
+def apply_model(
+    model, autocast, samples, share: range, cfg: DictConfig, device, show: bool, passes: int | None = None
+) -> dict:
     """These samples through the model: their embeddings, target outputs in the model's units (empty
-    without a target head) and each batch's seconds."""
-    loader = DataLoader(
-        Subset(samples.dataset, share), batch_size=cfg.batch_size, collate_fn=collate_of(samples)
-    )
-    embeddings, predicted, latencies = [torch.zeros(0, 0)], [torch.zeros(0)], []
-    for batch in tqdm(loader, desc="predict", unit="batch", disable=not show, dynamic_ncols=True):
-        begin = time.perf_counter()
-        out = forward(model, to_device(batch, device), autocast)
-        embeddings.append(out["sample_embedding"].float().cpu())  # host sync: the batch is done
-        if "target" in out:
-            predicted.append(out["target"].float().cpu().squeeze(1))
-        latencies.append(time.perf_counter() - begin)
+    without a target head) and each batch's seconds. `passes` (default cfg.passes) > 1: each sample that
+    many times, draws 0, 1, ... of its ASVs (data.asv_sampling=random): the mean embedding, and the target
+    outputs of every pass [n, passes, outputs] (`target_table` averages them in the target's units)."""
+    passes = cfg.passes if passes is None else passes
+    embeddings, predicted, latencies = [], [], []
+    for draw in range(passes):
+        keys = [(draw, k) for k in range(len(share))]
+        loader = DataLoader(
+            Draws(samples.dataset, list(share)), batch_size=cfg.batch_size, sampler=keys,
+            collate_fn=collate_of(samples),
+        )  # fmt: skip
+        mine = [torch.zeros(0, 0)], [torch.zeros(0)]
+        bar = tqdm(loader, desc="predict" if passes == 1 else f"predict, pass {draw + 1} of {passes}",
+                   unit="batch", disable=not show, dynamic_ncols=True)  # fmt: skip
+        for batch in bar:
+            begin = time.perf_counter()
+            out = forward(model, to_device(batch, device), autocast)
+            mine[0].append(out["sample_embedding"].float().cpu())  # host sync: the batch is done
+            if "target" in out:
+                mine[1].append(out["target"].float().cpu().squeeze(1))
+            latencies.append(time.perf_counter() - begin)
+        embeddings.append(torch.cat(mine[0][1:]) if len(mine[0]) > 1 else torch.zeros(0, 0))
+        predicted.append(torch.cat(mine[1]))
     return {
-        "embedding": torch.cat(embeddings[1:]) if len(embeddings) > 1 else torch.zeros(0, 0),
-        "predicted": torch.cat(predicted),
+        "embedding": torch.stack(embeddings).mean(0),
+        "predicted": predicted[0] if passes == 1 else torch.stack(predicted, dim=1),
         "latencies": torch.tensor(latencies, dtype=torch.float64),
     }
 

@@ -138,23 +138,30 @@ def in_own_units(target: SavedTarget, outputs: torch.Tensor) -> torch.Tensor:
 
 
 def target_table(
-    ids: list[str], outputs: torch.Tensor, target: SavedTarget, observed: pd.Series | None
+    ids: list[str], outputs: torch.Tensor, target: SavedTarget, observed: pd.Series | None, passes: int = 1
 ) -> pd.DataFrame:
     """One row per sample: a regression's `predicted` value (and `predicted_q<q>` per quantile) in the
     target's own units; a classification's `predicted` class and `p_<class>` per class; the `observed`
-    value or class where the metadata has the column (NaN for a sample without one)."""
+    value or class where the metadata has the column (NaN for a sample without one). `passes` > 1: the
+    outputs of each pass's draw of ASVs, [n, passes, ...]: the mean of the passes' values (a class's
+    probabilities), and a regression's `predicted_std`, their standard deviation (the original AAM's
+    --output-variance: numpy's, over the passes)."""
     index = pd.Index(ids, name="sample_id")
+    each = outputs.reshape(len(ids) * passes, -1)  # a row per sample and pass
     if target.spec.is_classification:
-        chances = probabilities(outputs).numpy()
+        chances = probabilities(each).reshape(len(ids), passes, -1).mean(dim=1).numpy()
         classes = target.spec.classes
         table = pd.DataFrame({"predicted": [classes[k] for k in chances.argmax(axis=1)]}, index=index)
         for k, name in enumerate(classes):
             table[f"p_{name}"] = chances[:, k]
     else:
-        own = in_own_units(target, outputs).numpy()
-        table = pd.DataFrame({"predicted": own[:, point_column(target)]}, index=index)
+        own = in_own_units(target, each).reshape(len(ids), passes, -1)
+        point = point_column(target)
+        table = pd.DataFrame({"predicted": own[:, :, point].mean(dim=1).numpy()}, index=index)
         for k, q in enumerate(target.quantiles):
-            table[f"predicted_q{q:g}"] = own[:, k]
+            table[f"predicted_q{q:g}"] = own[:, :, k].mean(dim=1).numpy()
+        if passes > 1:
+            table["predicted_std"] = own[:, :, point].std(dim=1, correction=0).numpy()
     if observed is not None:
         table.insert(1, "observed", observed.to_numpy())
     return table

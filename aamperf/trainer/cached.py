@@ -82,6 +82,8 @@ def why_not(cfg: DictConfig, model: torch.nn.Module, loss_fn: Any, world_size: i
         return (
             f"finetune.freeze={freeze}: {trains}, so embeddings change every step (finetune.freeze=encoder)"
         )
+    if cfg.data.get("asv_sampling") == "random":
+        return "data.asv_sampling=random: a sample's ASVs, and so its embedding, change every pass"
     if not isinstance(model, AAM):
         return f"model {cfg.model.get('_target_')} is not AAM: only AAM runs its heads on given embeddings"
     if model.count_head is not None:
