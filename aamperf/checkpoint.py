@@ -234,6 +234,9 @@ BEFORE_THE_KEY = {
     "loss.under_weight": 1.0,
     "model.target_activation": "none",
     "model.count_head": False,
+    "model.target_hidden_dims": [],
+    "model.target_dropout": 0.0,
+    "model.target_residual": False,
     "data.asv_sampling": "abundance",
     "loss.count_weight": 1.0,
 }

@@ -31,7 +31,7 @@ FRESH = (
 # weights compute (num_heads splits the same tensors into other heads) and is refused.
 CHANGEABLE = (
     "dropout", "target_dim", "target_head", "target_layers", "categorical_sizes", "categorical_fusion",
-    "count_head", "count_layers",
+    "count_head", "count_layers", "target_hidden_dims", "target_dropout", "target_residual",
 )  # fmt: skip
 # The modules (aamperf/model/aam.py) each `finetune.freeze` option keeps as pretrained.
 ASV_LEVEL = ("token_embedding", "base_position", "asv_encoder", "asv_pool")

@@ -96,7 +96,14 @@ def test_a_checkpoint_of_another_model_is_refused_with_the_fix(make_cfg, tmp_pat
 ADDED_KEYS = {
     "data": ["unifrac_metric", "asv_sampling"],
     "loss": ["mask_strategy", "over_weight", "under_weight", "count_weight"],
-    "model": ["target_activation", "count_head", "count_layers"],
+    "model": [
+        "target_activation",
+        "count_head",
+        "count_layers",
+        "target_hidden_dims",
+        "target_dropout",
+        "target_residual",
+    ],
 }
 
 

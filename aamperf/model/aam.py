@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from aamperf.model.aam_flops import FlopCount
-from aamperf.model.layers import AttentionPooling, Transformer
+from aamperf.model.layers import MLP, AttentionPooling, Transformer
 from aamperf.model.packed import Packing
 from aamperf.tokens import PAD, TOKENS_PER_ASV, VOCAB_SIZE
 
@@ -73,9 +73,23 @@ def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
     sizes = args["categorical_sizes"]
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
         problems.append(f"{prefix}categorical_sizes={list(sizes)} must be a list of integers >= 0")
-    dropout = args["dropout"]
-    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
-        problems.append(f"{prefix}dropout={dropout} must be a number in [0, 1)")
+    for name in ("dropout", "target_dropout"):
+        value = args[name]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+            problems.append(f"{prefix}{name}={value} must be a number in [0, 1)")
+    hidden = args["target_hidden_dims"]
+    if isinstance(hidden, str) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in hidden
+    ):
+        problems.append(
+            f"{prefix}target_hidden_dims={hidden} must be a list of integers >= 1 (the MLP's widths)"
+        )
+    elif args["target_residual"] and not len(hidden):
+        problems.append(
+            f"{prefix}target_residual=true adds a Linear beside the MLP of {prefix}target_hidden_dims, "
+            f"which is empty: give its widths ({prefix}target_hidden_dims=[64]) or "
+            f"{prefix}target_residual=false"
+        )
     return problems
 
 
@@ -163,6 +177,10 @@ class AAM(FlopCount, nn.Module):
     [B, S, D] (those states, 0 on padding ASVs) and `asv_real` [B, S] bool: forward(sample_embedding=,
     asv_states=, asv_real=) runs the heads on them. A training step does not copy them.
 
+    `target_hidden_dims` (the original's --regressor-hidden-dims): the target head's Linear becomes an MLP of
+    those widths (ReLU, and Dropout of `target_dropout` after each), plus a Linear of its input with
+    `target_residual` (`layers.MLP`).
+
     `count_head` (the original AAM's count prediction, on by default in its `aam train`): a transformer of
     `count_layers` layers (None: `sample_layers`, as the original's) over the sample encoder's per-ASV
     states, then Linear(D, 1) and a sigmoid: the outputs add `count` [B, S], each ASV's predicted count
@@ -210,6 +228,9 @@ class AAM(FlopCount, nn.Module):
         target_activation: str = "none",
         count_head: bool = False,
         count_layers: int | None = None,
+        target_hidden_dims: Sequence[int] = (),
+        target_dropout: float = 0.0,
+        target_residual: bool = False,
     ):
         problems = argument_problems({k: v for k, v in locals().items() if k not in ("self", "__class__")})
         if problems:
@@ -234,7 +255,14 @@ class AAM(FlopCount, nn.Module):
         self.sample_transformer = Transformer(dim, num_heads, sample_layers, ffn_mult, dropout)
         self.encoder_transformer = Transformer(dim, num_heads, encoder_layers, ffn_mult, dropout)
         self.sample_pool = AttentionPooling(dim)
-        self.target_head = nn.Linear(dim, target_dim) if target_dim > 0 else None
+        self.target_head = None  # a Linear, or an MLP of target_hidden_dims (the original's regressor head)
+        if target_dim > 0:
+            hidden = list(target_hidden_dims)
+            self.target_head = (
+                MLP(dim, target_dim, hidden, target_dropout, target_residual)
+                if hidden
+                else nn.Linear(dim, target_dim)
+            )
         self.target_activation = TARGET_ACTIVATIONS[target_activation]
         # target_head=transformer: the head's own stack and pooling over the per-ASV states
         self.target_encoder = self.target_pool = None

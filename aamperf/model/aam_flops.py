@@ -9,6 +9,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from aamperf.tokens import PAD
 
 
+def linears(module: nn.Module) -> list[nn.Linear]:
+    """The nn.Linear layers of `module`, itself included."""
+    return [m for m in module.modules() if isinstance(m, nn.Linear)]
+
+
 class FlopCount:
     """The FLOP counts of an AAM: reads its sizes (embedding_dim, ffn_mult, seq_len, layers, vocab_size,
     target_dim), its stacks and heads, and how the phases set it up (pack_samples, count_encoded_rows)."""
@@ -75,7 +80,8 @@ class FlopCount:
         if self.target_head is None:
             return 0
         dim, samples = self.embedding_dim, len(widths)
-        linear = 2 * samples * dim * self.target_dim
+        # its Linear, or every Linear of its MLP (aamperf/model/layers.py MLP)
+        linear = 2 * samples * sum(m.in_features * m.out_features for m in linears(self.target_head))
         conditioned = samples if self.target_encoder is None else sum(widths)
         condition = 0
         if self.categorical_projection is not None:

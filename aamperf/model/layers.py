@@ -5,6 +5,7 @@ SDPA may use its fused kernels) or a `Packing` (samples packed along one axis, x
 and pools over its own positions)."""
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -150,3 +151,25 @@ class AttentionPooling(nn.Module):
             scores = scores.masked_fill(~real, torch.finfo(scores.dtype).min)
         weights = F.softmax(scores, dim=-1)
         return self.norm((weights.unsqueeze(1) @ x).squeeze(1))
+
+
+class MLP(nn.Module):
+    """Linear(dim, hidden[0]), ReLU (and Dropout where `dropout` > 0), ... then Linear(hidden[-1], out): the
+    original AAM's regressor head (--regressor-hidden-dims, --regressor-dropout); `residual` adds a
+    Linear(dim, out) of the input to it (its --residual-regression-head: output = Linear(x) + MLP(x))."""
+
+    def __init__(
+        self, dim: int, out: int, hidden: Sequence[int], dropout: float = 0.0, residual: bool = False
+    ):
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = dim
+        for size in hidden:
+            layers += [nn.Linear(width, size), nn.ReLU(), *([nn.Dropout(dropout)] if dropout > 0 else [])]
+            width = size
+        self.mlp = nn.Sequential(*layers, nn.Linear(width, out))
+        self.skip = nn.Linear(dim, out) if residual else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.mlp(x)
+        return y if self.skip is None else y + self.skip(x)

@@ -69,6 +69,17 @@ SIZES = [
         "count_head": True,
         "count_layers": 2,
     },
+    {  # the original AAM's regressor head: an MLP on what the transformer head pools, a Linear beside it
+        "embedding_dim": 32,
+        "num_heads": 2,
+        "asv_layers": 1,
+        "sample_layers": 1,
+        "encoder_layers": 1,
+        "target_head": "transformer",
+        "target_layers": 1,
+        "target_hidden_dims": [16, 8],
+        "target_residual": True,
+    },
 ]
 
 
@@ -153,3 +164,21 @@ def test_model_flops_are_the_same_whatever_rows_are_encoded_and_however_wide_the
     assert model_flops == hardware["narrow", "real"]  # no padding slot, every real slot encoded
     assert hardware["wide", "all"] > hardware["wide", "real"] > hardware["narrow", "real"]
     assert hardware["narrow", "unique"] < model_flops  # repeated ASVs encoded once: less than the math
+
+
+@pytest.mark.parametrize(("hidden", "residual"), [([], False), ([16, 8], False), ([16, 8], True)])
+def test_the_target_head_s_flops_match_the_flop_counter_on_the_head_alone(hidden, residual):
+    """The head on given embeddings (forward and backward, the embeddings' gradient too: 3 x forward):
+    its Linear, or every Linear of its MLP."""
+    model = AAM(
+        max_asvs=16,
+        dropout=0.0,
+        **SIZES[0],
+        target_dim=3,
+        target_hidden_dims=hidden,
+        target_residual=residual,
+    )
+    embedding = torch.randn(5, 32, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        model(sample_embedding=embedding)["target"].sum().backward()
+    assert counter.get_total_flops() == 3 * model.target_head_flops([7] * 5)

@@ -132,3 +132,47 @@ def test_a_bounded_regression_predicts_within_its_bound_and_a_classification_is_
     assert (table["observed"] < 0).any() and (table["predicted"] >= 0).all()
     with pytest.raises(UserError, match=r"^model.target_activation=sigmoid bounds a regression's output; "):
         train(make_cfg("model.target_activation=sigmoid", "data.target=environment"), tmp_path / "classes")
+
+
+@pytest.mark.parametrize("head", ["linear", "transformer"])
+def test_hidden_widths_make_the_head_an_mlp_and_residual_adds_a_linear_of_its_input(head):
+    """The original AAM's regressor head: Linear, ReLU per width, then the output Linear; with the residual,
+    plus a Linear of what the head reads (what the plain Linear head would read)."""
+    data = batch(full_length=False)
+    seen = []
+    net = model(target_head=head, target_layers=1, target_hidden_dims=[8, 4], target_residual=True).eval()
+    net.target_head.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    out = net(data["tokens"], data["counts"], asv_ids=data["asv_ids"])["target"]
+    widths = [(m.in_features, m.out_features) for m in net.target_head.mlp if isinstance(m, torch.nn.Linear)]
+    assert widths == [(32, 8), (8, 4), (4, 2)] and net.target_head.skip.in_features == 32
+    (x,) = seen
+    mlp = net.target_head.mlp
+    by_hand = mlp[4](torch.relu(mlp[2](torch.relu(mlp[0](x))))) + net.target_head.skip(x)
+    torch.testing.assert_close(out, by_hand)
+    plain = model(target_head=head, target_layers=1, target_hidden_dims=[8], target_dropout=0.5)
+    assert [type(m).__name__ for m in plain.target_head.mlp] == ["Linear", "ReLU", "Dropout", "Linear"]
+    assert plain.target_head.skip is None and isinstance(model().target_head, torch.nn.Linear)
+
+
+def test_a_bad_mlp_head_is_refused_before_a_run(make_cfg):
+    with pytest.raises(UserError, match=r"model.target_residual=true adds a Linear beside the MLP of "):
+        check_config(make_cfg("model.target_residual=true"))
+    with pytest.raises(
+        UserError, match=r"model.target_hidden_dims=\[16, 0\] must be a list of integers >= 1"
+    ):
+        check_config(make_cfg("model.target_hidden_dims=[16,0]"))
+    with pytest.raises(UserError, match=r"model.target_dropout=1.0 must be a number in \[0, 1\)"):
+        check_config(make_cfg("model.target_dropout=1.0"))
+
+
+def test_a_run_with_an_mlp_head_trains_fine_tunes_fresh_and_predicts(make_cfg, pretrained, tmp_path):
+    mlp = ["model.target_hidden_dims=[16,8]", "model.target_dropout=0.1", "model.target_residual=true"]
+    cfg = make_cfg(f"init.from_run={pretrained}", "data.target=target", *mlp)
+    summary = train(cfg, tmp_path / "run")
+    assert summary["status"] == "completed"
+    fresh = summary["finetune"]["fresh"]
+    assert "target_head.mlp.0.weight" in fresh and "target_head.skip.weight" in fresh
+    table, _ = predicted_here(tmp_path / "run", tmp_path / "out")
+    ids, outputs, payload = model_outputs(tmp_path / "run")  # the saved MLP on the tokens, by hand
+    own = outputs.squeeze(1) * payload["target"]["scale"] + payload["target"]["shift"]
+    torch.testing.assert_close(torch.tensor(table["predicted"].to_numpy()), own, rtol=1e-5, atol=1e-7)
