@@ -217,12 +217,13 @@ def _cleaned_up(tmp: Path | None, root: Path, step: int) -> Iterator[None]:
 
 
 # What a resume may not change: the model, its data and objective, the draw, the batch (the data
-# position in the checkpoint counts its batches), and what a fine-tune starts from and trains (the
-# optimizer holds the unfrozen parameters only). Everything else applies as given (the optimizer's
-# hyper-parameters too: `use_run_hyperparameters`), and summary.json `resume_changes` lists it.
+# position in the checkpoint counts its batches), what a fine-tune starts from and trains (the
+# optimizer holds the unfrozen parameters only), and the optimizer's update (its state is that update's).
+# Everything else applies as given (the optimizer's hyper-parameters too: `use_run_hyperparameters`), and
+# summary.json `resume_changes` lists it.
 RESUME_FIXED = (
     *("model", "data", "loss", "seed", "trainer.batch_size", "trainer.grad_accum_steps"),
-    *("init", "finetune.freeze"),
+    *("init", "finetune.freeze", "optimizer.algorithm"),
 )
 RESUME_IGNORED = ("trainer.resume", "data.cache_dir", "probe", "trainer.progress")
 # keys a checkpoint of an earlier version does not hold, and the value its run had
@@ -238,6 +239,8 @@ BEFORE_THE_KEY = {
     "model.target_dropout": 0.0,
     "model.target_residual": False,
     "data.asv_sampling": "abundance",
+    "optimizer.algorithm": "adamw",
+    "optimizer.momentum": 0.9,
     "loss.count_weight": 1.0,
 }
 
@@ -258,7 +261,8 @@ def check_resume(path: Path, changes: dict[str, list]) -> None:
         shown = ", ".join(f"{k}={new} (checkpoint: {old})" for k, (old, new) in list(fixed.items())[:3])
         raise UserError(
             f"cannot resume from {path} with {shown}: a resume keeps the model, data, loss, seed, batch, "
-            "init.from_run and finetune.freeze; set them back, or start a new run directory"
+            "init.from_run, finetune.freeze and optimizer.algorithm; set them back, or start a new run "
+            "directory"
         )
 
 

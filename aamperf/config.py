@@ -39,6 +39,7 @@ SdpaBackend = choices("SdpaBackend", "flash", "efficient", "cudnn", "math")
 DropoutImpl = choices("DropoutImpl", "standard", "fast")
 Checkpointing = choices("Checkpointing", "none", "full", "selective", "ops", "budget", "auto")
 OptimizerImpl = choices("OptimizerImpl", "for_loop", "foreach", "fused")
+OptimizerAlgorithm = choices("OptimizerAlgorithm", "adamw", "adam", "sgd")
 LrSchedule = choices(
     "LrSchedule", "warmup_cosine", "warmup_linear", "constant", "onecycle", "plateau", "cosine_restarts"
 )
@@ -176,9 +177,13 @@ class MemoryConfig:
 
 @dataclass
 class OptimizerConfig:
-    """AdamW implementation (`aamperf/phases/optimizer.py`); lr and weight decay are trainer.*."""
+    """The optimizer (`aamperf/phases/optimizer.py`); lr and weight decay are trainer.*."""
 
-    impl: OptimizerImpl = OptimizerImpl.for_loop
+    impl: OptimizerImpl = OptimizerImpl.for_loop  # how it runs: the group's option, the levels' choice
+    # its update: AdamW (decoupled weight decay); Adam and SGD (weight decay an L2 penalty on the gradient),
+    # the original AAM's --optimizer adam | sgd
+    algorithm: OptimizerAlgorithm = OptimizerAlgorithm.adamw
+    momentum: float = 0.9  # SGD's (the original's)
 
 
 @dataclass

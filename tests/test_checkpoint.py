@@ -120,6 +120,20 @@ def test_a_checkpoint_from_before_a_key_resumes_where_the_run_keeps_its_value(ma
         check_resume(Path("step_00000002.pt"), config_changes(saved, span))
 
 
+def test_a_resume_with_another_optimizer_update_is_refused_and_its_own_goes_on(make_cfg, tmp_path):
+    """optimizer.algorithm=sgd's state (momentum buffers) is not AdamW's: a resume keeps the update."""
+    sgd = ["optimizer.algorithm=sgd", "trainer.checkpoint_every=2", "trainer.resume=auto"]
+    train(make_cfg(*sgd, "trainer.max_steps=2"), tmp_path)
+    with pytest.raises(
+        UserError, match=r"with optimizer.algorithm=adamw \(checkpoint: sgd\): a resume keeps"
+    ):
+        train(make_cfg("trainer.checkpoint_every=2", "trainer.resume=auto", "trainer.max_steps=4"), tmp_path)
+    resumed = train(make_cfg(*sgd, "trainer.max_steps=4"), tmp_path)
+    assert resumed["resumed_from_step"] == 2 and resumed["phases"]["optimizer"]["reason"].startswith(
+        "optimizer.impl=for_loop (sgd"
+    )
+
+
 def test_a_corrupt_checkpoint_is_refused_with_the_fix(make_cfg, tmp_path):
     train(make_cfg("trainer.max_steps=2", "trainer.checkpoint_every=2"), tmp_path)
     (tmp_path / "checkpoints" / "step_00000002.pt").write_bytes(b"not a checkpoint")

@@ -47,6 +47,33 @@ def test_fused_and_plain_adamw_take_the_same_step(make_cfg):
     torch.testing.assert_close(results[0], results[1])
 
 
+@pytest.mark.parametrize("option", ["adamw_for_loop", "adamw_fused"])
+def test_the_original_s_adam_and_sgd_take_torch_s_steps(make_cfg, option):
+    """optimizer.algorithm=adam | sgd (the original AAM's --optimizer): torch's Adam (weight decay an L2
+    penalty on the gradient) and SGD with momentum 0.9, at trainer.lr and trainer.weight_decay, in the
+    group's implementation; AdamW's decoupled decay gives another step."""
+    start = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    steps = {}
+    for algorithm, reference in (
+        ("adam", lambda p, t: torch.optim.Adam([p], lr=t.lr, weight_decay=t.weight_decay)),
+        ("sgd", lambda p, t: torch.optim.SGD([p], lr=t.lr, weight_decay=t.weight_decay, momentum=0.9)),
+        ("adamw", lambda p, t: torch.optim.AdamW([p], lr=t.lr, weight_decay=t.weight_decay)),
+    ):
+        cfg = make_cfg(f"optimizer={option}", f"optimizer.algorithm={algorithm}", "trainer.weight_decay=0.1")
+        ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+        optimizer, record = build_optimizer([ours], cfg.trainer, cfg.optimizer)
+        torch_own = reference(theirs, cfg.trainer)
+        for _ in range(3):
+            for p, opt in ((ours, optimizer), (theirs, torch_own)):
+                p.grad = torch.sin(p.detach())
+                opt.step()
+        torch.testing.assert_close(ours.detach(), theirs.detach())
+        steps[algorithm] = ours.detach()
+        assert type(optimizer).__name__ == {"adam": "Adam", "sgd": "SGD", "adamw": "AdamW"}[algorithm]
+        assert record.get("algorithm", algorithm) == algorithm and algorithm in str(record)
+    assert not torch.allclose(steps["adam"], steps["adamw"])  # weight decay: an L2 penalty or decoupled
+
+
 def test_tuned_system_sets_threads_and_records_cpu_only_skips(make_cfg):
     before = torch.get_num_threads()
     try:
