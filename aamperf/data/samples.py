@@ -126,8 +126,6 @@ class SampleDataset(Dataset):
         data.seed key the random draws; `real_tokens` [observations]: each ASV's real nucleotides."""
         self.asv_sampling, self.real_tokens = how, real_tokens
         self.keys = [(seed, zlib.crc32(sid.encode())) for sid in ids]
-        if how == "first":  # the same ASVs every time: their tokens once
-            self.n_tokens = np.array([self.item(i)["n_tokens"] for i in range(len(self))], dtype=np.int64)
 
     @property
     def draws_anew(self) -> bool:
@@ -304,9 +302,10 @@ def keep_asvs_by(samples: Samples, cfg: DictConfig) -> None:
     dataset.sample_by(how, cfg.seed, samples.ids, count_real_tokens(samples.tokens).numpy())
     if how == "random":
         samples.n_asvs = len(np.unique(dataset.rows.all()))
-    else:
-        first = [dataset[i]["asv_idx"].numpy() for i in range(len(dataset))]
-        samples.n_asvs = len(np.unique(np.concatenate(first)))
+        return
+    items = [dataset.item(i) for i in range(len(dataset))]  # `first`: the same ASVs every time
+    dataset.n_tokens = np.array([item["n_tokens"] for item in items], dtype=np.int64)
+    samples.n_asvs = len(np.unique(np.concatenate([item["asv_idx"].numpy() for item in items])))
 
 
 def warn_too_shallow(too_shallow: list[str], total: int, depth: int) -> None:

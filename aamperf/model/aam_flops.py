@@ -23,22 +23,29 @@ class FlopCount:
         """Real (not padding) ASVs of each sample of a host batch [B, S, L]."""
         return (tokens != PAD).any(dim=-1).sum(dim=1).tolist()
 
-    def checkpointed_layers(self) -> tuple[int, int, int]:
-        """Transformer layers of the ASV, sample and encoder stacks wrapped for activation checkpointing
-        (`aamperf/phases/memory.py`): each runs its forward twice (memory=ops's only their cheap ops)."""
+    def checkpointed_layers(self) -> tuple[int, int, int, int]:
+        """Transformer layers of the ASV, sample and encoder stacks, and of the heads' own stacks (the target
+        and count heads' transformers), wrapped for activation checkpointing (`aamperf/phases/memory.py`):
+        each runs its forward twice (memory=ops's only their cheap ops)."""
+        heads = [s for s in (self.target_encoder, self.count_encoder) if s is not None]
+
+        def again(
+            stack: nn.Module,
+        ) -> int:  # its layers whose matmuls run again in backward (not memory=ops's)
+            return sum(
+                isinstance(b, CheckpointWrapper) and getattr(b, "recomputes_matmuls", True)
+                for b in stack.blocks
+            )
+
         stacks = (self.asv_encoder, self.sample_transformer, self.encoder_transformer)
-
-        def again(block: nn.Module) -> bool:  # its matmuls run again in backward (not memory=ops's)
-            return isinstance(block, CheckpointWrapper) and getattr(block, "recomputes_matmuls", True)
-
-        return tuple(sum(again(b) for b in s.blocks) for s in stacks)
+        return (*(again(s) for s in stacks), sum(again(s) for s in heads))
 
     def _step_flops(
         self,
         encoded_rows: int,
         widths: list[int],
         count_rows: int,
-        recomputed: tuple[int, int, int],
+        recomputed: tuple[int, ...],
         forwards: int = 3,
     ) -> float:
         """Matmul FLOPs of forward + backward (`forwards` x forward: 3, backward being two; 4 where gradient
@@ -61,7 +68,8 @@ class FlopCount:
             + self.target_head_flops(widths)
             + self.count_head_flops(widths)
         )
-        recompute = recomputed[0] * asv_layer + (recomputed[1] + recomputed[2]) * sample_layer
+        # the heads' stacks run over the sample encoder's positions: a sample layer's FLOPs each
+        recompute = recomputed[0] * asv_layer + sum(recomputed[1:]) * sample_layer
         return float(forwards) * forward + recompute
 
     def _layer_flops(self, tokens: int, squares: int) -> int:
@@ -104,7 +112,7 @@ class FlopCount:
         batch_size: int,
         n_asvs: int,
         encoded_rows: int | None = None,
-        recomputed: tuple[int, int, int] = (0, 0, 0),
+        recomputed: tuple[int, ...] = (0, 0, 0, 0),
         forwards: int = 3,
     ) -> float:
         """Hardware FLOPs: the matmuls this code executes in one training step on a [batch_size, n_asvs,
@@ -120,7 +128,9 @@ class FlopCount:
         """Model FLOPs: the model's math on the real ASVs of a batch (`real_asvs_per_sample`), the same
         whatever the configuration: every real ASV slot encoded (a repeated ASV counts once per slot),
         each sample's encoder over its own ASVs only, no padding, no recomputation."""
-        return self._step_flops(sum(asvs_per_sample), list(asvs_per_sample), sum(asvs_per_sample), (0, 0, 0))
+        return self._step_flops(
+            sum(asvs_per_sample), list(asvs_per_sample), sum(asvs_per_sample), (0, 0, 0, 0)
+        )
 
     def batch_flops(
         self, tokens: Tensor, asv_ids: Tensor | None = None, forwards: int = 3

@@ -137,7 +137,7 @@ def test_hardware_flops_count_the_recomputation_of_checkpointed_layers(mode):
     model = AAM(max_asvs=16, dropout=0.1, **SIZES[1])  # 2 + 1 + 3 layers
     model.asv_rows = "unique"
     record = apply_checkpointing(model, OmegaConf.create({"checkpointing": mode, "recompute_every": 2}))
-    assert model.checkpointed_layers() == ((2, 1, 3) if mode == "full" else (1, 1, 2))
+    assert model.checkpointed_layers() == ((2, 1, 3, 0) if mode == "full" else (1, 1, 2, 0))
     assert record["layers"] == sum(model.checkpointed_layers())
     batch = make_batch(4, 12)
     model_flops, hardware_flops = model.batch_flops(batch["tokens"], batch["asv_ids"])
@@ -145,6 +145,17 @@ def test_hardware_flops_count_the_recomputation_of_checkpointed_layers(mode):
     assert abs(hardware_flops / counted - 1) < 0.001  # the extra forward is what torch dispatches
     model_alone = AAM(max_asvs=16, dropout=0.1, **SIZES[1])
     assert model_flops == model_alone.batch_flops(batch["tokens"], batch["asv_ids"])[0]  # not in MFU
+
+
+def test_hardware_flops_count_the_recomputed_layers_of_the_heads_own_stacks():
+    """memory=full wraps every Block, the target and count heads' transformers' too (2 + 2 layers)."""
+    heads = {"target_head": "transformer", "target_layers": 2, "count_head": True, "count_layers": 2}
+    model = AAM(max_asvs=16, dropout=0.1, **SIZES[0], **heads)
+    apply_checkpointing(model, OmegaConf.create({"checkpointing": "full", "recompute_every": 1}))
+    assert model.checkpointed_layers() == (1, 1, 1, 4)
+    batch = make_batch(4, 12)
+    _, hardware_flops = model.batch_flops(batch["tokens"], batch["asv_ids"])
+    assert abs(hardware_flops / counted_flops(model, 4, 12, batch) - 1) < 0.001
 
 
 def test_model_flops_are_the_same_whatever_rows_are_encoded_and_however_wide_the_padding():
