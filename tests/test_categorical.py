@@ -191,14 +191,17 @@ def test_predict_maps_a_category_training_never_saw_to_slot_0_and_counts_it(make
     slots = [vocabulary.index(v) + 1 if v in vocabulary else 0 for v in metadata.loc[ids, "environment"]]
     assert 0 in slots
     from aamperf.data.samples import read_samples
-    from aamperf.predict.run import collate_of
+    from aamperf.predict.run import collate_of, hidden_bases, sequence_keys
+    from aamperf.tokens import MASK
 
     cfg = make_cfg().data
     samples = read_samples(cfg, keep_unlabelled=True, sample_ids=ids)
     samples.dataset.categorical = torch.tensor(slots)[:, None]
     batch = collate_of(samples)([samples.dataset[i] for i in range(len(ids))])
+    hidden = hidden_bases(batch, sequence_keys(samples.tokens), 0, summary["masks"])  # as the run hid them
     with torch.no_grad():
-        target = model(batch["tokens"], batch["counts"], categorical=batch["categorical"])["target"]
+        tokens = batch["tokens"].masked_fill(hidden, MASK)
+        target = model(tokens, batch["counts"], categorical=batch["categorical"])["target"]
     saved = payload["target"]
     table = pd.read_csv(out / "targets.tsv", sep="\t", index_col=0)
     own = target.squeeze(1).double() * saved["scale"] + saved["shift"]

@@ -26,8 +26,9 @@ from aamperf.data.simulate import SimParams, ensure_simulated
 from aamperf.errors import UserError
 from aamperf.model.loss import predicted_unifrac
 from aamperf.predict.config import register_predict_configs
-from aamperf.predict.run import predict
+from aamperf.predict.run import hidden_bases, predict, sequence_keys
 from aamperf.run import train
+from aamperf.tokens import MASK
 from aamperf.weights import load_model
 
 TCMALLOC = find("tcmalloc")
@@ -77,8 +78,12 @@ def test_the_runs_own_samples_one_row_each_with_the_pairwise_unifrac_of_their_em
     model, payload = load_model(run_dir)
     samples = read_samples(OmegaConf.create(payload["config"]["data"]))
     batch = Collate(samples.tokens, None, pad_to=None)([samples.dataset[i] for i in range(n)])
+    # the bases hidden as the run's training hid them (predict's mask=run), pass 0's draw
+    assert summary["masks"] == {"seed": payload["config"]["seed"], "fraction": 0.15, "strategy": "random"}
+    hidden = hidden_bases(batch, sequence_keys(samples.tokens), 0, summary["masks"])
     with torch.no_grad():
-        standard = model(batch["tokens"], batch["counts"], asv_ids=batch["asv_ids"])["target"].squeeze(1)
+        tokens = batch["tokens"].masked_fill(hidden, MASK)
+        standard = model(tokens, batch["counts"], asv_ids=batch["asv_ids"])["target"].squeeze(1)
     scale = trained["target"]
     own_units = (standard * scale["std"] + scale["mean"]).numpy()
     assert np.allclose(targets["predicted"].to_numpy(), own_units, rtol=1e-4, atol=1e-6)

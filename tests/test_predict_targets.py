@@ -19,8 +19,9 @@ from aamperf.data.tables import resolve_files
 from aamperf.errors import UserError
 from aamperf.predict.bench import keeps_quality
 from aamperf.predict.config import register_predict_configs
-from aamperf.predict.run import predict
+from aamperf.predict.run import hidden_bases, predict, run_masks, sequence_keys
 from aamperf.run import train
+from aamperf.tokens import MASK
 from aamperf.weights import load_model
 
 FAST = ["trainer.lr=3e-3", "trainer.max_steps=4"]
@@ -36,12 +37,16 @@ def predicted_here(run_dir, out, *overrides: str) -> tuple[pd.DataFrame, dict]:
 
 
 def model_outputs(run_dir) -> tuple[list[str], torch.Tensor, dict]:
-    """(sample ids, the target output of model.pt on every sample of the run's data, the payload): by hand."""
+    """(sample ids, the target output of model.pt on every sample of the run's data, the payload): by hand,
+    the bases hidden as predict hides them by default (mask=run: as the run's loss hid them at step 0)."""
     model, payload = load_model(run_dir)
     samples = read_samples(OmegaConf.create(payload["config"]["data"]), keep_unlabelled=True)
     batch = Collate(samples.tokens, None, pad_to=None)([samples.dataset[i] for i in range(len(samples.ids))])
+    tokens, masks = batch["tokens"], run_masks(payload["config"], "run")
+    if masks is not None:  # pass 0's
+        tokens = tokens.masked_fill(hidden_bases(batch, sequence_keys(samples.tokens), 0, masks), MASK)
     with torch.no_grad():
-        out = model(batch["tokens"], batch["counts"], asv_ids=batch["asv_ids"])["target"]
+        out = model(tokens, batch["counts"], asv_ids=batch["asv_ids"])["target"]
     return samples.ids, out.double(), payload
 
 

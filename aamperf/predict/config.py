@@ -80,9 +80,14 @@ class PredictConfig:
     # at a time, so memory does not grow with it; 0: the whole table at once
     chunk_samples: int = 10000
     pairwise: bool = False  # also the predicted UniFrac between every pair of samples (unifrac.npy, n x n)
-    # data.asv_sampling=random: each sample through the model this many times, each with its own draw of ASVs;
-    # written: the mean embedding and target (a class's mean probabilities), a regression's `predicted_std`
+    # each sample through the model this many times, each with its own draw of ASVs (data.asv_sampling=random)
+    # and of hidden bases (mask=run); written: the mean embedding and target (a class's mean probabilities),
+    # a regression's `predicted_std`
     passes: int = 1
+    # the bases each pass hides: run, as the run's training hid them (its loss.mask_fraction and
+    # mask_strategy, where its loss.nucleotide_weight > 0: the model reads what it learnt from; each pass
+    # another draw); none: whole sequences
+    mask: str = "run"
     # the inference level: the training groups that apply to a forward pass, plus quantize (conf/inference/)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)

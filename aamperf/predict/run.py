@@ -4,6 +4,7 @@ inference level its config composes, the files written (aamperf/predict/__init__
 import logging
 import shutil
 import time
+import zlib
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -29,6 +30,7 @@ from aamperf.interrupts import stop_if_signalled
 from aamperf.metrics.flops import cpu_description
 from aamperf.metrics.monitor import peak_rss, reset_peak_rss
 from aamperf.model import AAM
+from aamperf.model.loss import nucleotide_mask
 from aamperf.phases.aam_ops import set_full_length, unmask_for
 from aamperf.phases.system import allocator_record, given, malloc_record, thread_record, threads_for_quota
 from aamperf.predict.bench import latencies
@@ -37,6 +39,7 @@ from aamperf.predict.export import export_model
 from aamperf.predict.levels import apply_levels, forward, quality
 from aamperf.predict.outputs import write_predictions
 from aamperf.predict.target import SavedTarget, observed_values, read_saved_target
+from aamperf.tokens import MASK
 from aamperf.weights import MODEL_FILE, OWN_MODELS, build_model, load_model, read_model_file
 
 log = logging.getLogger(__name__)
@@ -118,7 +121,8 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         target = read_saved_target(payload, Path(cfg.run) / MODEL_FILE)
         vocabularies = saved_vocabularies(payload.get("categorical"), Path(cfg.run) / MODEL_FILE)
         data_cfg = data_config(payload["config"]["data"], cfg.data, target)
-        check_passes(cfg.passes, data_cfg.get("asv_sampling", "abundance"))
+        masks = run_masks(payload["config"], cfg.mask)
+        check_passes(cfg.passes, data_cfg.get("asv_sampling", "abundance"), masks)
         check_metadata(vocabularies, data_cfg, cfg.run)
         if vocabularies and cfg.export:
             raise UserError(
@@ -162,6 +166,8 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             "chunks": len(chunks),
             "batch_size": cfg.batch_size,
             "target": None if target is None else target.describe(),  # column, transform or classes
+            "masks": masks,  # the bases each pass hid (the run's training's), or None: whole sequences
+            "passes": cfg.passes,
             "export": exported,
         }
         reset_peak_rss()
@@ -175,19 +181,18 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
                 for size in cfg.bench.batch_sizes
             }
             summary["bench"] = latencies(model, autocast, sizes, cfg)
-            mine = apply_model(
-                model, autocast, samples, range(min(n, cfg.quality_samples)), cfg, device, False, passes=1
-            )
-            summary.update(n_samples=n, quality=check_quality(mine, samples, cfg, device, target))
+            first = range(min(n, cfg.quality_samples))
+            mine = apply_model(model, autocast, samples, first, cfg, device, False, passes=1, masks=masks)
+            summary.update(n_samples=n, quality=check_quality(mine, samples, cfg, device, target, masks))
         else:
             mine, read = predict_chunks(
-                model, autocast, data_cfg, chunks, samples, cfg, device, world, read_chunk
+                model, autocast, data_cfg, chunks, samples, cfg, device, world, read_chunk, masks
             )
             summary.update(n_samples=len(read["ids"]), too_shallow=read["too_shallow"])
             record_chunk_masks(phases["aam_ops"], cfg.aam_ops, read["unmasked"])
             if world.is_main:  # the first samples through the fp32 eager model too
                 level = (model, autocast)
-                summary["quality"] = check_quality(mine, samples, cfg, device, target, level)
+                summary["quality"] = check_quality(mine, samples, cfg, device, target, masks, level)
             parts = gather_shares(out_dir, mine, world)
             if not world.is_main:
                 completed = True
@@ -211,14 +216,51 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         close_world(completed=completed)
 
 
-def check_passes(passes: int, asv_sampling: str) -> None:
-    """`passes` > 1 reads each sample's ASVs anew each pass: only where they are drawn (random)."""
+MASKS = ("run", "none")  # predict's `mask`
+AAM_LOSSES = ("aamperf.model.AAMLoss", "aamperf.model.loss.AAMLoss")  # a run's losses that hide bases
+
+
+def run_masks(run_config: dict[str, Any], mask: str) -> dict[str, Any] | None:
+    """The bases predict hides in each pass (`mask`): run, as the run's loss hid them in training
+    (`nucleotide_mask` with its seed, loss.mask_fraction and loss.mask_strategy), where it hid any (AAMLoss
+    with loss.nucleotide_weight > 0); none: whole sequences. None where nothing is hidden."""
+    if mask not in MASKS:
+        raise UserError(
+            f"mask={mask} must be one of {', '.join(MASKS)} (run: the bases the run's training hid)"
+        )
+    loss = run_config.get("loss") or {}
+    if mask == "none" or loss.get("_target_") not in AAM_LOSSES or not loss.get("nucleotide_weight", 1.0) > 0:
+        return None
+    return {
+        "seed": int(run_config.get("seed", 0)),
+        "fraction": float(loss.get("mask_fraction", 0.15)),
+        "strategy": str(loss.get("mask_strategy", "random")),
+    }
+
+
+def sequence_keys(tokens: torch.Tensor) -> torch.Tensor:
+    """[observations] long: each ASV's key for the bases predict hides, a hash of its tokens (crc32), so that
+    a sequence is masked alike in every table and chunk it is read in."""
+    return torch.tensor([zlib.crc32(row.tobytes()) for row in tokens.numpy()], dtype=torch.long)
+
+
+def hidden_bases(batch: dict[str, Any], keys: torch.Tensor, draw: int, masks: dict[str, Any]) -> torch.Tensor:
+    """The bases pass `draw` hides in a host batch (`nucleotide_mask`, as training draws them, keyed by
+    `sequence_keys` instead of the run's table rows; per ASV: the dedup phase stays exact)."""
+    ids = torch.where(batch["asv_ids"] >= 0, keys[batch["asv_ids"].clamp(min=0)], -1)
+    return nucleotide_mask(batch["tokens"], ids, draw, masks["seed"], masks["fraction"], masks["strategy"])
+
+
+def check_passes(passes: int, asv_sampling: str, masks: dict[str, Any] | None) -> None:
+    """`passes` > 1 reads each sample anew each pass: only where its ASVs are drawn (random) or its bases
+    hidden (`run_masks`)."""
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
         raise UserError(f"passes={passes} must be an integer >= 1")
-    if passes > 1 and asv_sampling != "random":
+    if passes > 1 and asv_sampling != "random" and masks is None:
         raise UserError(
-            f"passes={passes} reads each sample's ASVs anew each pass, which data.asv_sampling="
-            f"{asv_sampling} does not (the same ASVs every time): set data.asv_sampling=random, or passes=1"
+            f"passes={passes} reads each sample anew each pass, which neither data.asv_sampling="
+            f"{asv_sampling} nor the masks do (the run hid no bases, or mask=none): the same input every "
+            "time; set data.asv_sampling=random, or passes=1"
         )
 
 
@@ -244,18 +286,21 @@ def batch_share(n: int, batch_size: int, world: World) -> range:
 
 
 def predict_chunks(
-    model, autocast, data_cfg, chunks, first, cfg: DictConfig, device, world: World, read_chunk=read_samples
-):
+    model, autocast, data_cfg, chunks, first, cfg: DictConfig, device, world: World, read_chunk=read_samples,
+    masks: dict[str, Any] | None = None,
+):  # fmt: skip
     """Every chunk through the model, this rank's batches of each: (its share, with each row's place in
     the output; what was read: every sample's id, the samples too shallow). `read_chunk`: how a chunk is
-    read (with its categories where the model is conditioned)."""
+    read (with its categories where the model is conditioned); `masks`: the bases hidden (`run_masks`)."""
     shares: list[dict] = []
     read: dict[str, list] = {"ids": [], "too_shallow": [], "unmasked": []}
     for k, chunk in enumerate(chunks):
         samples = first if k == 0 else read_chunk(data_cfg, keep_unlabelled=True, sample_ids=chunk)
         read["unmasked"].append(unmask_for(model, cfg.aam_ops, samples.tokens))  # this chunk's ASVs decide
         share = batch_share(len(samples.ids), cfg.batch_size, world)
-        part = apply_model(model, autocast, samples, share, cfg, device, cfg.progress and world.is_main)
+        part = apply_model(
+            model, autocast, samples, share, cfg, device, cfg.progress and world.is_main, masks=masks
+        )
         part["rows"] = torch.arange(share.start, share.stop) + len(read["ids"])
         shares.append(part)
         read["ids"] += samples.ids
@@ -302,18 +347,19 @@ def concat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def check_quality(
-    mine: dict, samples, cfg: DictConfig, device, target: SavedTarget | None, level_model=None
+    mine: dict, samples, cfg: DictConfig, device, target: SavedTarget | None, masks=None, level_model=None
 ) -> dict | None:
-    """The level against the fp32 eager model on the first `quality_samples` samples (None: none asked).
-    Over `passes`, their first draw, through the level's (model, autocast) `level_model` again."""
+    """The level against the fp32 eager model on the first `quality_samples` samples (None: none asked),
+    both on the same input (`masks`). Over `passes`, their first draw, through the level's (model, autocast)
+    `level_model` again."""
     rows = range(min(cfg.quality_samples, len(mine["embedding"]), len(samples.ids)))
     if not len(rows):
         return None
     reference, _ = load_model(Path(cfg.run), device)
-    plain = apply_model(reference, nullcontext, samples, rows, cfg, device, False, passes=1)
+    plain = apply_model(reference, nullcontext, samples, rows, cfg, device, False, passes=1, masks=masks)
     level = {key: mine[key][: len(rows)] for key in ("embedding", "predicted")}
     if level_model is not None and cfg.passes > 1:  # means over draws: the level's first draw compared
-        level = apply_model(*level_model, samples, rows, cfg, device, False, passes=1)
+        level = apply_model(*level_model, samples, rows, cfg, device, False, passes=1, masks=masks)
     return quality(plain, level, target)
 
 
@@ -328,13 +374,16 @@ def collate_of(samples) -> Collate:
 
 
 def apply_model(
-    model, autocast, samples, share: range, cfg: DictConfig, device, show: bool, passes: int | None = None
-) -> dict:
+    model, autocast, samples, share: range, cfg: DictConfig, device, show: bool, passes: int | None = None,
+    masks: dict[str, Any] | None = None,
+) -> dict:  # fmt: skip
     """These samples through the model: their embeddings, target outputs in the model's units (empty
     without a target head) and each batch's seconds. `passes` (default cfg.passes) > 1: each sample that
-    many times, draws 0, 1, ... of its ASVs (data.asv_sampling=random): the mean embedding, and the target
-    outputs of every pass [n, passes, outputs] (`target_table` averages them in the target's units)."""
+    many times, draws 0, 1, ... of its ASVs (data.asv_sampling=random) and of the bases `masks` hides
+    (`run_masks`: pass k hides those of step k): the mean embedding, and the target outputs of every pass
+    [n, passes, outputs] (`target_table` averages them in the target's units)."""
     passes = cfg.passes if passes is None else passes
+    sequences = None if masks is None else sequence_keys(samples.tokens)
     embeddings, predicted, latencies = [], [], []
     for draw in range(passes):
         keys = [(draw, k) for k in range(len(share))]
@@ -347,6 +396,9 @@ def apply_model(
                    unit="batch", disable=not show, dynamic_ncols=True)  # fmt: skip
         for batch in bar:
             begin = time.perf_counter()
+            if masks is not None:
+                hidden = hidden_bases(batch, sequences, draw, masks)
+                batch["tokens"] = batch["tokens"].masked_fill(hidden, MASK)
             out = forward(model, to_device(batch, device), autocast)
             mine[0].append(out["sample_embedding"].float().cpu())  # host sync: the batch is done
             if "target" in out:

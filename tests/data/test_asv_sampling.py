@@ -13,6 +13,7 @@ from test_predict_targets import predicted_here
 from aamperf.data import build_data
 from aamperf.data.samples import sample_asvs, top_asvs
 from aamperf.errors import UserError
+from aamperf.predict.run import hidden_bases, sequence_keys
 from aamperf.predict.target import in_own_units, read_saved_target
 from aamperf.run import train
 from aamperf.trainer.cached import why_not
@@ -95,7 +96,7 @@ def test_first_keeps_the_first_asvs_in_the_table_s_order(make_cfg):
 def test_predict_passes_write_the_mean_and_spread_of_each_draw_s_prediction(make_cfg, tmp_path):
     cfg = make_cfg("data.asv_sampling=random", "model.max_asvs=8", "data.mean_richness=30")
     train(cfg, tmp_path / "run")
-    table, summary = predicted_here(tmp_path / "run", tmp_path / "out", "passes=3")
+    table, summary = predicted_here(tmp_path / "run", tmp_path / "out", "passes=3", "mask=none")
     model, payload = load_model(tmp_path / "run")
     data = build_data(cfg.data, batch_size=4, seed=cfg.seed, loader=cfg.dataloader)
     target = read_saved_target(read_model_file(tmp_path / "run"), tmp_path / "run")
@@ -110,23 +111,46 @@ def test_predict_passes_write_the_mean_and_spread_of_each_draw_s_prediction(make
     np.testing.assert_allclose(table["predicted"], own.mean(1).numpy(), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(table["predicted_std"], own.std(1, correction=0).numpy(), rtol=1e-3, atol=1e-6)
     assert (table["predicted_std"] > 0).mean() > 0.5 and summary["quality"] is not None
-    once, _ = predicted_here(tmp_path / "run", tmp_path / "once")  # passes=1: draw 0, no spread
+    once, _ = predicted_here(tmp_path / "run", tmp_path / "once", "mask=none")  # passes=1: draw 0, no spread
     assert "predicted_std" not in once
     np.testing.assert_allclose(once["predicted"], own[:, 0].numpy(), rtol=1e-4, atol=1e-6)
 
 
-def test_passes_without_random_draws_are_refused(make_cfg, tmp_path):
+def test_passes_without_random_draws_or_masks_are_refused(make_cfg, tmp_path):
     train(make_cfg("trainer.max_steps=2"), tmp_path / "run")
-    with pytest.raises(
-        UserError,
-        match=r"^passes=3 reads each sample's ASVs anew each pass, which "
-        r"data.asv_sampling=abundance does not .*: set data.asv_sampling=random, or passes=1$",
-    ):
-        predicted_here(tmp_path / "run", tmp_path / "out", "passes=3")
+    refused = r"^passes=3 reads each sample anew each pass, which neither data.asv_sampling=abundance nor "
+    refused += r"the masks do .*; set data.asv_sampling=random, or passes=1$"
+    with pytest.raises(UserError, match=refused):
+        predicted_here(tmp_path / "run", tmp_path / "out", "passes=3", "mask=none")
     assert not (tmp_path / "out" / "targets.tsv").exists()
-    table, _ = predicted_here(tmp_path / "run", tmp_path / "out", "passes=2", "data.asv_sampling=random")
+    with pytest.raises(UserError, match=r"^mask=all must be one of run, none"):
+        predicted_here(tmp_path / "run", tmp_path / "out", "mask=all")
+    over_draws = ("passes=2", "data.asv_sampling=random", "mask=none")
+    table, _ = predicted_here(tmp_path / "run", tmp_path / "out", *over_draws)
     assert "predicted_std" in table  # a run of the most abundant, predicted over random draws
     pd.testing.assert_index_equal(table.index, table.index.unique())
+
+
+def test_predict_hides_bases_as_the_run_did_each_pass_another_draw(make_cfg, tmp_path):
+    """A run trained with masked nucleotides (the default loss) reads masked sequences: predict hides
+    loss.mask_fraction of each sequence's bases (mask=run), keyed by the sequence, another draw each pass;
+    mask=none reads whole sequences."""
+    train(make_cfg("trainer.max_steps=2"), tmp_path / "run")
+    masked, summary = predicted_here(tmp_path / "run", tmp_path / "masked", "passes=4")
+    assert summary["masks"] == {"seed": 0, "fraction": 0.15, "strategy": "random"} and summary["passes"] == 4
+    assert (masked["predicted_std"] > 0).all()  # each pass its own bases hidden
+    whole, summary = predicted_here(tmp_path / "run", tmp_path / "whole", "mask=none")
+    assert summary["masks"] is None and not np.allclose(whole["predicted"], masked["predicted"])
+    data = build_data(make_cfg().data, batch_size=4, seed=0, loader=make_cfg().dataloader)
+    batch = data.collate([data.dataset[i] for i in range(len(data.dataset))])
+    keys = sequence_keys(data.collate.tokens)
+    masks = {"seed": 0, "fraction": 0.15, "strategy": "random"}
+    hidden = [hidden_bases(batch, keys, draw, masks) for draw in (0, 1)]
+    real = (batch["tokens"] >= 1) & (batch["tokens"] <= 4)
+    assert abs(hidden[0].sum() / real.sum() - 0.15) < 0.01 and not torch.equal(hidden[0], hidden[1])
+    assert not (hidden[0] & ~real).any()
+    same = batch["asv_ids"] == batch["asv_ids"][0, 0]  # an ASV in several samples: one mask in each
+    assert same.sum() > 1 and all(torch.equal(hidden[0][same][0], row) for row in hidden[0][same])
 
 
 def test_a_frozen_encoder_s_embeddings_are_not_cached_under_random_draws(make_cfg):
