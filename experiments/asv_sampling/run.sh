@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ASV sampling: which of a sample's ASVs the model reads when it has more than max_asvs (data.asv_sampling:
 # abundance, first, random) against the target's quality, on the default data (~80 ASVs a sample, 16 read),
-# paired seeds; random also predicted as the mean of PASSES draws. One table (README.md beside this file).
+# paired seeds; each run's model predicting on whole sequences, on its bases hidden as training hid them
+# (predict's default), and as the mean of PASSES such draws. One table (README.md beside this file).
 #   experiments/asv_sampling/run.sh [OUT_DIR]   # default outputs/asv_sampling/<date>
 #   DRY=1 experiments/asv_sampling/run.sh       # the dry run: tiny data, 4 steps (a minute)
 # env: SEEDS="0 1 2", STEPS=400, PASSES=8, LEVEL=advanced (the optim level every run trains at)
@@ -20,14 +21,15 @@ python -m aamperf.train -m optim="$LEVEL" data.asv_sampling=abundance,first,rand
   trainer.max_steps="$STEPS" trainer.val_every=$((STEPS / 4 > 0 ? STEPS / 4 : 1)) trainer.val_batches=100 \
   trainer.progress=false 'compare.baseline="data.asv_sampling=abundance"' "${tiny[@]}" \
   hydra.sweep.dir="$out/sweep" > "$out/sweep.log" 2>&1
-# every run's samples through its model: draw 0, and random's mean of PASSES draws (the paths hold '=': quoted)
+# every run's samples through its model (the paths hold '=': quoted): whole sequences (mask=none), its bases
+# hidden as training hid them (predict's default, mask=run), and the mean of PASSES such draws (of hidden
+# bases, and of ASVs under random)
 for run in "$out"/sweep/*/; do
   name=$(basename "$run")
-  python -m aamperf.predict "run='$run'" progress=false "hydra.run.dir='$out/predict/$name/1'" \
-    > "$out/predict.log" 2>&1
-  if [[ $name == *asv_sampling=random* ]]; then
-    python -m aamperf.predict "run='$run'" passes="$PASSES" progress=false \
-      "hydra.run.dir='$out/predict/$name/$PASSES'" >> "$out/predict.log" 2>&1
-  fi
+  for reading in "whole mask=none" "1 passes=1" "$PASSES passes=$PASSES"; do
+    set -- $reading
+    python -m aamperf.predict "run='$run'" "$2" progress=false "hydra.run.dir='$out/predict/$name/$1'" \
+      >> "$out/predict.log" 2>&1
+  done
 done
 python experiments/asv_sampling/summarize.py "$out" | tee "$out/table.md"

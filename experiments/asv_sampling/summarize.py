@@ -1,5 +1,7 @@
 """The ASV sampling study's table (run.sh): each way's target R^2 and MAE on the validation samples, as
-predicted by each run's model (draw 0; random also the mean of its passes), paired by seed with abundance's.
+predicted by each run's model on whole sequences (mask=none), on its bases hidden as training hid them
+(predict's default) and as the mean of several such passes, paired by seed with abundance's whole-sequence
+predictions (what predict gave before it hid bases).
   python experiments/asv_sampling/summarize.py OUT_DIR
 """
 
@@ -25,8 +27,9 @@ def scores(predict_dir: Path, val_ids: list[str]) -> dict[str, float]:
     }
 
 
-def runs(out: Path) -> dict[tuple[str, int], dict]:
-    """{(way, seed): {"r2", "mae", "val_loss", "forest_r2", and for random "r2_passes", "mae_passes"}}."""
+def runs(out: Path) -> dict[tuple[str, str, int], dict]:
+    """{(way, reading, seed): {"r2", "mae"}} for each reading predict made ("whole", "1", "<passes>"), and
+    {(way, "run", seed)}: the run's own last validation (val_target_r2, on its masked inputs)."""
     found = {}
     for run in sorted((out / "sweep").iterdir()):
         if not (run / "summary.json").is_file():
@@ -34,51 +37,58 @@ def runs(out: Path) -> dict[tuple[str, int], dict]:
         summary = json.loads((run / "summary.json").read_text())
         way, seed = summary["config"]["data"]["asv_sampling"], summary["seed"]
         val_ids = (run / "val_samples.txt").read_text().split()
-        row = {**scores(out / "predict" / run.name / "1", val_ids), "val_loss": summary["val_loss"]}
-        row["forest_r2"] = summary["rf_baseline"]["val_target_r2"]
-        passes = [p for p in (out / "predict" / run.name).iterdir() if p.name != "1"]
-        for p in passes:
-            row.update({f"{k}_passes": v for k, v in scores(p, val_ids).items()}, passes=int(p.name))
-        found[(way, seed)] = row
+        for reading in (out / "predict" / run.name).iterdir():
+            found[(way, reading.name, seed)] = scores(reading, val_ids)
+        found[(way, "run", seed)] = {
+            "r2": summary["val"]["val_target_r2"], "mae": summary["val"]["val_target_mae"],
+            "forest_r2": summary["rf_baseline"]["val_target_r2"],
+        }  # fmt: skip
     return found
 
 
+def reading_name(reading: str) -> str:
+    if reading == "whole":
+        return "whole sequences (`mask=none`)"
+    if reading == "run":
+        return "the run's last validation (its masks)"
+    if reading == "1":
+        return "bases hidden as in training (`mask=run`, the default)"
+    return f"the mean of {reading} draws (`passes={reading}`)"
+
+
 def table(found: dict) -> str:
-    """The markdown table: each way's medians over seeds and its paired change against abundance."""
-    seeds = sorted({seed for _, seed in found})
+    """The markdown table: each (way, reading)'s medians over seeds and its paired change against
+    abundance's whole-sequence predictions."""
+    seeds = sorted({seed for *_, seed in found})
+    readings = sorted({r for _, r, _ in found}, key=lambda r: {"whole": 0, "run": 1, "1": 2}.get(r, 3))
     lines = [
-        "| way | seeds (paired) | val R^2 (median) | R^2 change vs abundance [95% interval] "
-        "| val MAE (median) | MAE change vs abundance [95% interval] |",
-        "|---|---|---|---|---|---|",
+        "| way | predicted on | seeds | val R^2 (median) | R^2 change [95% interval] | val MAE (median) "
+        "| MAE change [95% interval] |",
+        "|---|---|---|---|---|---|---|",
     ]
-
-    def row(name: str, way: str, suffix: str = "") -> str:
-        pairs = [
-            (found[(way, s)], found[("abundance", s)])
-            for s in seeds
-            if (way, s) in found and f"r2{suffix}" in found[(way, s)] and ("abundance", s) in found
-        ]
-        cells = [name, str(len(pairs))]
-        for metric in ("r2", "mae"):
-            cells.append(f"{np.median([mine[metric + suffix] for mine, _ in pairs]):.3f}")
-            if way == "abundance" and not suffix:
-                cells.append("-")
-                continue
-            iv = mean_interval([mine[metric + suffix] - base[metric] for mine, base in pairs], 0.95)
-            cells.append(f"{iv.mean:+.3f} [{iv.lo:+.3f}, {iv.hi:+.3f}]")
-        return "| " + " | ".join(cells) + " |"
-
     for way in WAYS:
-        lines.append(row(f"`{way}` (draw 0)" if way == "random" else f"`{way}`", way))
-    passes = sorted({r["passes"] for r in found.values() if "passes" in r})
-    if passes:
-        lines.append(
-            row(f"`random`, the mean of {passes[0]} draws (`passes={passes[0]}`)", "random", "_passes")
-        )
-    forest = [found[("abundance", s)]["forest_r2"] for s in seeds if ("abundance", s) in found]
+        for reading in readings:
+            pairs = [
+                (found[(way, reading, s)], found[("abundance", "whole", s)])
+                for s in seeds
+                if (way, reading, s) in found and ("abundance", "whole", s) in found
+            ]
+            if not pairs:
+                continue
+            cells = [f"`{way}`", reading_name(reading), str(len(pairs))]
+            for metric in ("r2", "mae"):
+                cells.append(f"{np.median([mine[metric] for mine, _ in pairs]):.3f}")
+                if (way, reading) == ("abundance", "whole"):
+                    cells.append("(the reference)")
+                    continue
+                iv = mean_interval([mine[metric] - base[metric] for mine, base in pairs], 0.95)
+                cells.append(f"{iv.mean:+.3f} [{iv.lo:+.3f}, {iv.hi:+.3f}]")
+            lines.append("| " + " | ".join(cells) + " |")
+    forest = [found[("abundance", "run", s)]["forest_r2"] for s in seeds if ("abundance", "run", s) in found]
     lines.append(
-        "\nA random forest on every rarefied ASV count (summary.json rf_baseline, on the samples the run's "
-        f"last validation read): val R^2 {np.median(forest):.3f} (median)."
+        "\nChanges: paired by seed with `abundance` on whole sequences. A random forest on every rarefied "
+        "ASV count (summary.json rf_baseline, on the samples the run's last validation read): val R^2 "
+        f"{np.median(forest):.3f} (median)."
     )
     return "\n".join(lines)
 
