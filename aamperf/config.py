@@ -183,7 +183,9 @@ class OptimizerConfig:
     # its update: AdamW (decoupled weight decay); Adam and SGD (weight decay an L2 penalty on the gradient),
     # the original AAM's --optimizer adam | sgd
     algorithm: OptimizerAlgorithm = OptimizerAlgorithm.adamw
-    momentum: float = 0.9  # SGD's (the original's)
+    # SGD's (the original's); trainer.lr_schedule=onecycle cycles it between 0.85 and 0.95 instead (torch's
+    # OneCycleLR cycles every optimizer's momentum, Adam's and AdamW's beta1)
+    momentum: float = 0.9
 
 
 @dataclass

@@ -78,11 +78,18 @@ def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
             problems.append(f"{prefix}{name}={value} must be a number in [0, 1)")
     hidden = args["target_hidden_dims"]
-    if isinstance(hidden, str) or not all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in hidden
+    if (
+        hidden is None
+        or isinstance(hidden, str | int | float)
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in hidden)
     ):
         problems.append(
             f"{prefix}target_hidden_dims={hidden} must be a list of integers >= 1 (the MLP's widths)"
+        )
+    elif args["target_dropout"] and not len(hidden):
+        problems.append(
+            f"{prefix}target_dropout={args['target_dropout']} is the dropout between the MLP's layers of "
+            f"{prefix}target_hidden_dims, which is empty: give its widths or {prefix}target_dropout=0"
         )
     elif args["target_residual"] and not len(hidden):
         problems.append(

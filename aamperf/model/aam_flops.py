@@ -55,7 +55,7 @@ class FlopCount:
         encoder over samples of `widths` positions each."""
         dim, length = self.embedding_dim, self.seq_len
         asv_layers, sample_layers, encoder_layers = self.layers
-        layer = self._layer_flops
+        layer = self.layer_flops
         asv_layer = layer(encoded_rows * length, encoded_rows * length * length)
         sample_layer = layer(sum(widths), sum(w * w for w in widths))
         forward = (
@@ -72,7 +72,7 @@ class FlopCount:
         recompute = recomputed[0] * asv_layer + sum(recomputed[1:]) * sample_layer
         return float(forwards) * forward + recompute
 
-    def _layer_flops(self, tokens: int, squares: int) -> int:
+    def layer_flops(self, tokens: int, squares: int) -> int:
         """Forward FLOPs of one transformer layer over `tokens` positions, `squares` = sum of each sequence's
         positions^2."""
         dim, f = self.embedding_dim, self.ffn_mult
@@ -96,7 +96,7 @@ class FlopCount:
             condition = 2 * conditioned * self.categorical_projection.in_features * dim
         if self.target_encoder is None:
             return linear + condition
-        layers = len(self.target_encoder.blocks) * self._layer_flops(sum(widths), sum(w * w for w in widths))
+        layers = len(self.target_encoder.blocks) * self.layer_flops(sum(widths), sum(w * w for w in widths))
         return linear + condition + layers + 2 * 2 * sum(widths) * dim  # + the target pooling
 
     def count_head_flops(self, widths: list[int]) -> int:
@@ -104,7 +104,7 @@ class FlopCount:
         each sample's ASVs and its Linear(D, 1) on each ASV's state."""
         if self.count_head is None:
             return 0
-        layers = len(self.count_encoder.blocks) * self._layer_flops(sum(widths), sum(w * w for w in widths))
+        layers = len(self.count_encoder.blocks) * self.layer_flops(sum(widths), sum(w * w for w in widths))
         return layers + 2 * sum(widths) * self.embedding_dim
 
     def flops_per_step(

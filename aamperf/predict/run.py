@@ -167,7 +167,7 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             "batch_size": cfg.batch_size,
             "target": None if target is None else target.describe(),  # column, transform or classes
             "masks": masks,  # the bases each pass hid (the run's training's), or None: whole sequences
-            "passes": cfg.passes,
+            "passes": 1 if cfg.bench.enabled else cfg.passes,
             "export": exported,
         }
         reset_peak_rss()
@@ -232,7 +232,7 @@ def run_masks(run_config: dict[str, Any], mask: str) -> dict[str, Any] | None:
     if mask == "none" or loss.get("_target_") not in AAM_LOSSES or not loss.get("nucleotide_weight", 1.0) > 0:
         return None
     return {
-        "seed": int(run_config.get("seed", 0)),
+        "seed": int(loss.get("seed", run_config.get("seed", 0))),  # the loss's (${seed} unless set apart)
         "fraction": float(loss.get("mask_fraction", 0.15)),
         "strategy": str(loss.get("mask_strategy", "random")),
     }

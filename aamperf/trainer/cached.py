@@ -280,7 +280,15 @@ def head_flops(model: AAM, host_batches: list[dict[str, Any]], forwards: int = 3
     """(model, hardware) FLOPs of a step on cached embeddings, the mean over `host_batches` (the run's
     batches of tokens, whose real ASVs the transformer head reads): the target head's matmuls
     (`AAM.target_head_flops`), forward and backward counted as 3 forwards as `AAM.flops_per_step` counts
-    them (it leaves UniFrac's B^2 D out too); the hardware `forwards` of them (4 by gradient caching)."""
-    per_batch = [model.target_head_flops(AAM.real_asvs_per_sample(b["tokens"])) for b in host_batches]
-    forward = sum(per_batch) / len(per_batch)
-    return 3.0 * forward, float(forwards) * forward
+    them (it leaves UniFrac's B^2 D out too); the hardware `forwards` of them (4 by gradient caching) over
+    the positions the head runs on (padded, unless packed). A head's layers checkpointed by memory=... run
+    part of their forward again in backward (torch's checkpoint stops recomputing once backward has what it
+    saves): not counted here."""
+    model_flops, hardware_flops = [], []
+    for b in host_batches:
+        real = AAM.real_asvs_per_sample(b["tokens"])
+        # what the head runs on: the real ASVs packed, or the batch's width (`StateCache.padded_states`)
+        run = real if model.pack_samples else [b["tokens"].size(1)] * len(real)
+        model_flops.append(3.0 * model.target_head_flops(real))
+        hardware_flops.append(float(forwards) * model.target_head_flops(run))
+    return sum(model_flops) / len(model_flops), sum(hardware_flops) / len(hardware_flops)

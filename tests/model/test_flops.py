@@ -193,3 +193,22 @@ def test_the_target_head_s_flops_match_the_flop_counter_on_the_head_alone(hidden
     with FlopCounterMode(display=False) as counter:
         model(sample_embedding=embedding)["target"].sum().backward()
     assert counter.get_total_flops() == 3 * model.target_head_flops([7] * 5)
+
+
+def test_a_cached_step_s_hardware_flops_are_the_head_s_on_the_padded_states():
+    """On cached states (a frozen encoder's), padded to the batch's width: the transformer head's matmuls
+    as torch dispatches them (hardware), the real ASVs' for the model FLOPs."""
+    from aamperf.trainer.cached import head_flops
+
+    model = AAM(max_asvs=16, dropout=0.0, **SIZES[0], target_head="transformer", target_layers=2)
+    batch = make_batch(4, 12)  # 8 real ASVs of 12 slots each
+    model.keep_states = True
+    out = model(batch["tokens"], batch["counts"], asv_ids=batch["asv_ids"])
+    states = out["asv_states"].detach().requires_grad_()  # the input's gradient too: 3 x forward's matmuls
+    embedding = out["sample_embedding"].detach().requires_grad_()
+    with FlopCounterMode(display=False) as counter:
+        target = model(sample_embedding=embedding, asv_states=states, asv_real=out["asv_real"])["target"]
+        target.sum().backward()
+    model_flops, hardware_flops = head_flops(model, [batch])
+    assert hardware_flops == counter.get_total_flops()
+    assert model_flops == 3 * model.target_head_flops([8] * 4) < hardware_flops

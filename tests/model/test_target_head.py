@@ -163,6 +163,10 @@ def test_a_bad_mlp_head_is_refused_before_a_run(make_cfg):
         check_config(make_cfg("model.target_hidden_dims=[16,0]"))
     with pytest.raises(UserError, match=r"model.target_dropout=1.0 must be a number in \[0, 1\)"):
         check_config(make_cfg("model.target_dropout=1.0"))
+    with pytest.raises(UserError, match=r"model.target_hidden_dims=None must be a list of integers >= 1"):
+        check_config(make_cfg("model.target_hidden_dims=null"))
+    with pytest.raises(UserError, match=r"model.target_dropout=0.2 is the dropout between the MLP's layers"):
+        check_config(make_cfg("model.target_dropout=0.2"))
 
 
 def test_a_run_with_an_mlp_head_trains_fine_tunes_fresh_and_predicts(make_cfg, pretrained, tmp_path):
