@@ -191,7 +191,8 @@ def test_predict_maps_a_category_training_never_saw_to_slot_0_and_counts_it(make
     slots = [vocabulary.index(v) + 1 if v in vocabulary else 0 for v in metadata.loc[ids, "environment"]]
     assert 0 in slots
     from aamperf.data.samples import read_samples
-    from aamperf.predict.run import collate_of, hidden_bases, sequence_keys
+    from aamperf.predict.masks import hidden_bases, sequence_keys
+    from aamperf.predict.run import collate_of
     from aamperf.tokens import MASK
 
     cfg = make_cfg().data

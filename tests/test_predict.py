@@ -26,7 +26,8 @@ from aamperf.data.simulate import SimParams, ensure_simulated
 from aamperf.errors import UserError
 from aamperf.model.loss import predicted_unifrac
 from aamperf.predict.config import register_predict_configs
-from aamperf.predict.run import hidden_bases, predict, sequence_keys
+from aamperf.predict.masks import hidden_bases, sequence_keys
+from aamperf.predict.run import predict
 from aamperf.run import train
 from aamperf.tokens import MASK
 from aamperf.weights import load_model

@@ -19,7 +19,8 @@ from aamperf.data.tables import resolve_files
 from aamperf.errors import UserError
 from aamperf.predict.bench import keeps_quality
 from aamperf.predict.config import register_predict_configs
-from aamperf.predict.run import hidden_bases, predict, run_masks, sequence_keys
+from aamperf.predict.masks import hidden_bases, run_masks, sequence_keys
+from aamperf.predict.run import predict
 from aamperf.run import train
 from aamperf.tokens import MASK
 from aamperf.weights import load_model

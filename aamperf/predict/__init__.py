@@ -6,5 +6,6 @@ the target's own units: its transform inverted; a classification's class and eac
 the observed value or class where the metadata has one), `unifrac.npy` + `unifrac.ids.txt` (the predicted
 UniFrac between every pair of samples) with `pairwise=true`, and a `summary.json` of its own.
 
-The command: `__main__.py`; its work: `run.py`. This package imports nothing itself, so that the command
-can start again with its allocator (aamperf/allocator.py) before torch loads."""
+The command: `__main__.py`; its work: `run.py` (the bases it hides: `masks.py`). This package imports
+nothing itself, so that the command can start again with its allocator (aamperf/allocator.py) before torch
+loads."""

@@ -4,7 +4,6 @@ inference level its config composes, the files written (aamperf/predict/__init__
 import logging
 import shutil
 import time
-import zlib
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -30,13 +29,13 @@ from aamperf.interrupts import stop_if_signalled
 from aamperf.metrics.flops import cpu_description
 from aamperf.metrics.monitor import peak_rss, reset_peak_rss
 from aamperf.model import AAM
-from aamperf.model.loss import nucleotide_mask
 from aamperf.phases.aam_ops import set_full_length, unmask_for
 from aamperf.phases.system import allocator_record, given, malloc_record, thread_record, threads_for_quota
 from aamperf.predict.bench import latencies
 from aamperf.predict.categorical import attach_categories, category_record, check_metadata
 from aamperf.predict.export import export_model
 from aamperf.predict.levels import apply_levels, forward, quality
+from aamperf.predict.masks import hidden_bases, run_masks, sequence_keys
 from aamperf.predict.outputs import write_predictions
 from aamperf.predict.target import SavedTarget, observed_values, read_saved_target
 from aamperf.tokens import MASK
@@ -214,41 +213,6 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         return summary
     finally:  # after a failure no barrier: a peer may never reach it
         close_world(completed=completed)
-
-
-MASKS = ("run", "none")  # predict's `mask`
-AAM_LOSSES = ("aamperf.model.AAMLoss", "aamperf.model.loss.AAMLoss")  # a run's losses that hide bases
-
-
-def run_masks(run_config: dict[str, Any], mask: str) -> dict[str, Any] | None:
-    """The bases predict hides in each pass (`mask`): run, as the run's loss hid them in training
-    (`nucleotide_mask` with its seed, loss.mask_fraction and loss.mask_strategy), where it hid any (AAMLoss
-    with loss.nucleotide_weight > 0); none: whole sequences. None where nothing is hidden."""
-    if mask not in MASKS:
-        raise UserError(
-            f"mask={mask} must be one of {', '.join(MASKS)} (run: the bases the run's training hid)"
-        )
-    loss = run_config.get("loss") or {}
-    if mask == "none" or loss.get("_target_") not in AAM_LOSSES or not loss.get("nucleotide_weight", 1.0) > 0:
-        return None
-    return {
-        "seed": int(loss.get("seed", run_config.get("seed", 0))),  # the loss's (${seed} unless set apart)
-        "fraction": float(loss.get("mask_fraction", 0.15)),
-        "strategy": str(loss.get("mask_strategy", "random")),
-    }
-
-
-def sequence_keys(tokens: torch.Tensor) -> torch.Tensor:
-    """[observations] long: each ASV's key for the bases predict hides, a hash of its tokens (crc32), so that
-    a sequence is masked alike in every table and chunk it is read in."""
-    return torch.tensor([zlib.crc32(row.tobytes()) for row in tokens.numpy()], dtype=torch.long)
-
-
-def hidden_bases(batch: dict[str, Any], keys: torch.Tensor, draw: int, masks: dict[str, Any]) -> torch.Tensor:
-    """The bases pass `draw` hides in a host batch (`nucleotide_mask`, as training draws them, keyed by
-    `sequence_keys` instead of the run's table rows; per ASV: the dedup phase stays exact)."""
-    ids = torch.where(batch["asv_ids"] >= 0, keys[batch["asv_ids"].clamp(min=0)], -1)
-    return nucleotide_mask(batch["tokens"], ids, draw, masks["seed"], masks["fraction"], masks["strategy"])
 
 
 def check_passes(passes: int, asv_sampling: str, masks: dict[str, Any] | None) -> None:

@@ -13,7 +13,7 @@ from test_predict_targets import predicted_here
 from aamperf.data import build_data
 from aamperf.data.samples import sample_asvs, top_asvs
 from aamperf.errors import UserError
-from aamperf.predict.run import hidden_bases, sequence_keys
+from aamperf.predict.masks import hidden_bases, sequence_keys
 from aamperf.predict.target import in_own_units, read_saved_target
 from aamperf.run import train
 from aamperf.trainer.cached import why_not
