@@ -238,6 +238,7 @@ BEFORE_THE_KEY = {
     "model.target_hidden_dims": [],
     "model.target_dropout": 0.0,
     "model.target_residual": False,
+    "model.count_embedding_method": "add",
     "data.asv_sampling": "abundance",
     "optimizer.algorithm": "adamw",
     "optimizer.momentum": 0.9,

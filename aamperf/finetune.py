@@ -35,7 +35,10 @@ CHANGEABLE = (
 )  # fmt: skip
 # The modules (aamperf/model/aam.py) each `finetune.freeze` option keeps as pretrained.
 ASV_LEVEL = ("token_embedding", "base_position", "asv_encoder", "asv_pool")
-SAMPLE_LEVEL = ("count_embedding", "asv_position", "sample_transformer", "encoder_transformer", "sample_pool")
+SAMPLE_LEVEL = (
+    "count_embedding", "count_projection", "asv_position", "sample_transformer", "encoder_transformer",
+    "sample_pool",
+)  # fmt: skip
 FROZEN = {"none": (), "asv_encoder": ASV_LEVEL, "encoder": ASV_LEVEL + SAMPLE_LEVEL}
 # Frozen modules run in eval mode (dropout off). The original's --freeze-base only sets requires_grad=False
 # (aam/models/sequence_predictor.py) and its Trainer's model.train() puts the frozen base back in train

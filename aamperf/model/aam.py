@@ -14,6 +14,10 @@ from aamperf.tokens import PAD, TOKENS_PER_ASV, VOCAB_SIZE
 
 ASV_ROWS = ("all", "real", "unique")  # which ASV rows the ASV encoder runs on (`AAM.asv_rows`)
 FUSIONS = ("concat", "add")  # how categorical embeddings join the sample embedding (`AAM.condition`)
+# how an ASV's log(1 + count) joins its vector (`AAM.with_counts`; the original's --count-embedding-method):
+# add (a Linear of it added), concat (that Linear's output beside the vector, then Linear(2D, D)), film (a
+# Linear(1, 2D) of it giving a scale and a shift: vector x (1 + scale) + shift)
+COUNT_METHODS = ("add", "concat", "film")
 # what the target head reads (`AAM(target_head=...)`): "linear" the sample embedding; "transformer" the sample
 # encoder's per-ASV states, through a transformer of its own and an attention pooling (the original's
 # target_encoder + target_pooling, aam/models/sequence_predictor.py), then a Linear
@@ -60,6 +64,11 @@ def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
     if activation not in TARGET_ACTIVATIONS:
         problems.append(
             f"{prefix}target_activation={activation} must be one of {', '.join(TARGET_ACTIVATIONS)}"
+        )
+    if args["count_embedding_method"] not in COUNT_METHODS:
+        problems.append(
+            f"{prefix}count_embedding_method={args['count_embedding_method']} must be one of "
+            + ", ".join(COUNT_METHODS)
         )
     if not isinstance(args["count_head"], bool):
         problems.append(f"{prefix}count_head={args['count_head']} must be true or false")
@@ -238,6 +247,7 @@ class AAM(FlopCount, nn.Module):
         target_hidden_dims: Sequence[int] = (),
         target_dropout: float = 0.0,
         target_residual: bool = False,
+        count_embedding_method: str = "add",
     ):
         problems = argument_problems({k: v for k, v in locals().items() if k not in ("self", "__class__")})
         if problems:
@@ -257,7 +267,13 @@ class AAM(FlopCount, nn.Module):
         self.nuc_head = nn.Linear(dim, vocab_size)
 
         # sample encoder: ASVs of one sample -> one vector
-        self.count_embedding = nn.Linear(1, dim) if count_embedding else None
+        # each ASV's log(1 + count), joined to its vector by count_embedding_method (`with_counts`)
+        self.count_method = count_embedding_method
+        width = 2 * dim if count_embedding_method == "film" else dim
+        self.count_embedding = nn.Linear(1, width) if count_embedding else None
+        self.count_projection = (
+            nn.Linear(2 * dim, dim) if count_embedding and count_embedding_method == "concat" else None
+        )
         self.asv_position = nn.Embedding(max_asvs, dim)
         self.sample_transformer = Transformer(dim, num_heads, sample_layers, ffn_mult, dropout)
         self.encoder_transformer = Transformer(dim, num_heads, encoder_layers, ffn_mult, dropout)
@@ -352,13 +368,17 @@ class AAM(FlopCount, nn.Module):
         if self.pack_samples:  # the real slots only, each sample's after the other's: [T, D]
             rows = rows[: slots.n_real] if sinks else rows  # packed: R rows, whatever the buckets
             packing = Packing.from_slots(rows, batch, n_asvs)
-            h = asv.reshape(batch * n_asvs, -1)[rows] + self.asv_position.weight[rows % n_asvs]
+            x, position = asv.reshape(batch * n_asvs, -1)[rows], self.asv_position.weight[rows % n_asvs]
             counts = counts.reshape(batch * n_asvs, 1)[rows]
         else:  # padding ASVs are masked as keys, so they cannot reach the real ones
             packing = real_asv
-            h = asv + self.asv_position.weight[:n_asvs]
-        if self.count_embedding is not None:
-            h = h + self.count_embedding(torch.log1p(counts.to(h.dtype)))
+            x, position = asv, self.asv_position.weight[:n_asvs]
+        if self.count_embedding is None:
+            h = x + position
+        elif self.count_method == "add":  # (vector + position) + counts: the sums every run before made
+            h = self.with_counts(x + position, counts)
+        else:  # the original's order: the counts joined to the ASV vector, then its slot's position added
+            h = self.with_counts(x, counts) + position
         h = self.sample_transformer(h, packing)
         h = self.encoder_transformer(h, packing)
         sample = self.sample_pool(h, packing)
@@ -372,6 +392,16 @@ class AAM(FlopCount, nn.Module):
         if self.count_head is not None:
             out["count"] = self.predict_counts(h, packing, rows, (batch, n_asvs))
         return {**out, **self.heads(sample, categorical, (h, packing))}
+
+    def with_counts(self, h: Tensor, counts: Tensor) -> Tensor:
+        """ASV vectors h [..., D] joined with their counts [..., 1] by `count_method` (`COUNT_METHODS`)."""
+        c = self.count_embedding(torch.log1p(counts.to(h.dtype)))
+        if self.count_method == "add":
+            return h + c
+        if self.count_method == "concat":
+            return self.count_projection(torch.cat([h, c.to(h.dtype)], dim=-1))
+        scale, shift = c.chunk(2, dim=-1)  # film: a scale around 1 and a shift around 0
+        return h * (1 + scale) + shift
 
     def predict_counts(
         self, h: Tensor, packing: Tensor | Packing, rows: Tensor | None, shape: tuple[int, int]

@@ -62,7 +62,7 @@ class FlopCount:
             asv_layers * asv_layer
             + 2 * 2 * encoded_rows * length * dim  # ASV pooling: score Linear(D, 1) and the weighted sum
             + 2 * encoded_rows * length * dim * self.vocab_size  # nucleotide head
-            + (2 * count_rows * dim if self.count_embedding is not None else 0)  # Linear(1, D)
+            + self.count_embedding_flops(count_rows)
             + (sample_layers + encoder_layers) * sample_layer
             + 2 * 2 * sum(widths) * dim  # sample pooling
             + self.target_head_flops(widths)
@@ -71,6 +71,12 @@ class FlopCount:
         # the heads' stacks run over the sample encoder's positions: a sample layer's FLOPs each
         recompute = recomputed[0] * asv_layer + sum(recomputed[1:]) * sample_layer
         return float(forwards) * forward + recompute
+
+    def count_embedding_flops(self, rows: int) -> int:
+        """Forward FLOPs of joining `rows` ASV slots' counts to their vectors (0 without): the count's Linear
+        (1 to D, or to 2D for film), and concat's Linear(2D, D)."""
+        layers = [m for m in (self.count_embedding, self.count_projection) if m is not None]
+        return 2 * rows * sum(m.in_features * m.out_features for m in layers)
 
     def layer_flops(self, tokens: int, squares: int) -> int:
         """Forward FLOPs of one transformer layer over `tokens` positions, `squares` = sum of each sequence's

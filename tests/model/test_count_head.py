@@ -110,3 +110,42 @@ def test_a_fine_tune_starts_the_head_fresh_and_a_frozen_one_is_not_cached(make_c
     assert summary["status"] == "completed"
     cached = summary["finetune"]["cached_embeddings"]
     assert (cached["applied"], cached["reason"]) == (False, COUNT_REASON)
+
+
+@pytest.mark.parametrize("method", ["add", "concat", "film"])
+def test_each_count_embedding_method_joins_the_counts_as_the_original_s_and_packs_alike(method):
+    """model.count_embedding_method (the original's --count-embedding-method): add a Linear of log(1 + c),
+    concatenate it and project back to D, or FiLM (a scale and a shift from it); padded == packed."""
+    net = model(count_embedding_method=method)
+    g = torch.Generator().manual_seed(3)
+    h, counts = torch.randn(2, 5, 32, generator=g), torch.randint(1, 50, (2, 5, 1), generator=g).float()
+    c = net.count_embedding(torch.log1p(counts))
+    by_hand = {
+        "add": lambda: h + c,
+        "concat": lambda: net.count_projection(torch.cat([h, c], dim=-1)),
+        "film": lambda: h * (1 + c[..., :32]) + c[..., 32:],
+    }[method]()
+    torch.testing.assert_close(net.with_counts(h, counts), by_hand)
+    assert (net.count_projection is not None) == (method == "concat")
+    data = batch(full_length=False)
+    padded = outputs_and_gradients(model(count_embedding_method=method, count_head=True), data)
+    packed_net = model(count_embedding_method=method, count_head=True)
+    packed_net.pack_samples = True
+    assert_same(outputs_and_gradients(packed_net, data), padded)
+    with pytest.raises(ValueError, match="count_embedding_method=gate must be one of add, concat, film"):
+        model(count_embedding_method="gate")
+
+
+@pytest.mark.parametrize("method", ["add", "concat", "film"])
+def test_the_counts_join_the_asv_vector_before_its_slot_position_as_the_original_s(method):
+    """What the sample transformer reads: count_embedding_method's join of the ASV vector and its count, then
+    the slot's position (the original's order; add's sum is the same either way)."""
+    data = batch(full_length=False)
+    net = model(count_embedding_method=method).eval()
+    seen = []
+    net.sample_transformer.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    out = net(data["tokens"], data["counts"], asv_ids=data["asv_ids"])
+    width = data["tokens"].size(1)
+    by_hand = net.with_counts(out["asv_embedding"], data["counts"]) + net.asv_position.weight[:width]
+    real = data["asv_ids"] >= 0
+    torch.testing.assert_close(seen[0][real], by_hand[real], atol=1e-6, rtol=1e-5)

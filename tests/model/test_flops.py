@@ -69,6 +69,22 @@ SIZES = [
         "count_head": True,
         "count_layers": 2,
     },
+    {  # the original AAM's other ways of joining counts to the ASV vectors
+        "embedding_dim": 32,
+        "num_heads": 2,
+        "asv_layers": 1,
+        "sample_layers": 1,
+        "encoder_layers": 1,
+        "count_embedding_method": "concat",
+    },
+    {
+        "embedding_dim": 32,
+        "num_heads": 2,
+        "asv_layers": 1,
+        "sample_layers": 1,
+        "encoder_layers": 1,
+        "count_embedding_method": "film",
+    },
     {  # the original AAM's regressor head: an MLP on what the transformer head pools, a Linear beside it
         "embedding_dim": 32,
         "num_heads": 2,
