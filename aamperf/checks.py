@@ -29,7 +29,7 @@ from aamperf.phases.system import check_system
 from aamperf.tokens import ASV_BP, TOKENS_PER_ASV, VOCAB_SIZE
 from aamperf.trainer.best import monitor_problems
 from aamperf.trainer.schedule import check_schedule
-from aamperf.weights import MODEL_FILE, OWN_MODELS
+from aamperf.weights import MODEL_FILE, OWN_LOSSES, OWN_MODELS
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -127,8 +127,7 @@ def check_config(cfg: DictConfig) -> None:
 # a plug-in checks its own as it is built (a ValueError there names the override to fix too).
 BUILT_IN = {
     **{target: (AAM, aam_problems) for target in OWN_MODELS},
-    "aamperf.model.AAMLoss": (AAMLoss, loss_problems),
-    "aamperf.model.loss.AAMLoss": (AAMLoss, loss_problems),
+    **{target: (AAMLoss, loss_problems) for target in OWN_LOSSES},
 }
 
 

@@ -22,6 +22,7 @@ MODEL_FILE = "model.pt"
 FORMAT = 1
 # The `_target_`s a model file may name without being named again: aamperf's own model classes.
 OWN_MODELS = frozenset({"aamperf.model.AAM", "aamperf.model.aam.AAM"})
+OWN_LOSSES = frozenset({"aamperf.model.AAMLoss", "aamperf.model.loss.AAMLoss"})  # and the loss's
 
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor] | None:

@@ -44,9 +44,6 @@ def top_asvs(
     return column_rows[order], column_counts[order]
 
 
-ASV_SAMPLINGS = ("abundance", "first", "random")  # data.asv_sampling: `sample_asvs`
-
-
 def sample_asvs(
     rows: np.ndarray, counts: np.ndarray, max_asvs: int, how: str, key: tuple[int, ...]
 ) -> tuple[np.ndarray, np.ndarray]:

@@ -8,6 +8,7 @@ from omegaconf import MISSING
 
 from aamperf.config import (
     AAMOpsConfig,
+    AsvSampling,
     AttentionConfig,
     CompileConfig,
     PrecisionConfig,
@@ -17,6 +18,7 @@ from aamperf.config import (
 )
 
 Quantize = choices("Quantize", "none", "int8_dynamic")
+Mask = choices("Mask", "run", "none")  # the bases predict hides (aamperf/predict/masks.py)
 DEFAULT_MAX_PROBABILITY_DIFF = 0.01  # bench: a level keeps a classification's probabilities within this
 
 
@@ -39,7 +41,7 @@ class PredictData:
     sequences: str | None = None  # FASTA id -> sequence, when observation ids are not sequences
     # which ASVs of a sample with more than max_asvs the model reads: null the run's data.asv_sampling;
     # abundance | first | random (draw 0, and with `passes` draws 0 to passes - 1)
-    asv_sampling: str | None = None
+    asv_sampling: AsvSampling | None = None
 
 
 @dataclass
@@ -87,7 +89,7 @@ class PredictConfig:
     # the bases each pass hides: run, as the run's training hid them (its loss.mask_fraction and
     # mask_strategy, where its loss.nucleotide_weight > 0: the model reads what it learnt from; each pass
     # another draw); none: whole sequences
-    mask: str = "run"
+    mask: Mask = Mask.run
     # the inference level: the training groups that apply to a forward pass, plus quantize (conf/inference/)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)

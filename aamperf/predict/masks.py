@@ -6,23 +6,16 @@ from typing import Any
 
 import torch
 
-from aamperf.errors import UserError
 from aamperf.model.loss import nucleotide_mask
-
-MASKS = ("run", "none")  # predict's `mask`
-AAM_LOSSES = ("aamperf.model.AAMLoss", "aamperf.model.loss.AAMLoss")  # a run's losses that hide bases
+from aamperf.weights import OWN_LOSSES
 
 
 def run_masks(run_config: dict[str, Any], mask: str) -> dict[str, Any] | None:
     """The bases predict hides in each pass (`mask`): run, as the run's loss hid them in training
     (`nucleotide_mask` with its seed, loss.mask_fraction and loss.mask_strategy), where it hid any (AAMLoss
     with loss.nucleotide_weight > 0); none: whole sequences. None where nothing is hidden."""
-    if mask not in MASKS:
-        raise UserError(
-            f"mask={mask} must be one of {', '.join(MASKS)} (run: the bases the run's training hid)"
-        )
     loss = run_config.get("loss") or {}
-    if mask == "none" or loss.get("_target_") not in AAM_LOSSES or not loss.get("nucleotide_weight", 1.0) > 0:
+    if mask == "none" or loss.get("_target_") not in OWN_LOSSES or not loss.get("nucleotide_weight", 1.0) > 0:
         return None
     return {
         "seed": int(loss.get("seed", run_config.get("seed", 0))),  # the loss's (${seed} unless set apart)

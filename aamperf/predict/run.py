@@ -19,7 +19,7 @@ from aamperf.batch_size import find_forward_batch
 from aamperf.checks import cache_file_problem, check_values
 from aamperf.data.categorical import saved_vocabularies
 from aamperf.data.dataset import Collate, Draws
-from aamperf.data.samples import ASV_SAMPLINGS, read_samples
+from aamperf.data.samples import read_samples
 from aamperf.data.tables import resolve_files, table_ids
 from aamperf.device import resolve_device, to_device
 from aamperf.distributed import World, close_world, join_world, torchrun_env
@@ -99,11 +99,6 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             raise UserError(f"batch_size={cfg.batch_size}: give a number >= 1, or auto")
         if cfg.quality_samples < 0 or cfg.chunk_samples < 0:
             raise UserError("quality_samples and chunk_samples must be >= 0")
-        if cfg.data.asv_sampling not in (None, *ASV_SAMPLINGS):
-            raise UserError(
-                f"data.asv_sampling={cfg.data.asv_sampling} must be null (the run's) or one of "
-                + ", ".join(ASV_SAMPLINGS)
-            )
         if cfg.bench.enabled and world.world_size > 1:
             raise UserError("bench.enabled=true measures one process: run it without torchrun")
         payload = read_model_file(Path(cfg.run))
