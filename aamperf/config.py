@@ -51,8 +51,9 @@ LoggerBackend = choices("LoggerBackend", "none", "wandb", "tensorboard")
 WandbMode = choices("WandbMode", "auto", "online", "offline", "disabled")
 TargetType = choices("TargetType", "auto", "regression", "classification")
 TargetTransform = choices(
-    "TargetTransform", "none", "zscore", "minmax", "log_zscore", "log1p_zscore", "log1p_minmax"
-)
+    "TargetTransform", "none", "zscore", "minmax", "log_zscore", "log1p_zscore", "log1p_minmax",
+    "zscore_category",
+)  # fmt: skip
 Freeze = choices("Freeze", "none", "encoder", "asv_encoder")
 
 
@@ -83,6 +84,9 @@ class DataConfig:
     # a regression's target as the model learns it, fitted on the training samples (aamperf/targets.py);
     # every reported figure is in the target's own units
     target_transform: TargetTransform = TargetTransform.zscore
+    # zscore_category: the metadata columns whose categories each z-score their own samples (a site, a
+    # season: the original AAM's --normalize-by), fitted on the training samples
+    normalize_by: list[str] = field(default_factory=list)
     # metadata columns the target head is conditioned on (aamperf/data/categorical.py): each embedded and
     # fused into the sample embedding the head reads (model.categorical_fusion); vocabularies of the
     # training samples, slot 0 for a missing value or (at predict) a category training never saw

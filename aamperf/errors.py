@@ -185,6 +185,9 @@ ORIGINAL_NAMES = {
     ),
     ("data.target_transform", "log-zscore"): "data.target_transform=log1p_zscore",
     ("data.target_transform", "log-minmax"): "data.target_transform=log1p_minmax",
+    ("data.target_transform", "zscore-category"): (
+        "data.target_transform=zscore_category data.normalize_by=[<column>,...]"
+    ),
     ("data.unifrac_metric", "weighted"): "data.unifrac_metric=weighted_normalized",
 }
 

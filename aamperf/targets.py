@@ -1,7 +1,10 @@
 """A metadata target as the model learns it: its kind (regression or classification), the transform of a
 regression (`data.target_transform`, fitted on the training samples only) and the classes of a
 classification (from the training samples, sorted). Saved with the model (`weights.save_model`'s
-`target`, summary.json's `target`), so predictions can be put back in the target's own units."""
+`target`, summary.json's `target`), so predictions can be put back in the target's own units.
+`zscore_category` (the original AAM's zscore-category) z-scores each sample within its category of the
+metadata columns `data.normalize_by` (`fit_groups`): a shift and scale per category, kept per sample of the
+data at hand (`sample_units`) for the loss and validation, and looked up by category at predict."""
 
 import math
 from dataclasses import dataclass, field
@@ -13,7 +16,7 @@ from torch import Tensor
 
 from aamperf.errors import UserError
 
-TRANSFORMS = ("none", "zscore", "minmax", "log_zscore", "log1p_zscore", "log1p_minmax")
+TRANSFORMS = ("none", "zscore", "minmax", "log_zscore", "log1p_zscore", "log1p_minmax", "zscore_category")
 # the log transforms' prefix -> (g, its inverse): log y, or log(1 + y) (the original AAM's log-*)
 LOGS = {"log_": (torch.log, torch.exp), "log1p_": (torch.log1p, torch.expm1)}
 KINDS = ("auto", "regression", "classification")
@@ -23,8 +26,10 @@ KINDS = ("auto", "regression", "classification")
 class TargetSpec:
     """model units = (g(y) - shift) / scale, with g = log for log_* transforms, log(1 + y) for log1p_*
     (the original AAM's log-zscore and log-minmax), else the identity: every transform is affine in y or
-    in g(y), so one inverse serves all. Classification: the target is the
-    class index into `classes`."""
+    in g(y), so one inverse serves all. zscore_category: the affine part is the sample's category's
+    (`groups`), given as `units` [n, 2] (each row's shift and scale: `units_of`, `units_at`); `shift` and
+    `scale` are then every training sample's, for a category training never saw and a missing value.
+    Classification: the target is the class index into `classes`."""
 
     column: str
     kind: str = "regression"  # regression | classification
@@ -33,16 +38,54 @@ class TargetSpec:
     scale: float = 1.0
     classes: list[str] = field(default_factory=list)  # of a classification, sorted
     class_counts: list[int] = field(default_factory=list)  # training samples of each class
+    normalize_by: list[str] = field(default_factory=list)  # zscore_category's metadata columns
+    # zscore_category: "column=value,column=value" -> [shift, scale] of the training samples of that category
+    groups: dict[str, list[float]] = field(default_factory=dict)
+    # zscore_category: [n, 2] float64, each sample of the data at hand's (shift, scale): `units_at`; not saved
+    sample_units: Tensor | None = field(default=None, repr=False, compare=False)
+    placed: dict[str, Tensor] = field(
+        default_factory=dict, repr=False, compare=False
+    )  # units_at's, per device
 
     @property
     def is_classification(self) -> bool:
         return self.kind == "classification"
 
-    def forward(self, y: Tensor) -> Tensor:
-        """Own units -> the units the model predicts (a regression's; class indices are left as they are)."""
+    def forward(self, y: Tensor, units: Tensor | None = None) -> Tensor:
+        """Own units -> the units the model predicts (a regression's; class indices are left as they are).
+        `units`: [n, 2] the shift and scale of each of y's n rows (zscore_category's), else the target's."""
         if self.is_classification:
             return y
-        return (self.g(y) - self.shift) / self.scale
+        shift, scale = self.affine(y, units)
+        return (self.g(y) - shift) / scale
+
+    def affine(self, like: Tensor, units: Tensor | None) -> tuple[Any, Any]:
+        """(shift, scale): the target's, or with `units` [n, 2] each row's, shaped to `like` [n, ...]."""
+        if units is None:
+            return self.shift, self.scale
+        shape = (len(units),) + (1,) * (like.dim() - 1)
+        units = units.to(like.dtype)
+        return units[:, 0].reshape(shape), units[:, 1].reshape(shape)
+
+    def units_of(self, keys: list[str | None]) -> Tensor | None:
+        """[n, 2] float64 the shift and scale of samples of these categories (`group_keys`'): their
+        category's, or for a category training never saw and a missing one (None) the target's. None
+        unless the transform is zscore_category."""
+        if not self.groups:
+            return None
+        default = [self.shift, self.scale]
+        return torch.tensor([self.groups.get(k, default) if k is not None else default for k in keys],
+                            dtype=torch.float64)  # fmt: skip
+
+    def units_at(self, idx: Tensor) -> Tensor | None:
+        """[n, 2] the shift and scale of the data's samples `idx` (`sample_units`, a copy kept on each
+        device idx comes from: none each step), or None unless the transform is zscore_category."""
+        if self.sample_units is None:
+            return None
+        key = str(idx.device)
+        if key not in self.placed:
+            self.placed[key] = self.sample_units.to(idx.device)
+        return self.placed[key][idx]
 
     @property
     def logs(self) -> tuple[Any, Any] | None:
@@ -53,9 +96,10 @@ class TargetSpec:
         """The target's values before the affine part: log y, log(1 + y) or y itself."""
         return y if self.logs is None else self.logs[0](y)
 
-    def inverse(self, t: Tensor) -> Tensor:
-        """The model's units -> the target's own units."""
-        y = t * self.scale + self.shift
+    def inverse(self, t: Tensor, units: Tensor | None = None) -> Tensor:
+        """The model's units -> the target's own units (`units`: as `forward`'s)."""
+        shift, scale = self.affine(t, units)
+        y = t * scale + shift
         return y if self.logs is None else self.logs[1](y)
 
     def payload(self) -> dict[str, Any]:
@@ -65,8 +109,12 @@ class TargetSpec:
         out: dict[str, Any] = {"column": self.column, "type": self.kind}
         if self.is_classification:
             return {**out, "classes": self.classes, "train_class_counts": self.class_counts}
-        return {**out, "transform": self.transform, "shift": self.shift, "scale": self.scale,
-                "mean": self.shift, "std": self.scale}  # fmt: skip
+        out.update(
+            transform=self.transform, shift=self.shift, scale=self.scale, mean=self.shift, std=self.scale
+        )
+        if self.groups:
+            out.update(normalize_by=self.normalize_by, groups=self.groups)
+        return out
 
 
 def fit_regression(column: str, values: Tensor, train: Tensor, transform: str) -> TargetSpec:
@@ -89,7 +137,7 @@ def fit_regression(column: str, values: Tensor, train: Tensor, transform: str) -
         values = spec.g(values)
     fitted = values[train]
     shift, scale = 0.0, 1.0
-    if transform.endswith("zscore"):
+    if transform.endswith("zscore") or transform == "zscore_category":  # the latter's global part
         shift, scale = float(fitted.mean()), float(fitted.std())  # unbiased: as the original zscore
     elif transform.endswith("minmax"):
         shift, scale = float(fitted.min()), float(fitted.max() - fitted.min())
@@ -97,6 +145,38 @@ def fit_regression(column: str, values: Tensor, train: Tensor, transform: str) -
         scale = 1.0
     spec.shift, spec.scale = shift, scale
     return spec
+
+
+def group_keys(values: dict[str, list[str | None]]) -> list[str | None]:
+    """Each sample's category of the columns of `values` (aamperf/data/categorical.py's `read_values`) as
+    one key, "column=value,column=value" in the columns' order (the original AAM's); None where a value
+    is missing."""
+    rows = zip(*values.values(), strict=True)
+    columns = list(values)
+    return [
+        None if None in row else ",".join(f"{c}={v}" for c, v in zip(columns, row, strict=True))
+        for row in rows
+    ]
+
+
+def fit_groups(
+    spec: TargetSpec, columns: list[str], values: Tensor, keys: list[str | None], train: Tensor
+) -> None:
+    """zscore_category: each category's mean and standard deviation (unbiased) over its training samples
+    into `spec.groups`, and every sample's units into `spec.sample_units` (a category no training sample
+    has and a missing one: the target's, `fit_regression`'s). A category of one training sample, or of one
+    value, is centred and takes the target's scale."""
+    values = values.double()
+    spec.normalize_by, spec.groups = list(columns), {}
+    by_key: dict[str, list[int]] = {}
+    for i in train.tolist():
+        if keys[i] is not None:
+            by_key.setdefault(keys[i], []).append(i)
+    for key in sorted(by_key):
+        fitted = values[by_key[key]]
+        scale = float(fitted.std()) if len(fitted) > 1 else 0.0
+        spec.groups[key] = [float(fitted.mean()), scale if scale > 0 and math.isfinite(scale) else spec.scale]
+    spec.sample_units, spec.placed = spec.units_of(keys), {}
 
 
 def fit_classes(column: str, codes: Tensor, names: list[str], train: Tensor, val: Tensor) -> tuple[

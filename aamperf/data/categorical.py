@@ -28,15 +28,17 @@ class Encoded:
     unseen: dict[str, int]
 
 
-def check_columns(columns: list[str], metadata: Path | None, target: str | None) -> None:
-    """The refusals of data.categorical, each one line: without metadata, a column that is the target, a
-    column the metadata lacks (naming the columns it has)."""
+def check_columns(
+    columns: list[str], metadata: Path | None, target: str | None, key: str = "data.categorical"
+) -> None:
+    """The refusals of metadata columns named by `key` (data.categorical, data.normalize_by), each one
+    line: without metadata, a column that is the target, a column the metadata lacks (naming the columns
+    it has)."""
     if not columns:
         return
     if metadata is None:
         raise UserError(
-            f"data.categorical={list(columns)} reads metadata columns: give data.metadata=<samples.tsv>, or "
-            "data.categorical=[]"
+            f"{key}={list(columns)} reads metadata columns: give data.metadata=<samples.tsv>, or {key}=[]"
         )
     if target is not None and target in columns:
         raise UserError(
@@ -47,8 +49,8 @@ def check_columns(columns: list[str], metadata: Path | None, target: str | None)
     absent = [column for column in columns if column not in header]
     if absent:
         raise UserError(
-            f"data.categorical: no column {', '.join(map(repr, absent))} in {metadata} "
-            f"(columns: {', '.join(header) or 'none'}); name columns it has in data.categorical"
+            f"{key}: no column {', '.join(map(repr, absent))} in {metadata} "
+            f"(columns: {', '.join(header) or 'none'}); name columns it has in {key}"
         )
 
 

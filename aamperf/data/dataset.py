@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, RandomSampler, Sampler, Subset
 
 from aamperf.data.branches import batch_matrix
-from aamperf.data.categorical import check_columns, learn_categories
+from aamperf.data.categorical import check_columns, learn_categories, read_values
 from aamperf.data.metadata import read_target_column
 from aamperf.data.samples import SampleDataset, Samples
 from aamperf.data.store import sample_store
@@ -23,7 +23,7 @@ from aamperf.data.unifrac import cached_unifrac, select_unifrac
 from aamperf.errors import UserError
 from aamperf.files import write_atomic
 from aamperf.model.aam import SLOT_KEYS, bucket_size, bucketed, slot_index
-from aamperf.targets import TargetSpec, fit_classes, fit_regression
+from aamperf.targets import TargetSpec, fit_classes, fit_groups, fit_regression, group_keys
 from aamperf.tokens import TOKENS_PER_ASV
 
 log = logging.getLogger(__name__)
@@ -375,6 +375,8 @@ def build_data(
     files = resolve_files(cfg)
     columns = list(cfg.get("categorical") or [])  # data.categorical
     check_columns(columns, files["metadata"], cfg.target)  # before the samples are read
+    normalize_by = list(cfg.get("normalize_by") or [])  # zscore_category's (data.target_transform)
+    check_columns(normalize_by, files["metadata"], cfg.target, "data.normalize_by")
     mode = unifrac_mode(cfg, files)
     samples, samples_cached = sample_store(cfg, files, with_branches=mode == "batch")
     sample_ids, dataset, target = samples.ids, samples.dataset, samples.dataset.target
@@ -403,6 +405,9 @@ def build_data(
         val_samples=val_samples, val_batch_size=val_batch_size,
     )  # fmt: skip
     spec = None if target is None else fit_target(cfg, files["metadata"], dataset, train_idx, val_idx)
+    if spec is not None and spec.transform == "zscore_category":  # each category's units, and each sample's
+        values = read_values(files["metadata"], normalize_by, sample_ids)
+        fit_groups(spec, normalize_by, dataset.target, group_keys(values), torch.as_tensor(train_idx))
     target = dataset.target  # a classification's: class indices among the training samples' classes
     categorical = None
     if columns:  # the vocabularies of the training samples, the same split as the target's

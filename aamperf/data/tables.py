@@ -37,6 +37,7 @@ def check_data(cfg: DictConfig) -> list[str]:
             problems.append(str(exc))
     if d.rarefy_depth < 1:
         problems.append(f"data.rarefy_depth={d.rarefy_depth} must be >= 1 (the reads kept per sample)")
+    problems += check_normalize_by(d)
     if d.unifrac_metric != "unweighted" and d.unifrac_mode == "batch":
         problems.append(
             f"data.unifrac_metric={d.unifrac_metric} is computed up front: set data.unifrac_mode=precomputed "
@@ -48,6 +49,24 @@ def check_data(cfg: DictConfig) -> list[str]:
             "matrix is read as it is: leave data.unifrac_metric=unweighted"
         )
     return problems + (check_simulated(cfg) if d.source == "simulated" else check_biom(d))
+
+
+def check_normalize_by(d: DictConfig) -> list[str]:
+    """data.normalize_by goes with data.target_transform=zscore_category, both ways, and is not the target."""
+    columns = list(d.get("normalize_by") or [])
+    if d.target_transform == "zscore_category" and not columns:
+        return [
+            "data.target_transform=zscore_category z-scores the target within each category of metadata "
+            "columns: name them, data.normalize_by=[<column>,...]"
+        ]
+    if columns and d.target_transform != "zscore_category":
+        return [
+            f"data.normalize_by={columns} is read by data.target_transform=zscore_category only (it is "
+            f"{d.target_transform}); set that, or data.normalize_by=[]"
+        ]
+    if d.target is not None and d.target in columns:
+        return [f"data.normalize_by: {d.target!r} is data.target itself; name other metadata columns"]
+    return []
 
 
 def check_simulated(cfg: DictConfig) -> list[str]:

@@ -85,11 +85,14 @@ def binary_auc(positive: np.ndarray, score: np.ndarray) -> float | None:
     return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
-def validation_figures(loss_fn, observed: np.ndarray, predicted: np.ndarray) -> tuple[dict, dict]:
+def validation_figures(
+    loss_fn, observed: np.ndarray, predicted: np.ndarray, idx: torch.Tensor | None = None
+) -> tuple[dict, dict]:
     """(the figures of a validation's target, for metrics.jsonl and summary.json's `val`; what they were
     computed from, for summary.json and val_predictions.tsv) of these samples: `observed` [n] in the
     target's own units (a classification's: class indices), `predicted` [n, outputs] the model's target
-    output. `loss_fn`: the AAMLoss that knows the target (its transform or classes) and its loss."""
+    output, `idx` [n] their indices in the data (zscore_category's units are each sample's). `loss_fn`:
+    the AAMLoss that knows the target (its transform or classes) and its loss."""
     target = loss_fn.target
     if target.is_classification:
         shifted = predicted - predicted.max(axis=1, keepdims=True)  # softmax, stable
@@ -98,8 +101,9 @@ def validation_figures(loss_fn, observed: np.ndarray, predicted: np.ndarray) -> 
         figures = {f"val_{k}": found[k] for k in ("accuracy", "macro_f1", "roc_auc")}
         detail = {"classes": target.classes, "confusion_matrix": found["confusion_matrix"]}
         return figures, {**detail, "observed": observed, "probabilities": probabilities}
-    own = target.inverse(torch.from_numpy(predicted)).numpy()  # every output in the target's own units
-    point = target.inverse(loss_fn.point(torch.from_numpy(predicted))).numpy()
+    units = None if idx is None else target.units_at(idx.cpu())
+    own = target.inverse(torch.from_numpy(predicted), units).numpy()  # every output in the target's own units
+    point = target.inverse(loss_fn.point(torch.from_numpy(predicted)), units).numpy()
     figures = {f"val_target_{k}": v for k, v in regression_metrics(observed, point).items()}
     detail: dict = {"observed": observed, "predicted": point}
     if loss_fn.target_loss == "quantile":  # the outermost quantiles' interval (a log transform keeps order)

@@ -245,11 +245,14 @@ class AAMLoss(nn.Module):
         middle = self.quantiles.index(0.5) if 0.5 in self.quantiles else len(self.quantiles) // 2
         return predicted[:, middle]
 
-    def target_sums(self, predicted: Tensor, target: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    def target_sums(
+        self, predicted: Tensor, target: Tensor, idx: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """(the target loss summed over the batch's samples, weighted, the sum of their weights, metrics
         summed over the samples): the part is the first over the second, the same formula for a batch
         and for a micro-batch's share of its step (`micro_loss`). Weights are 1 but for a weighted
-        cross-entropy, where they are the samples' class weights (torch's weighted mean)."""
+        cross-entropy, where they are the samples' class weights (torch's weighted mean). `idx`: the
+        samples' indices in the data (`sample_idx`), whose own units zscore_category's transform needs."""
         predicted, target = predicted.float(), target.float()
         if self.target.is_classification:
             labels = target.squeeze(1).long()
@@ -258,7 +261,8 @@ class AAMLoss(nn.Module):
             weighted = F.cross_entropy(predicted, labels, weight=weights, reduction="none")
             weight = torch.ones_like(weighted) if weights is None else weights[labels]
             return weighted.sum(), weight.sum(), {}
-        standard = self.target.forward(target)  # [B, 1], the model's units
+        units = None if idx is None else self.target.units_at(idx)  # zscore_category's: each sample's
+        standard = self.target.forward(target, units)  # [B, 1], the model's units
         if self.target_loss == "quantile":
             summed = pinball(predicted, standard, self.on_device("quantile_levels", predicted)).sum()
         elif self.target_loss == "huber":
@@ -270,7 +274,7 @@ class AAMLoss(nn.Module):
             summed = (self.over_weight * error.clamp(min=0) - self.under_weight * error.clamp(max=0)).sum()
         else:
             summed = F.mse_loss(predicted, standard, reduction="sum")
-        own = self.target.inverse(self.point(predicted.detach()))  # the target's own units
+        own = self.target.inverse(self.point(predicted.detach()), units)  # the target's own units
         mae = (own - target.squeeze(1)).abs().sum()
         return summed, predicted.new_full((), float(target.size(0))), {"target_mae": mae}  # a fill, no copy
 
@@ -338,7 +342,7 @@ class AAMLoss(nn.Module):
             # world x (local sum / the global batch's weights): a weighted cross-entropy's mean over
             # the whole batch's weights, not the mean of the ranks' weighted means
             predicted = out["target"]
-            total_loss, weight, sums = self.target_sums(predicted, batch["target"])
+            total_loss, weight, sums = self.target_sums(predicted, batch["target"], batch["sample_idx"])
             parts["target"] = world * total_loss / all_sum(weight)
             metrics.update({name: value / predicted.size(0) for name, value in sums.items()})
             predicted = predicted.detach()
@@ -392,7 +396,7 @@ class AAMLoss(nn.Module):
             parts["nucleotide"] = world * total_ce / counts.hidden.clamp(min=1.0)
         metrics: dict[str, Tensor] = {}
         if "target" in out and batch.get("target") is not None:  # shares of the step's global mean
-            total_loss, _, sums = self.target_sums(out["target"], batch["target"])
+            total_loss, _, sums = self.target_sums(out["target"], batch["target"], batch["sample_idx"])
             parts["target"] = world * total_loss / counts.target_weight
             metrics.update({name: value / counts.samples for name, value in sums.items()})
         if "count" in out:

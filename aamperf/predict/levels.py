@@ -121,13 +121,17 @@ def apply_quantize(model: nn.Module, mode: str, autocast: Callable) -> dict:
 
 
 def quality(
-    reference: dict[str, torch.Tensor], level: dict[str, torch.Tensor], target: SavedTarget | None
+    reference: dict[str, torch.Tensor],
+    level: dict[str, torch.Tensor],
+    target: SavedTarget | None,
+    units: torch.Tensor | None = None,
 ) -> dict:
     """A level's outputs against the fp32 eager model's on the same samples: cosine similarity of the
     sample embeddings (mean, worst), the predicted UniFrac's mean absolute difference (over every pair),
     and the target's: a regression's mean absolute difference in its own units (`target_mae`) and in the
     model's (`target_mae_scale`: in target standard deviations for a zscore), a classification's largest
-    difference of a class probability (`target_probability_max_diff`)."""
+    difference of a class probability (`target_probability_max_diff`). `units`: each sample's
+    zscore_category shift and scale (aamperf/predict/target.py's `sample_units`)."""
     mine, theirs = level["embedding"].double(), reference["embedding"].double()
     cosine = torch.nn.functional.cosine_similarity(mine, theirs, dim=1)
     result = {
@@ -145,7 +149,9 @@ def quality(
         diff = probabilities(level["predicted"]) - probabilities(reference["predicted"])
         result["target_probability_max_diff"] = diff.abs().max().item()
         return result
-    own = in_own_units(target, level["predicted"]) - in_own_units(target, reference["predicted"])
+    own = in_own_units(target, level["predicted"], units) - in_own_units(
+        target, reference["predicted"], units
+    )
     result["target_mae"] = own.abs().mean().item()
     in_model_units = level["predicted"].double() - reference["predicted"].double()
     result["target_mae_scale"] = in_model_units.abs().mean().item()

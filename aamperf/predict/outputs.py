@@ -21,17 +21,18 @@ def write_predictions(
     target: SavedTarget | None,
     observed: pd.Series | None,
     passes: int = 1,
+    units: torch.Tensor | None = None,
 ) -> dict:
     """The ranks' shares, in input order, into the files; the summary's figures of them. `target`: the
     model file's (None: the run learned none, a pretraining, and its target head's output means nothing);
     `observed`: each sample's observed target (None: the metadata has none); `passes`: the draws of ASVs
-    each sample's target outputs hold (`target_table`)."""
+    each sample's target outputs hold, `units` their zscore_category shift and scale (`target_table`)."""
     order = torch.argsort(torch.cat([part["rows"] for part in parts]))
     embedding = torch.cat([part["embedding"] for part in parts])[order]
     predicted = torch.cat([part["predicted"] for part in parts])
     targets, figures = None, {}
     if target is not None and len(predicted):  # a run that learned no target left its head untrained
-        targets = target_table(read["ids"], predicted[order], target, observed, passes)
+        targets = target_table(read["ids"], predicted[order], target, observed, passes, units)
         figures = target_summary(target_figures(targets, target))
     written = write_outputs(out_dir, read["ids"], embedding, targets, pairwise)
     seconds = torch.cat([part["latencies"] for part in parts]).tolist()

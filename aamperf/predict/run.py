@@ -37,7 +37,7 @@ from aamperf.predict.export import export_model
 from aamperf.predict.levels import apply_levels, forward, quality
 from aamperf.predict.masks import hidden_bases, run_masks, sequence_keys
 from aamperf.predict.outputs import write_predictions
-from aamperf.predict.target import SavedTarget, observed_values, read_saved_target
+from aamperf.predict.target import SavedTarget, observed_values, read_saved_target, sample_units
 from aamperf.tokens import MASK
 from aamperf.weights import MODEL_FILE, OWN_MODELS, build_model, load_model, read_model_file
 
@@ -193,10 +193,11 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
                 return {}
             metadata = resolve_files(data_cfg).get("metadata")
             observed = observed_values(metadata, data_cfg.get("target"), read["ids"], target)
+            units, summary["target_groups"] = sample_units(target, metadata, read["ids"], str(cfg.run))
             summary["categorical"] = category_record(vocabularies, metadata, read["ids"])
             stop_if_signalled()  # a stop signal that code on the way swallowed: no file written after it
             summary.update(
-                write_predictions(out_dir, read, parts, cfg.pairwise, target, observed, cfg.passes)
+                write_predictions(out_dir, read, parts, cfg.pairwise, target, observed, cfg.passes, units)
             )
             if exported is not None:
                 summary["files"][exported["file"]] = (
@@ -319,7 +320,9 @@ def check_quality(
     level = {key: mine[key][: len(rows)] for key in ("embedding", "predicted")}
     if level_model is not None and cfg.passes > 1:  # means over draws: the level's first draw compared
         level = apply_model(*level_model, samples, rows, cfg, device, False, passes=1, masks=masks)
-    return quality(plain, level, target)
+    ids = samples.ids[: len(rows)]  # zscore_category: their own units (predictions warn of the rest)
+    units, _ = sample_units(target, samples.files.get("metadata"), ids, str(cfg.run), warn=False)
+    return quality(plain, level, target, units)
 
 
 def collate_range(samples, rows: range) -> dict[str, Any]:

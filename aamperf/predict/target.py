@@ -3,6 +3,7 @@ loss and its quantiles, or the zscore-only `column` / `mean` / `std` of older fi
 checked; and what predict writes of it: the predicted target in its own units (a regression's point and
 quantiles, a classification's class and probabilities), beside the observed one, with its figures."""
 
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,11 +13,14 @@ import numpy as np
 import pandas as pd
 import torch
 
+from aamperf.data.categorical import metadata_header, read_values
 from aamperf.data.metadata import metadata_column
 from aamperf.errors import UserError
 from aamperf.metrics.target import classification_metrics, interval_coverage, regression_metrics
 from aamperf.model.loss import TARGET_LOSSES, is_number
-from aamperf.targets import TRANSFORMS, TargetSpec
+from aamperf.targets import TRANSFORMS, TargetSpec, group_keys
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -116,7 +120,64 @@ def saved_regression(saved: dict[str, Any], bad: str) -> SavedTarget:
             f"{bad}'s quantiles ({str(quantiles)[:80]}) are not numbers between 0 and 1; train the run again"
         )
     spec = TargetSpec(saved["column"], "regression", transform, float(shift), float(scale))
+    if transform == "zscore_category":
+        spec.normalize_by, spec.groups = saved_groups(saved, bad)
     return SavedTarget(spec, loss, [float(q) for q in quantiles])
+
+
+def saved_groups(saved: dict[str, Any], bad: str) -> tuple[list[str], dict[str, list[float]]]:
+    """zscore_category's columns (names) and its categories' [shift, scale] (finite, scale > 0)."""
+    columns, groups = saved.get("normalize_by"), saved.get("groups")
+    if not (isinstance(columns, list) and columns and all(isinstance(c, str) for c in columns)):
+        raise UserError(
+            f"{bad}'s normalize_by ({str(columns)[:80]}) is not a list of column names; train the run again"
+        )
+    units = isinstance(groups, dict) and all(
+        isinstance(k, str) and isinstance(v, list) and len(v) == 2
+        and all(is_number(x) and math.isfinite(x) for x in v) and v[1] > 0
+        for k, v in groups.items()
+    )  # fmt: skip
+    if not units:
+        raise UserError(
+            f"{bad}'s groups ({str(groups)[:80]}) are not category -> [shift, scale > 0]; train the run again"
+        )
+    return columns, {k: [float(x) for x in v] for k, v in groups.items()}
+
+
+def sample_units(
+    target: SavedTarget | None, metadata: Path | None, ids: list[str], run: str, warn: bool = True
+) -> tuple[
+    torch.Tensor | None, dict[str, Any] | None
+]:  # fmt: skip
+    """zscore_category: ([n, 2] each sample's shift and scale, by its category of the run's
+    data.normalize_by columns in `metadata`; what summary.json says of them). A sample of a category
+    training never saw, or without a value (or without metadata), takes every training sample's and is
+    counted, with a warning. (None, None) for any other target."""
+    if target is None or not target.spec.groups:
+        return None, None
+    columns = target.spec.normalize_by
+    if metadata is None:
+        keys: list[str | None] = [None] * len(ids)
+    else:
+        header = metadata_header(Path(metadata))
+        absent = [c for c in columns if c not in header]
+        if absent:
+            raise UserError(
+                f"run={run} z-scores its target within the categories of data.normalize_by={columns}: "
+                f"data.metadata={metadata} has no column {', '.join(map(repr, absent))} (columns: "
+                f"{', '.join(header) or 'none'}); give a metadata file with them"
+            )
+        keys = group_keys(read_values(Path(metadata), columns, ids))
+    unseen = sum(k is not None and k not in target.spec.groups for k in keys)
+    missing = sum(k is None for k in keys)
+    if warn and (unseen or missing):
+        log.warning(
+            "%d of %d samples have a category of %s that training never saw and %d none: their "
+            "predictions use every training sample's mean and std, not their category's",
+            unseen, len(ids), ",".join(columns), missing,
+        )  # fmt: skip
+    record = {"normalize_by": columns, "unseen": unseen, "missing": missing}
+    return target.spec.units_of(keys), record
 
 
 def probabilities(logits: torch.Tensor) -> torch.Tensor:
@@ -132,20 +193,28 @@ def point_column(target: SavedTarget) -> int:
     return target.quantiles.index(0.5) if 0.5 in target.quantiles else len(target.quantiles) // 2
 
 
-def in_own_units(target: SavedTarget, outputs: torch.Tensor) -> torch.Tensor:
-    """[n, outputs] a regression's outputs in the target's own units (its transform inverted)."""
-    return target.spec.inverse(outputs.double().reshape(len(outputs), -1))
+def in_own_units(
+    target: SavedTarget, outputs: torch.Tensor, units: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[n, outputs] a regression's outputs in the target's own units (its transform inverted; `units`: each
+    row's zscore_category shift and scale, `sample_units`)."""
+    return target.spec.inverse(outputs.double().reshape(len(outputs), -1), units)
 
 
 def target_table(
-    ids: list[str], outputs: torch.Tensor, target: SavedTarget, observed: pd.Series | None, passes: int = 1
+    ids: list[str],
+    outputs: torch.Tensor,
+    target: SavedTarget,
+    observed: pd.Series | None,
+    passes: int = 1,
+    units: torch.Tensor | None = None,
 ) -> pd.DataFrame:
     """One row per sample: a regression's `predicted` value (and `predicted_q<q>` per quantile) in the
     target's own units; a classification's `predicted` class and `p_<class>` per class; the `observed`
     value or class where the metadata has the column (NaN for a sample without one). `passes` > 1: the
     outputs of each pass's draw of ASVs, [n, passes, ...]: the mean of the passes' values (a class's
     probabilities), and a regression's `predicted_std`, their standard deviation (the original AAM's
-    --output-variance: numpy's, over the passes)."""
+    --output-variance: numpy's, over the passes). `units`: each sample's (zscore_category, `sample_units`)."""
     index = pd.Index(ids, name="sample_id")
     each = outputs.reshape(len(ids) * passes, -1)  # a row per sample and pass
     if target.spec.is_classification:
@@ -155,7 +224,8 @@ def target_table(
         for k, name in enumerate(classes):
             table[f"p_{name}"] = chances[:, k]
     else:
-        own = in_own_units(target, each).reshape(len(ids), passes, -1)
+        each_units = None if units is None else units.repeat_interleave(passes, dim=0)  # a row per pass
+        own = in_own_units(target, each, each_units).reshape(len(ids), passes, -1)
         point = point_column(target)
         table = pd.DataFrame({"predicted": own[:, :, point].mean(dim=1).numpy()}, index=index)
         for k, q in enumerate(target.quantiles):

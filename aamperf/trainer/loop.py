@@ -191,7 +191,9 @@ def validate(
         idx, observed, predicted = (
             gather_constant(torch.cat(column)).cpu() for column in zip(*predictions, strict=True)
         )
-        figures, found = validation_figures(loss_fn, observed.double().numpy(), predicted.double().numpy())
+        figures, found = validation_figures(
+            loss_fn, observed.double().numpy(), predicted.double().numpy(), idx
+        )
         val.update(figures)
         if detail is not None:
             detail.clear()
