@@ -87,6 +87,9 @@ class DataConfig:
     # zscore_category: the metadata columns whose categories each z-score their own samples (a site, a
     # season: the original AAM's --normalize-by), fitted on the training samples
     normalize_by: list[str] = field(default_factory=list)
+    # the metadata columns whose categories weigh the target part (loss.category_weights: the original AAM's
+    # --categorical-loss-weight-column), each sample's weight its category's
+    weight_by: list[str] = field(default_factory=list)
     # metadata columns the target head is conditioned on (aamperf/data/categorical.py): each embedded and
     # fused into the sample embedding the head reads (model.categorical_fusion); vocabularies of the
     # training samples, slot 0 for a missing value or (at predict) a category training never saw

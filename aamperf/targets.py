@@ -7,6 +7,7 @@ metadata columns `data.normalize_by` (`fit_groups`): a shift and scale per categ
 data at hand (`sample_units`) for the loss and validation, and looked up by category at predict."""
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,9 +44,14 @@ class TargetSpec:
     groups: dict[str, list[float]] = field(default_factory=dict)
     # zscore_category: [n, 2] float64, each sample of the data at hand's (shift, scale): `units_at`; not saved
     sample_units: Tensor | None = field(default=None, repr=False, compare=False)
-    placed: dict[str, Tensor] = field(
-        default_factory=dict, repr=False, compare=False
-    )  # units_at's, per device
+    placed: dict[str, Tensor] = field(default_factory=dict, repr=False, compare=False)  # `units_at`'s
+    # data.weight_by: the metadata columns whose categories weigh the target part (loss.category_weights);
+    # each sample of the data at hand's category of them (None: a missing value), and the training
+    # samples of each category (`fit_weight_keys`); not saved with the model
+    weight_by: list[str] = field(default_factory=list)
+    weight_keys: list[str | None] = field(default_factory=list, repr=False, compare=False)
+    weight_counts: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    weight_names: dict[str, str] = field(default_factory=dict, repr=False, compare=False)  # "v1/v2" -> key
 
     @property
     def is_classification(self) -> bool:
@@ -179,6 +185,49 @@ def fit_groups(
     spec.sample_units, spec.placed = spec.units_of(keys), {}
 
 
+def fit_weight_keys(
+    spec: TargetSpec, columns: list[str], values: dict[str, list[str | None]], train: Tensor
+) -> None:
+    """data.weight_by: each sample's category of `columns` (`group_keys` of their `values`) and the training
+    samples of each category into `spec`, for the loss's category weights (`category_weights`), which may
+    name a category by its values alone, joined by "/" (`weight_names`: a Hydra override's key holds no =)."""
+    keys = group_keys(values)
+    spec.weight_by, spec.weight_keys = list(columns), keys
+    counts = Counter(keys[i] for i in train.tolist() if keys[i] is not None)
+    spec.weight_counts = dict(sorted(counts.items()))
+    rows = zip(*values.values(), strict=True)
+    spec.weight_names = {"/".join(row): key for row, key in zip(rows, keys, strict=True) if key is not None}
+
+
+def category_weights(option: str | dict[str, float], target: TargetSpec) -> dict[str, float]:
+    """loss.category_weights: each category's weight of the target part, by its key ("column=value",
+    several columns joined by ","). `balanced`: n / (categories x count) over the training samples (the
+    original AAM's --categorical-loss-weights auto: a rare site weighs as much as a common one, the mean
+    weight of a training sample 1); a mapping: its weights, each key a category training has, as its key
+    or its values joined by "/" (`{env0: 2.0}`, `{A/dry: 2.0}`)."""
+    counts = target.weight_counts
+    if option == "balanced":
+        n = sum(counts.values())
+        return {key: n / (len(counts) * count) for key, count in counts.items()}
+    keys = {name: target.weight_names.get(name, name) for name in option}
+    unknown = [name for name, key in keys.items() if key not in counts]
+    if unknown:
+        names = ", ".join(sorted(name for name, key in target.weight_names.items() if key in counts))
+        raise UserError(
+            f"loss.category_weights names {unknown[0]!r}, not a category of data.weight_by="
+            f"{target.weight_by} among the training samples ({names or 'none'}); name those, or "
+            "loss.category_weights=balanced"
+        )
+    return {keys[name]: float(weight) for name, weight in option.items()}
+
+
+def sample_weights(weights: dict[str, float], target: TargetSpec) -> Tensor:
+    """[n] float64 each sample's weight of the target part: its category's; 1 for a category without a
+    weight (unnamed, or only validation has it) and for a missing value (the original AAM's default)."""
+    return torch.tensor([weights.get(k, 1.0) if k is not None else 1.0 for k in target.weight_keys],
+                        dtype=torch.float64)  # fmt: skip
+
+
 def fit_classes(column: str, codes: Tensor, names: list[str], train: Tensor, val: Tensor) -> tuple[
     TargetSpec, Tensor
 ]:  # fmt: skip
@@ -227,6 +276,8 @@ def learn_target(cfg: DictConfig, loss_fn: Any, target: TargetSpec | None, summa
     if "target_dim" in cfg.model:  # before the model is built from it (and saved with the run)
         cfg.model.target_dim = loss_fn.target_outputs
     summary["target"] = target.payload()
+    if getattr(loss_fn, "category_weights", None) is not None:  # data.weight_by's, loss.category_weights'
+        summary["target"].update(weight_by=target.weight_by, category_weights=loss_fn.category_weights)
     if target.is_classification:
         summary["target"]["class_weights"] = (
             None if loss_fn.class_weights is None else loss_fn.class_weights.tolist()

@@ -23,7 +23,14 @@ from aamperf.data.unifrac import cached_unifrac, select_unifrac
 from aamperf.errors import UserError
 from aamperf.files import write_atomic
 from aamperf.model.aam import SLOT_KEYS, bucket_size, bucketed, slot_index
-from aamperf.targets import TargetSpec, fit_classes, fit_groups, fit_regression, group_keys
+from aamperf.targets import (
+    TargetSpec,
+    fit_classes,
+    fit_groups,
+    fit_regression,
+    fit_weight_keys,
+    group_keys,
+)
 from aamperf.tokens import TOKENS_PER_ASV
 
 log = logging.getLogger(__name__)
@@ -377,6 +384,8 @@ def build_data(
     check_columns(columns, files["metadata"], cfg.target)  # before the samples are read
     normalize_by = list(cfg.get("normalize_by") or [])  # zscore_category's (data.target_transform)
     check_columns(normalize_by, files["metadata"], cfg.target, "data.normalize_by")
+    weight_by = list(cfg.get("weight_by") or [])  # loss.category_weights'
+    check_columns(weight_by, files["metadata"], cfg.target, "data.weight_by")
     mode = unifrac_mode(cfg, files)
     samples, samples_cached = sample_store(cfg, files, with_branches=mode == "batch")
     sample_ids, dataset, target = samples.ids, samples.dataset, samples.dataset.target
@@ -408,6 +417,9 @@ def build_data(
     if spec is not None and spec.transform == "zscore_category":  # each category's units, and each sample's
         values = read_values(files["metadata"], normalize_by, sample_ids)
         fit_groups(spec, normalize_by, dataset.target, group_keys(values), torch.as_tensor(train_idx))
+    if spec is not None and weight_by:  # each sample's category, and the training samples of each
+        values = read_values(files["metadata"], weight_by, sample_ids)
+        fit_weight_keys(spec, weight_by, values, torch.as_tensor(train_idx))
     target = dataset.target  # a classification's: class indices among the training samples' classes
     categorical = None
     if columns:  # the vocabularies of the training samples, the same split as the target's

@@ -37,7 +37,7 @@ def check_data(cfg: DictConfig) -> list[str]:
             problems.append(str(exc))
     if d.rarefy_depth < 1:
         problems.append(f"data.rarefy_depth={d.rarefy_depth} must be >= 1 (the reads kept per sample)")
-    problems += check_normalize_by(d)
+    problems += check_normalize_by(d) + check_weight_by(cfg)
     if d.unifrac_metric != "unweighted" and d.unifrac_mode == "batch":
         problems.append(
             f"data.unifrac_metric={d.unifrac_metric} is computed up front: set data.unifrac_mode=precomputed "
@@ -66,6 +66,27 @@ def check_normalize_by(d: DictConfig) -> list[str]:
         ]
     if d.target is not None and d.target in columns:
         return [f"data.normalize_by: {d.target!r} is data.target itself; name other metadata columns"]
+    return []
+
+
+def check_weight_by(cfg: DictConfig) -> list[str]:
+    """data.weight_by goes with loss.category_weights, both ways, and is not the target."""
+    d, columns = cfg.data, list(cfg.data.get("weight_by") or [])
+    weights = cfg.loss.get("category_weights") if "loss" in cfg else None
+    if weights is not None and not columns:
+        return [
+            "loss.category_weights weighs each sample by its category of metadata columns: name them, "
+            "data.weight_by=[<column>,...]"
+        ]
+    if columns and weights is None:
+        return [
+            f"data.weight_by={columns} is read by loss.category_weights (it is null): set "
+            "loss.category_weights=balanced (or a category -> weight mapping), or data.weight_by=[]"
+        ]
+    if columns and d.target is None:
+        return [f"data.weight_by={columns} weighs the target part, and data.target is null: set data.target"]
+    if d.target is not None and d.target in columns:
+        return [f"data.weight_by: {d.target!r} is data.target itself; name other metadata columns"]
     return []
 
 

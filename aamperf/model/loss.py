@@ -2,7 +2,7 @@
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from aamperf.distributed import all_sum, gather, gather_constant, unwrap, world_size
 from aamperf.errors import UserError
 from aamperf.model.aam import SLOT_KEYS, SlotIndex
-from aamperf.targets import TargetSpec
+from aamperf.targets import TargetSpec, category_weights, sample_weights
 from aamperf.tokens import MASK, real_bases
 
 _M32 = 0xFFFFFFFF
@@ -117,6 +117,7 @@ def target_argument_problems(args: dict[str, Any], prefix: str) -> list[str]:
             problems.append(
                 f"{prefix}class_weights={weights} must be null, balanced or a list of numbers >= 0"
             )
+    problems += category_weight_problems(args.get("category_weights"), prefix)
     if not is_number(args["huber_delta"]) or args["huber_delta"] <= 0:
         problems.append(f"{prefix}huber_delta={args['huber_delta']} must be a number > 0")
     for name in ("over_weight", "under_weight"):
@@ -125,6 +126,22 @@ def target_argument_problems(args: dict[str, Any], prefix: str) -> list[str]:
                 f"{prefix}{name}={args[name]} must be a number >= 0 (asymmetric: the error's weight)"
             )
     return problems
+
+
+def category_weight_problems(weights: Any, prefix: str) -> list[str]:
+    """loss.category_weights: null, balanced, or category -> a finite number >= 0 (its keys are checked
+    against the training samples' categories once they are read)."""
+    if weights is None or weights == "balanced":
+        return []
+    numbers = isinstance(weights, Mapping) and all(
+        isinstance(k, str) and is_number(w) and math.isfinite(w) and w >= 0 for k, w in weights.items()
+    )
+    if numbers and len(weights):
+        return []
+    return [
+        f"{prefix}category_weights={weights} must be null, balanced or a mapping of data.weight_by's "
+        "categories to numbers >= 0 ('loss.category_weights={\"site=A\":2.0}')"
+    ]
 
 
 class StepCounts(NamedTuple):
@@ -161,6 +178,7 @@ class AAMLoss(nn.Module):
         target_loss: str = "mse",
         quantiles: Sequence[float] = (0.1, 0.5, 0.9),
         class_weights: str | Sequence[float] | None = None,
+        category_weights: str | dict[str, float] | None = None,
         huber_delta: float = 1.0,
         over_weight: float = 1.0,
         under_weight: float = 1.0,
@@ -181,6 +199,9 @@ class AAMLoss(nn.Module):
         self.quantile_levels = torch.tensor(self.quantiles)  # pinball's, moved to the device once (on_device)
         self.class_weights_option = class_weights
         self.class_weights: Tensor | None = None  # per class, once the classes are known (set_target)
+        self.category_weights_option = category_weights
+        self.category_weights: dict[str, float] | None = None  # data.weight_by's categories' (set_target)
+        self.sample_weights: Tensor | None = None  # [n] each sample of the data's, from its category's
         self.target = TargetSpec("target")  # zscore with mean 0, std 1 until the data's is set
         self.count_low, self.count_high = 0.0, 1.0  # the counts the count part scales to 0 and 1 (set_counts)
 
@@ -200,11 +221,22 @@ class AAMLoss(nn.Module):
     def set_target(self, target: TargetSpec) -> None:
         """Learn `target` (aamperf/targets.py): a regression in the units its transform gives (so a target
         in years or in thousands weighs as UniFrac's and the nucleotides' parts do), with `target_loss`;
-        a classification with cross-entropy, weighted per class by `class_weights`. `target_mae` is the
+        a classification with cross-entropy, weighted per class by `class_weights`; either, where
+        loss.category_weights is set, each sample's part x its category's weight (`sample_weights`, the
+        divisor unchanged: the original AAM's weighted mean over the samples). `target_mae` is the
         mean absolute error in the target's own units."""
         self.target, self.class_weights = target, None
         if target.is_classification and self.class_weights_option is not None:
             self.class_weights = class_weights(self.class_weights_option, target.class_counts)
+        self.category_weights = self.sample_weights = None
+        if self.category_weights_option is not None:  # each sample's target part x its category's weight
+            if not target.weight_by:
+                raise UserError(
+                    f"loss.category_weights={self.category_weights_option} weighs each sample by its "
+                    "category of metadata columns: name them, data.weight_by=[<column>,...]"
+                )
+            self.category_weights = category_weights(self.category_weights_option, target)
+            self.sample_weights = sample_weights(self.category_weights, target)
 
     def set_counts(self, low: float, high: float) -> None:
         """The count part's scale: a count c is learnt as (c - low) / (high - low), the training samples'
@@ -222,7 +254,8 @@ class AAMLoss(nn.Module):
         return ((predicted.float() - scaled).square() * real).sum(), real.sum()
 
     def on_device(self, name: str, like: Tensor) -> Tensor:
-        """The tensor attribute `name` (class_weights, quantile_levels) on `like`'s device and dtype, moved
+        """The tensor attribute `name` (class_weights, quantile_levels, sample_weights) on `like`'s device and
+        dtype, moved
         there once (not a host copy every step)."""
         value = getattr(self, name)
         if value.device != like.device or value.dtype != like.dtype:
@@ -252,28 +285,36 @@ class AAMLoss(nn.Module):
         summed over the samples): the part is the first over the second, the same formula for a batch
         and for a micro-batch's share of its step (`micro_loss`). Weights are 1 but for a weighted
         cross-entropy, where they are the samples' class weights (torch's weighted mean). `idx`: the
-        samples' indices in the data (`sample_idx`), whose own units zscore_category's transform needs."""
+        samples' indices in the data (`sample_idx`): zscore_category's units and the category weights
+        (loss.category_weights, which multiply each sample's loss) are each sample's."""
         predicted, target = predicted.float(), target.float()
+        each_weight = None
+        if idx is not None and self.sample_weights is not None:
+            each_weight = self.on_device("sample_weights", predicted)[idx]
         if self.target.is_classification:
             labels = target.squeeze(1).long()
             weights = None if self.class_weights is None else self.on_device("class_weights", predicted)
             # reduction="none": each sample's cross-entropy x its class's weight
             weighted = F.cross_entropy(predicted, labels, weight=weights, reduction="none")
             weight = torch.ones_like(weighted) if weights is None else weights[labels]
-            return weighted.sum(), weight.sum(), {}
+            summed = weighted.sum() if each_weight is None else (weighted * each_weight).sum()
+            return summed, weight.sum(), {}
         units = None if idx is None else self.target.units_at(idx)  # zscore_category's: each sample's
         standard = self.target.forward(target, units)  # [B, 1], the model's units
         if self.target_loss == "quantile":
-            summed = pinball(predicted, standard, self.on_device("quantile_levels", predicted)).sum()
+            each = pinball(predicted, standard, self.on_device("quantile_levels", predicted))  # [B]
         elif self.target_loss == "huber":
-            summed = F.huber_loss(predicted, standard, delta=self.huber_delta, reduction="sum")
+            each = F.huber_loss(predicted, standard, delta=self.huber_delta, reduction="none")
         elif self.target_loss == "mae":
-            summed = F.l1_loss(predicted, standard, reduction="sum")
+            each = F.l1_loss(predicted, standard, reduction="none")
         elif self.target_loss == "asymmetric":  # an absolute error, weighed by its sign
             error = predicted - standard
-            summed = (self.over_weight * error.clamp(min=0) - self.under_weight * error.clamp(max=0)).sum()
+            each = self.over_weight * error.clamp(min=0) - self.under_weight * error.clamp(max=0)
         else:
-            summed = F.mse_loss(predicted, standard, reduction="sum")
+            each = F.mse_loss(predicted, standard, reduction="none")
+        summed = (
+            each.sum() if each_weight is None else (each.reshape(len(each), -1) * each_weight[:, None]).sum()
+        )
         own = self.target.inverse(self.point(predicted.detach()), units)  # the target's own units
         mae = (own - target.squeeze(1)).abs().sum()
         return summed, predicted.new_full((), float(target.size(0))), {"target_mae": mae}  # a fill, no copy
