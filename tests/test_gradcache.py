@@ -11,7 +11,8 @@ from aamperf.data.dataset import split_batch
 from aamperf.device import to_device
 from aamperf.distributed import World
 from aamperf.metrics import count_flops
-from aamperf.model.loss import masked_nucleotide_sums, nucleotide_mask, unifrac_loss
+from aamperf.model.loss import unifrac_loss
+from aamperf.model.masking import masked_nucleotide_sums, nucleotide_mask
 from aamperf.phases import apply_phases, setup_phases
 from aamperf.run import train
 from aamperf.tokens import MASK

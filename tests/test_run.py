@@ -334,7 +334,7 @@ def test_val_target_mae_and_r2_are_those_of_the_samples_validated(make_cfg, laun
     import numpy as np
     from sklearn.metrics import mean_absolute_error, r2_score
 
-    from aamperf.model.loss import nucleotide_mask
+    from aamperf.model.masking import nucleotide_mask
     from aamperf.tokens import MASK
     from aamperf.weights import load_model
 

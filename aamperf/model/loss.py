@@ -1,9 +1,7 @@
 """AAM training loss: UniFrac distance + masked-nucleotide + optional target, with a deterministic mask."""
 
-import functools
-import math
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -12,136 +10,10 @@ from torch import Tensor, nn
 from aamperf.distributed import all_sum, gather, gather_constant, unwrap, world_size
 from aamperf.errors import UserError
 from aamperf.model.aam import SLOT_KEYS, SlotIndex
+from aamperf.model.loss_arguments import argument_problems
+from aamperf.model.masking import masked_nucleotide_sums, nucleotide_mask
 from aamperf.targets import TargetSpec, category_weights, sample_weights
-from aamperf.tokens import MASK, real_bases
-
-_M32 = 0xFFFFFFFF
-
-
-def _hash32(x):
-    """A 32-bit integer mix (two xor-shift-multiply rounds). Works on Python ints and int64 tensors;
-    operands stay below 2**59, so int64 never overflows."""
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    return (x >> 16) ^ x
-
-
-MASK_STRATEGIES = ("random", "span")
-SPAN_BASES = (3, 4, 5)  # a span's length, each as likely: the original AAM's --nuc-mask-strategy span
-
-
-def nucleotide_mask(
-    tokens: Tensor, asv_ids: Tensor, step: int, seed: int, fraction: float, strategy: str = "random"
-) -> Tensor:
-    """Bool [B, S, L]: which real bases (A/C/G/T) to hide at this step: each on its own (`random`), or
-    in spans of 3 to 5 bases in a row (`span`), `fraction` of them in expectation.
-
-    Each position draws from a counter-based hash of (seed, step, global ASV id, base index),
-    computed on the tokens' device: at a given step an ASV is masked the same way in every sample
-    and every batch that holds it (so the aam_ops dedup phase can encode it once), the mask does not
-    depend on how the batch is composed, padded or split across processes, and drawing it needs no
-    host sync. `asv_ids` [B, S]: the batch's global ASV index of each slot (-1 on padding).
-    """
-    length = tokens.size(-1)
-    step_key = _hash32(_hash32(seed & _M32) ^ (step & _M32))  # a Python int
-    asv_key = _hash32(_hash32(asv_ids.to(torch.int64) & _M32) ^ step_key).unsqueeze(-1)  # [B, S, 1]
-    position = torch.arange(length, device=tokens.device, dtype=torch.int64)
-    draw = _hash32(asv_key ^ _hash32(position))
-    real = real_bases(tokens)
-    if strategy == "random":
-        return (draw >> 8 < int(fraction * (1 << 24))) & real  # 24 uniform bits
-    # a real base starts a span with the chance that covers `fraction` of the bases; its length from the
-    # draw's low 8 bits; a span hides the real bases it reaches (a sequence's end or padding cuts it short)
-    starts = (draw >> 8 < int(span_start_rate(fraction) * (1 << 24))) & real
-    bases = SPAN_BASES[0] + (((draw & 0xFF) * len(SPAN_BASES)) >> 8)
-    hidden = starts.clone()
-    for back in range(1, SPAN_BASES[-1]):
-        hidden[..., back:] |= (starts & (bases > back))[..., :-back]
-    return hidden & real
-
-
-@functools.cache
-def span_start_rate(fraction: float) -> float:
-    """The chance q that a base starts a span, so that `fraction` of a long sequence's bases are hidden: a
-    base is covered unless no span starts on it or on the bases before it that reach it,
-    1 - prod over d = 0..4 of (1 - q P(length > d)) = fraction (scipy's root finder; it grows with q)."""
-    from scipy.optimize import brentq  # once per fraction (cached), and only for span masks
-
-    reach = [sum(n > back for n in SPAN_BASES) / len(SPAN_BASES) for back in range(SPAN_BASES[-1])]
-    return brentq(lambda q: 1 - math.prod(1 - q * r for r in reach) - fraction, 0.0, 1.0)
-
-
-WEIGHTS = ("unifrac_weight", "nucleotide_weight", "target_weight", "count_weight")
-# a regression's; a classification's is cross-entropy
-TARGET_LOSSES = ("mse", "huber", "mae", "quantile", "asymmetric")
-
-
-def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
-    """Every problem of AAMLoss's arguments `args` (each one given or its default), as `<prefix><name>=
-    <value> must ...`: checked by AAMLoss as it is built, and by aamperf/checks.py before a run builds
-    anything. A negative weight would reward the error it weighs; a fraction of 0 hides no base (the
-    nucleotide part has nothing to predict), of 1 or more every one."""
-    problems = [
-        f"{prefix}{name}={args[name]} must be a number >= 0"
-        for name in WEIGHTS
-        if not is_number(args[name]) or args[name] < 0
-    ]
-    problems += target_argument_problems(args, prefix)
-    fraction = args["mask_fraction"]
-    if not is_number(fraction) or not 0 < fraction < 1:
-        problems.append(
-            f"{prefix}mask_fraction={fraction} must be a number between 0 and 1 (the share of real bases "
-            "hidden and predicted)"
-        )
-    if args["mask_strategy"] not in MASK_STRATEGIES:
-        problems.append(
-            f"{prefix}mask_strategy={args['mask_strategy']} must be one of {', '.join(MASK_STRATEGIES)}"
-        )
-    return problems
-
-
-def target_argument_problems(args: dict[str, Any], prefix: str) -> list[str]:
-    """The target part's: a known regression loss, quantiles strictly between 0 and 1, class weights
-    `balanced` or a list of numbers >= 0 (their count is checked against the classes once they are read)."""
-    problems = []
-    if args["target_loss"] not in TARGET_LOSSES:
-        problems.append(
-            f"{prefix}target_loss={args['target_loss']} must be one of {', '.join(TARGET_LOSSES)}"
-        )
-    quantiles = list(args["quantiles"] or [])
-    if not quantiles or not all(is_number(q) and 0 < q < 1 for q in quantiles):
-        problems.append(f"{prefix}quantiles={quantiles} must be a list of numbers between 0 and 1")
-    weights = args["class_weights"]
-    if weights is not None and weights != "balanced":
-        if isinstance(weights, str) or not all(is_number(w) and w >= 0 for w in weights):
-            problems.append(
-                f"{prefix}class_weights={weights} must be null, balanced or a list of numbers >= 0"
-            )
-    problems += category_weight_problems(args.get("category_weights"), prefix)
-    if not is_number(args["huber_delta"]) or args["huber_delta"] <= 0:
-        problems.append(f"{prefix}huber_delta={args['huber_delta']} must be a number > 0")
-    for name in ("over_weight", "under_weight"):
-        if not is_number(args[name]) or args[name] < 0:
-            problems.append(
-                f"{prefix}{name}={args[name]} must be a number >= 0 (asymmetric: the error's weight)"
-            )
-    return problems
-
-
-def category_weight_problems(weights: Any, prefix: str) -> list[str]:
-    """loss.category_weights: null, balanced, or category -> a finite number >= 0 (its keys are checked
-    against the training samples' categories once they are read)."""
-    if weights is None or weights == "balanced":
-        return []
-    numbers = isinstance(weights, Mapping) and all(
-        isinstance(k, str) and is_number(w) and math.isfinite(w) and w >= 0 for k, w in weights.items()
-    )
-    if numbers and len(weights):
-        return []
-    return [
-        f"{prefix}category_weights={weights} must be null, balanced or a mapping of data.weight_by's "
-        "categories to numbers >= 0 ('loss.category_weights={\"site=A\":2.0}')"
-    ]
+from aamperf.tokens import MASK
 
 
 class StepCounts(NamedTuple):
@@ -149,10 +21,6 @@ class StepCounts(NamedTuple):
     samples: int  # the step's samples on this rank
     target_weight: Tensor  # the step's samples' target weights on every rank (1 each but in a weighted CE)
     asvs: Tensor  # the step's real ASV slots on every rank (the count part's)
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class AAMLoss(nn.Module):
@@ -499,13 +367,3 @@ def class_weights(option: str | Sequence[float], counts: list[int]) -> Tensor:
             "(in the sorted order of the classes), or loss.class_weights=balanced"
         )
     return torch.tensor(weights, dtype=torch.float64)
-
-
-def masked_nucleotide_sums(logits: Tensor, tokens: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
-    """(sum of the cross-entropy of the original base at the hidden positions, their number).
-
-    Computed on every position and weighted by the mask, not gathered with a boolean index,
-    which would need a host sync to size its output."""
-    ce = F.cross_entropy(logits.flatten(0, -2).float(), tokens.flatten(), reduction="none")
-    weight = hidden.flatten().to(ce.dtype)
-    return (ce * weight).sum(), weight.sum()

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from aamperf.model.loss import nucleotide_mask
+from aamperf.model.masking import nucleotide_mask
 from aamperf.weights import OWN_LOSSES
 
 

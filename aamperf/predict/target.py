@@ -17,7 +17,7 @@ from aamperf.data.categorical import metadata_header, read_values
 from aamperf.data.metadata import metadata_column
 from aamperf.errors import UserError
 from aamperf.metrics.target import classification_metrics, interval_coverage, regression_metrics
-from aamperf.model.loss import TARGET_LOSSES, is_number
+from aamperf.model.loss_arguments import TARGET_LOSSES, is_number
 from aamperf.targets import TRANSFORMS, TargetSpec, group_keys
 
 log = logging.getLogger(__name__)

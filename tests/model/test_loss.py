@@ -9,7 +9,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from aamperf.model import AAMLoss, nucleotide_mask
-from aamperf.model.loss import MASK_STRATEGIES
+from aamperf.model.masking import MASK_STRATEGIES
 
 CONF = Path(__file__).parents[2] / "conf"
 
