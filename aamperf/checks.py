@@ -23,7 +23,7 @@ from aamperf.errors import UserError
 from aamperf.files import read_json_cache
 from aamperf.metrics.record import METRICS_FILE, SUMMARY_FILE
 from aamperf.model import AAM, AAMLoss
-from aamperf.model.aam import argument_problems as aam_problems
+from aamperf.model.aam_arguments import argument_problems as aam_problems
 from aamperf.model.loss_arguments import argument_problems as loss_problems
 from aamperf.phases.system import check_system
 from aamperf.tokens import ASV_BP, TOKENS_PER_ASV, VOCAB_SIZE

@@ -2,7 +2,7 @@
 batch (`conf/distributed/`; the DDP / FSDP2 wrap is the phase `aamperf/phases/distributed.py`).
 
 Every rank iterates the same seeded global batches and encodes its contiguous slice of each
-(`aamperf/data/dataset.py` Collate), so the data order is that of one process with the whole batch.
+(`aamperf/data/collate.py` Collate), so the data order is that of one process with the whole batch.
 Losses that need the whole batch (UniFrac pairs) gather across ranks with autograd.
 """
 

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from aamperf.batch_size import find_batch_size, smallest_batch
 from aamperf.data import build_data, rebatch
 from aamperf.data.categorical import condition_model
-from aamperf.data.dataset import make_loaders
+from aamperf.data.loaders import make_loaders
 from aamperf.data.samples import count_range
 from aamperf.device import resolve_device, sync, to_device
 from aamperf.distributed import World, from_main, init_world, main_decides, world_size

@@ -15,7 +15,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from aamperf.checks import check_config
 from aamperf.data import build_data
-from aamperf.data.dataset import Collate, split_batch
+from aamperf.data.collate import Collate
+from aamperf.data.loaders import split_batch
 from aamperf.data.tables import resolve_files
 from aamperf.device import to_device
 from aamperf.errors import UserError

@@ -12,7 +12,7 @@ from conftest import read_summary
 from test_targets import STEP, target_setup
 
 from aamperf.checks import check_config
-from aamperf.data.dataset import split_batch
+from aamperf.data.loaders import split_batch
 from aamperf.errors import UserError
 from aamperf.run import train
 from aamperf.targets import category_weights

@@ -7,7 +7,7 @@ from conftest import read_metrics
 from hydra.utils import instantiate
 
 from aamperf.data import build_data
-from aamperf.data.dataset import split_batch
+from aamperf.data.loaders import split_batch
 from aamperf.device import to_device
 from aamperf.distributed import World
 from aamperf.metrics import count_flops

@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from aamperf.allocator import ALLOCATORS, find
-from aamperf.data.dataset import Collate
+from aamperf.data.collate import Collate
 from aamperf.data.samples import read_samples
 from aamperf.data.simulate import SimParams, ensure_simulated
 from aamperf.errors import UserError

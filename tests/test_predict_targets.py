@@ -13,7 +13,7 @@ from conftest import CONF_DIR, read_summary
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from aamperf.data.dataset import Collate
+from aamperf.data.collate import Collate
 from aamperf.data.samples import read_samples
 from aamperf.data.tables import resolve_files
 from aamperf.errors import UserError

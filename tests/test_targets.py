@@ -11,7 +11,7 @@ from conftest import read_metrics, read_summary
 from hydra.utils import instantiate
 
 from aamperf.data import build_data
-from aamperf.data.dataset import split_batch
+from aamperf.data.loaders import split_batch
 from aamperf.device import to_device
 from aamperf.errors import UserError
 from aamperf.model.loss import pinball

@@ -1,20 +1,20 @@
-"""Samples as unpadded ASV lists, the collate that pads them and slices UniFrac, the split and the loaders."""
+"""Samples as unpadded ASV lists, the split and the data a run trains with (the collate that pads them and
+slices UniFrac: collate.py; the loaders: loaders.py)."""
 
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import biom
-import numpy as np
 import scipy.sparse as sp
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, RandomSampler, Sampler, Subset
+from torch.utils.data import DataLoader
 
-from aamperf.data.branches import batch_matrix
 from aamperf.data.categorical import check_columns, learn_categories, read_values
+from aamperf.data.collate import Collate
+from aamperf.data.loaders import make_loaders
 from aamperf.data.metadata import read_target_column
 from aamperf.data.samples import SampleDataset, Samples
 from aamperf.data.store import sample_store
@@ -22,7 +22,6 @@ from aamperf.data.tables import read_unifrac, read_val_samples, resolve_files, s
 from aamperf.data.unifrac import cached_unifrac, select_unifrac
 from aamperf.errors import UserError
 from aamperf.files import write_atomic
-from aamperf.model.aam import SLOT_KEYS, bucket_size, bucketed, slot_index
 from aamperf.targets import (
     TargetSpec,
     fit_classes,
@@ -31,97 +30,8 @@ from aamperf.targets import (
     fit_weight_keys,
     group_keys,
 )
-from aamperf.tokens import TOKENS_PER_ASV
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Collate:
-    """Items -> batch: pads ASVs to `pad_to` (None: the longest sample of the batch), slices UniFrac.
-
-    Batch: tokens int64 [B, S, 151], counts float32 [B, S, 1], unifrac float32 [B, B],
-    sample_idx int64 [B], asv_ids int64 [B, S] (each slot's row of the token table, -1 on padding),
-    real_slots, unique_first, unique_inverse int64 and n_real_slots (where the real ASVs lie:
-    `aamperf.model.aam.slot_index`; with `bucket_cap`, padded to bucket sizes, `bucketed`, and n_real_slots
-    the count of real slots, else None),
-    target float32 [B, 1] (when the data has one), categorical int64 [B, columns] (data.categorical: each
-    sample's category per column, 0 unseen or missing), n_samples and n_tokens int.
-    Under torch.distributed B is this rank's slice b of the global batch, and unifrac is [b, B]:
-    its rows against every sample of the global batch; n_samples and n_tokens count the global batch.
-    Padding rows are all zero (START included), so `tokens[..., 0] == 0` marks padding.
-    Batch UniFrac (`branch_lengths` set): no `unifrac` yet, but the global batch's branch sets
-    `branches` uint8 [B, U], their `branch_lengths` float64 [U] and this rank's `branch_rows` [b], from
-    which `to_device` computes `unifrac` [b, B] on the run's device (aamperf/data/branches.py).
-    """
-
-    tokens: torch.Tensor  # [n_asvs, 151] uint8, every distinct ASV tokenized once
-    unifrac: torch.Tensor | None  # [n_samples, n_samples] float32, the whole data set (None: prediction)
-    pad_to: int | None
-    rank: int = 0  # under torch.distributed: the items are the global batch, this rank takes its slice
-    world_size: int = 1
-    bucket_cap: int | None = None  # with pad_to=None: the longest sample rounded up to `bucket_size`, <= this
-    branch_lengths: np.ndarray | None = None  # batch UniFrac: the lengths the items' `branches` index
-
-    def __call__(self, items: list[dict]) -> dict:
-        # Counted over the global batch: what one optimizer (micro-)step processes on all ranks.
-        n_samples, n_tokens = len(items), sum(item["n_tokens"] for item in items)
-        batch_idx = torch.tensor([item["sample_idx"] for item in items])
-        rows = torch.arange(len(items))
-        if self.branch_lengths is not None:  # of the global batch: every rank's rows meet every column
-            branches, branch_lengths = batch_matrix([item["branches"] for item in items], self.branch_lengths)
-        if self.world_size > 1:
-            share = len(items) // self.world_size
-            items = items[self.rank * share : (self.rank + 1) * share]
-            rows = rows[self.rank * share : (self.rank + 1) * share]
-        lengths = torch.tensor([len(item["asv_idx"]) for item in items])
-        width = self.width(lengths)
-        batch_pos = torch.repeat_interleave(torch.arange(len(items)), lengths)
-        asv_pos = torch.cat([torch.arange(n) for n in lengths.tolist()])
-        asv_idx = torch.cat([item["asv_idx"] for item in items])
-        tokens = torch.zeros(len(items), width, TOKENS_PER_ASV, dtype=torch.long)
-        tokens[batch_pos, asv_pos] = self.tokens[asv_idx].long()
-        asv_ids = torch.full((len(items), width), -1, dtype=torch.long)
-        asv_ids[batch_pos, asv_pos] = asv_idx
-        counts = torch.zeros(len(items), width, 1)
-        counts[batch_pos, asv_pos, 0] = torch.cat([item["counts"] for item in items])
-        sample_idx = torch.tensor([item["sample_idx"] for item in items])
-        batch = {
-            "tokens": tokens,
-            "counts": counts,
-            "sample_idx": sample_idx,
-            "asv_ids": asv_ids,
-            # where the real ASVs lie and which are the same, found here so that the model need not read
-            # them back from the GPU (aamperf.model.aam.SlotIndex); the slots ascend as the items' ASVs do
-            **self.slot_index(batch_pos * width + asv_pos, asv_idx, len(items) * width),
-            # counted here, on the host, so the trainer's samples/s and tokens/s need no device sync
-            "n_samples": n_samples,
-            "n_tokens": n_tokens,
-        }
-        if self.unifrac is not None:  # this rank's rows, every sample's column
-            batch["unifrac"] = self.unifrac[sample_idx][:, batch_idx]
-        if self.branch_lengths is not None:
-            batch.update(branches=branches, branch_lengths=branch_lengths, branch_rows=rows)
-        if "target" in items[0]:
-            batch["target"] = torch.stack([item["target"] for item in items]).float().unsqueeze(1)
-        if "categorical" in items[0]:  # this rank's rows, as the target's
-            batch["categorical"] = torch.stack([item["categorical"] for item in items])
-        return batch
-
-    def slot_index(self, slots: torch.Tensor, asv_idx: torch.Tensor, n_slots: int) -> dict[str, Any]:
-        """The batch's SlotIndex (`aamperf.model.aam.slot_index`); with buckets (`bucket_cap`), padded to
-        bucket sizes too (`bucketed`), as the batch's width is: a few shapes on the device."""
-        index = slot_index(slots, asv_idx)
-        return index if self.bucket_cap is None else bucketed(index, n_slots)
-
-    def width(self, lengths: torch.Tensor) -> int:
-        """The ASV slots of a batch whose samples have `lengths` ASVs each: `pad_to`, or the longest (rounded
-        up to `bucket_size` under `bucket_cap`)."""
-        width = int(lengths.max()) if self.pad_to is None else self.pad_to
-        if self.pad_to is None and self.bucket_cap is not None:
-            width = min(bucket_size(width), self.bucket_cap)
-        assert int(lengths.max()) <= width, "a sample has more ASVs than pad_to"
-        return width
 
 
 def split_indices(n_samples: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -150,143 +60,6 @@ def split_listed(samples: Samples, val_ids: list[str], cfg: DictConfig) -> tuple
     val_idx = sorted(position[sid] for sid in val_ids)
     listed = set(val_idx)
     return [i for i in range(len(samples.ids)) if i not in listed], val_idx
-
-
-def make_loaders(
-    dataset: SampleDataset,
-    collate: Collate,
-    train_idx: list[int],
-    val_idx: list[int],
-    *,
-    batch_size: int,
-    seed: int,
-    loader: DictConfig,
-    val_samples: str | None = None,
-    val_batch_size: int | None = None,
-) -> tuple[DataLoader, DataLoader]:
-    """Train loader (seeded shuffle) and val loader; both drop the last partial batch (UniFrac: pairs).
-    `val_samples`: the data.val_samples file the split came from (None: data.val_fraction's), for the errors.
-    `val_batch_size`: the val loader's batch (trainer.val_batch_size; None: `batch_size`).
-
-    The shuffle has a generator of its own (`loader.sampler.generator`, one permutation per pass),
-    apart from the DataLoader's, from which torch draws worker seeds at each new iterator: so the
-    batch order of a seed is the same with or without workers, persistent or not."""
-    fewer_val, more_val = " or data.val_fraction", "raise data.val_fraction"
-    if val_samples is not None:  # the user's split: its file is the fix
-        fewer_val = f", list fewer samples in data.val_samples={val_samples}"
-        more_val = f"list more samples in data.val_samples={val_samples}"
-    if len(train_idx) < batch_size:
-        raise UserError(
-            f"only {len(train_idx)} training samples, fewer than trainer.batch_size={batch_size}; "
-            f"lower trainer.batch_size{fewer_val}, or give more samples"
-        )
-    if len(val_idx) < 2:
-        raise UserError(f"only {len(val_idx)} validation samples (UniFrac needs >= 2 per batch); {more_val}")
-    kwargs = {
-        "collate_fn": collate,
-        "drop_last": True,
-        "num_workers": loader.num_workers,
-        "pin_memory": loader.pin_memory,
-    }
-    if loader.num_workers > 0:  # DataLoader refuses these without workers
-        kwargs["persistent_workers"] = loader.persistent_workers
-        if loader.prefetch_factor is not None:
-            kwargs["prefetch_factor"] = loader.prefetch_factor
-    train_set = Subset(dataset, train_idx)
-    sampler = RandomSampler(train_set, generator=torch.Generator().manual_seed(seed))
-    if getattr(dataset, "draws_anew", False):  # data.asv_sampling=random: each pass its own draw
-        train_set, sampler = Draws(dataset, train_idx), DrawSampler(sampler)
-    train = DataLoader(
-        train_set,
-        batch_size=batch_size,
-        sampler=sampler,
-        generator=torch.Generator().manual_seed(seed),  # worker seeds only
-        **kwargs,
-    )
-    # a val set smaller than one batch is still used, as one batch of all of it (split evenly over ranks)
-    world = collate.world_size
-    val_batch = min(val_batch_size or batch_size, len(val_idx)) // world * world
-    if val_batch < max(2, world):
-        raise UserError(
-            f"only {len(val_idx)} validation samples for {world} ranks (UniFrac needs >= 2 per batch); "
-            + more_val
-        )
-    val = DataLoader(Subset(dataset, val_idx), batch_size=val_batch, shuffle=False, **kwargs)
-    return train, val
-
-
-class Draws(Subset):
-    """The training samples where each pass draws their ASVs anew (data.asv_sampling=random): indexed by
-    (draw, position) as `DrawSampler` yields them (any worker reads the same item for a key); by position
-    alone, draw 0."""
-
-    def __getitem__(self, key: int | tuple[int, int]) -> dict:
-        draw, k = key if isinstance(key, tuple) else (0, key)
-        return self.dataset.item(self.indices[k], draw)
-
-    def __getitems__(self, keys: list) -> list[dict]:
-        return [self[key] for key in keys]
-
-
-class DrawSampler(Sampler):
-    """A RandomSampler's positions, each with the pass's draw: a number taken from the sampler's own
-    generator as the pass begins, so a resumed run (the generator's state at the pass's start: BatchStream)
-    draws the same ASVs again."""
-
-    def __init__(self, sampler: RandomSampler):
-        self.sampler, self.generator = sampler, sampler.generator
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        draw = int(torch.randint(1 << 62, (), generator=self.generator))
-        return ((draw, k) for k in self.sampler)
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-
-def step_loader(loader: DataLoader, micro_batches: int) -> DataLoader:
-    """`loader` drawing the batches of whole optimizer steps: `micro_batches` x its batch, from the same
-    sampler (the same order), so that a step's batch holds every pair of its samples (UniFrac across
-    micro-batches, `split_batch` cuts them)."""
-    kwargs = {}
-    if loader.num_workers > 0:  # DataLoader refuses these without workers
-        kwargs = {"persistent_workers": loader.persistent_workers, "prefetch_factor": loader.prefetch_factor}
-    return DataLoader(
-        loader.dataset,
-        batch_size=loader.batch_size * micro_batches,
-        sampler=loader.sampler,
-        collate_fn=loader.collate_fn,
-        drop_last=loader.drop_last,
-        num_workers=loader.num_workers,
-        pin_memory=loader.pin_memory,
-        generator=loader.generator,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        **kwargs,
-    )
-
-
-def split_batch(batch: dict, parts: int, world: int = 1) -> list[dict]:
-    """A step's batch (this rank's rows of the global batch, as `Collate` makes it) -> `parts` micro-batches
-    of its rows in order, each a batch as `Collate` makes one: its `unifrac` rows against the micro-batch's
-    own samples on every rank, `n_samples` its global count (`n_tokens` is the step's: not split)."""
-    rows = batch["tokens"].size(0)
-    size = rows // parts
-    assert size * parts == rows, f"a batch of {rows} rows does not split into {parts} micro-batches"
-    micro = []
-    for m in range(parts):
-        mine = slice(m * size, (m + 1) * size)
-        # the slot index is the step batch's (slots of its B x S): a micro-batch's model finds its own
-        part = {
-            k: v[mine] for k, v in batch.items() if torch.is_tensor(v) and k not in ("unifrac", *SLOT_KEYS)
-        }
-        if "unifrac" in batch:  # the global batch's columns are the ranks' rows in rank order
-            starts = torch.arange(world, device=batch["unifrac"].device) * rows
-            columns = (starts[:, None] + torch.arange(size, device=starts.device)).flatten()
-            part["unifrac"] = batch["unifrac"][mine][:, columns + m * size]
-        part["n_samples"] = batch["n_samples"] // parts
-        micro.append(part)
-    return micro
 
 
 @dataclass

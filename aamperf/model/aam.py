@@ -2,175 +2,18 @@
 aamperf/model/aam_flops.py)."""
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
+from aamperf.model.aam_arguments import TARGET_ACTIVATIONS, argument_problems
 from aamperf.model.aam_flops import FlopCount
 from aamperf.model.layers import MLP, AttentionPooling, Transformer
 from aamperf.model.packed import Packing
+from aamperf.model.slots import SlotIndex, bucket_size, first_slots
 from aamperf.tokens import PAD, TOKENS_PER_ASV, VOCAB_SIZE
 
 ASV_ROWS = ("all", "real", "unique")  # which ASV rows the ASV encoder runs on (`AAM.asv_rows`)
-FUSIONS = ("concat", "add")  # how categorical embeddings join the sample embedding (`AAM.condition`)
-# how an ASV's log(1 + count) joins its vector (`AAM.with_counts`; the original's --count-embedding-method):
-# add (a Linear of it added), concat (that Linear's output beside the vector, then Linear(2D, D)), film (a
-# Linear(1, 2D) of it giving a scale and a shift: vector x (1 + scale) + shift)
-COUNT_METHODS = ("add", "concat", "film")
-# what the target head reads (`AAM(target_head=...)`): "linear" the sample embedding; "transformer" the sample
-# encoder's per-ASV states, through a transformer of its own and an attention pooling (the original's
-# target_encoder + target_pooling, aam/models/sequence_predictor.py), then a Linear
-TARGET_HEADS = ("linear", "transformer")
-# a regression's output through a function that bounds it (`AAM(target_activation=...)`): sigmoid to (0, 1),
-# relu / softplus / exp to >= 0 (the original AAM's --bounded-targets and --output-activation)
-TARGET_ACTIVATIONS = {
-    "none": None,
-    "sigmoid": torch.sigmoid,
-    "relu": torch.relu,
-    "softplus": torch.nn.functional.softplus,
-    "exp": torch.exp,
-}
-# AAM's integer arguments and the least each may be (0 layers: a stack that passes its input through)
-LEAST = {
-    "embedding_dim": 1,
-    "num_heads": 1,
-    "asv_layers": 0,
-    "sample_layers": 0,
-    "encoder_layers": 0,
-    "max_asvs": 1,
-    "ffn_mult": 1,
-    "vocab_size": 1,
-    "seq_len": 1,
-    "target_dim": 0,  # 0: no target head
-    "target_layers": 0,  # the transformer target head's layers (0: attention pooling and a Linear alone)
-}
-
-
-def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
-    """Every problem of AAM's arguments `args` (each one given or its default), as `<prefix><name>=<value>
-    must ...`: checked by AAM as it is built, and by aamperf/checks.py before a run builds anything."""
-    problems = [
-        f"{prefix}{name}={args[name]} must be an integer >= {least}"
-        for name, least in LEAST.items()
-        if isinstance(args[name], bool) or not isinstance(args[name], int) or args[name] < least
-    ]
-    dim, heads = args["embedding_dim"], args["num_heads"]
-    if not problems and dim % heads:
-        problems.append(f"{prefix}embedding_dim={dim} is not divisible by {prefix}num_heads={heads}")
-    if args["target_head"] not in TARGET_HEADS:
-        problems.append(f"{prefix}target_head={args['target_head']} must be one of {', '.join(TARGET_HEADS)}")
-    activation = args["target_activation"]
-    if activation not in TARGET_ACTIVATIONS:
-        problems.append(
-            f"{prefix}target_activation={activation} must be one of {', '.join(TARGET_ACTIVATIONS)}"
-        )
-    if args["count_embedding_method"] not in COUNT_METHODS:
-        problems.append(
-            f"{prefix}count_embedding_method={args['count_embedding_method']} must be one of "
-            + ", ".join(COUNT_METHODS)
-        )
-    if not isinstance(args["count_head"], bool):
-        problems.append(f"{prefix}count_head={args['count_head']} must be true or false")
-    layers = args["count_layers"]
-    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 0):
-        problems.append(f"{prefix}count_layers={layers} must be null (sample_layers) or an integer >= 0")
-    if args["categorical_fusion"] not in FUSIONS:
-        problems.append(
-            f"{prefix}categorical_fusion={args['categorical_fusion']} must be one of {', '.join(FUSIONS)}"
-        )
-    sizes = args["categorical_sizes"]
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
-        problems.append(f"{prefix}categorical_sizes={list(sizes)} must be a list of integers >= 0")
-    for name in ("dropout", "target_dropout"):
-        value = args[name]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
-            problems.append(f"{prefix}{name}={value} must be a number in [0, 1)")
-    hidden = args["target_hidden_dims"]
-    if (
-        hidden is None
-        or isinstance(hidden, str | int | float)
-        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in hidden)
-    ):
-        problems.append(
-            f"{prefix}target_hidden_dims={hidden} must be a list of integers >= 1 (the MLP's widths)"
-        )
-    elif args["target_dropout"] and not len(hidden):
-        problems.append(
-            f"{prefix}target_dropout={args['target_dropout']} is the dropout between the MLP's layers of "
-            f"{prefix}target_hidden_dims, which is empty: give its widths or {prefix}target_dropout=0"
-        )
-    elif args["target_residual"] and not len(hidden):
-        problems.append(
-            f"{prefix}target_residual=true adds a Linear beside the MLP of {prefix}target_hidden_dims, "
-            f"which is empty: give its widths ({prefix}target_hidden_dims=[64]) or "
-            f"{prefix}target_residual=false"
-        )
-    return problems
-
-
-class SlotIndex(NamedTuple):
-    """Where a batch's real ASVs lie, found on the host by the collate (`slot_index`), so that forward
-    reads them back from no GPU (`nonzero` and `unique` on a device tensor are host syncs: the host waits
-    for the queued steps before it can launch more). `real` [R]: the real slots in [0, B*S), ascending;
-    `first` [U]: for each distinct ASV of the batch, the position in `real` of its first slot; `inverse`
-    [R]: each real slot's distinct ASV."""
-
-    real: Tensor
-    first: Tensor
-    inverse: Tensor
-    # R, where `bucketed` padded `real` past it (a host int: no sync to read it); None: not padded
-    n_real: int | None = None
-
-
-# a batch's SlotIndex, as the collate keys it
-SLOT_KEYS = ("real_slots", "unique_first", "unique_inverse", "n_real_slots")
-
-
-def first_slots(ids: Tensor) -> tuple[Tensor, Tensor]:
-    """(first, inverse) of `ids` [R]: for each distinct id, the position of its first occurrence (any would
-    do: an ASV's slots hold the same tokens); each position's distinct id. A host sync on a GPU tensor
-    (unique sizes its output)."""
-    distinct, inverse = torch.unique(ids, return_inverse=True)
-    position = torch.arange(ids.numel(), device=ids.device)
-    first = position.new_full(distinct.shape, ids.numel())
-    return first.scatter_reduce_(0, inverse, position, reduce="amin"), inverse
-
-
-def slot_index(slots: Tensor, asv_ids: Tensor) -> dict[str, Tensor]:
-    """A batch's SlotIndex as the collate adds it (keyed by SLOT_KEYS): `slots` [R] its real slots in
-    [0, B*S), ascending, and `asv_ids` [R] their ASVs, in the same order; the same values forward's
-    `nonzero` and `first_slots` give on the device."""
-    return dict(zip(SLOT_KEYS, (slots, *first_slots(asv_ids), None), strict=True))
-
-
-def bucket_size(n: int) -> int:
-    """The smallest size >= n of the ladder 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ... (four per doubling):
-    shapes padded to it take few distinct values (compiled graphs reused, allocator blocks reused) at
-    under 25% padding."""
-    if n <= 4:
-        return max(n, 1)
-    step = 1 << max(0, (n - 1).bit_length() - 3)  # a quarter of the power of two below n
-    return -(-n // step) * step
-
-
-def bucketed(index: dict[str, Any], n_slots: int) -> dict[str, Any]:
-    """A collate's slot index (`slot_index`) padded on the host to bucket sizes (`bucket_size`), so that the
-    device's tensors, and the compiled graphs or CUDA graphs over them, take a handful of shapes rather
-    than one per batch: `real_slots` [bucket(R)] with the sink slots n_slots, n_slots + 1, ... (past the
-    batch's B*S: their rows are dropped after the scatter), `unique_first` [bucket(U)] with 0 (a distinct
-    ASV encoded again, read by nothing), `unique_inverse` [bucket(R)] with 0 (what a sink reads);
-    `n_real_slots` R (the model then scatters into B*S + bucket(R) rows, whether or not R needed padding)."""
-    real, first, inverse, _ = (index[k] for k in SLOT_KEYS)
-    n_real = len(real)
-    extra_r, extra_u = bucket_size(n_real) - n_real, bucket_size(len(first)) - len(first)
-    padded = (
-        torch.cat([real, torch.arange(n_slots, n_slots + extra_r)]),
-        torch.cat([first, first.new_zeros(extra_u)]),
-        torch.cat([inverse, inverse.new_zeros(extra_r)]),
-        n_real,
-    )
-    return dict(zip(SLOT_KEYS, padded, strict=True))
 
 
 class AAM(FlopCount, nn.Module):

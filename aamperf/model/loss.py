@@ -9,9 +9,9 @@ from torch import Tensor, nn
 
 from aamperf.distributed import all_sum, gather, gather_constant, unwrap, world_size
 from aamperf.errors import UserError
-from aamperf.model.aam import SLOT_KEYS, SlotIndex
 from aamperf.model.loss_arguments import argument_problems
 from aamperf.model.masking import masked_nucleotide_sums, nucleotide_mask
+from aamperf.model.slots import SLOT_KEYS, SlotIndex
 from aamperf.targets import TargetSpec, category_weights, sample_weights
 from aamperf.tokens import MASK
 

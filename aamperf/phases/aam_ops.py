@@ -9,7 +9,7 @@ embeddings, loss and gradients as plain, up to fp32 rounding):
 - dedup: the ASV encoder runs once per distinct ASV of the batch (`AAM.asv_rows = "unique"`). It
   needs the batch's `asv_ids` and a mask drawn per ASV (AAMLoss).
 - bucket: the encoded rows, and under skip_padding the batch's width, rounded up to a ladder of
-  sizes (`aamperf.model.aam.bucket_size`, < 25% padding): a handful of shapes instead of one per batch,
+  sizes (`aamperf.model.slots.bucket_size`, < 25% padding): a handful of shapes instead of one per batch,
   so a compiled graph is reused and the allocator reuses its blocks instead of growing. Exact too.
 - pack_samples: the sample level runs on each sample's real ASVs packed along one axis, with
   variable-length attention (`aamperf/model/packed.py`: nested jagged tensors + SDPA, CUDA's

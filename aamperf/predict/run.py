@@ -18,7 +18,8 @@ from aamperf.allocator import PREDICT, check_allocator
 from aamperf.batch_size import find_forward_batch
 from aamperf.checks import cache_file_problem, check_values
 from aamperf.data.categorical import saved_vocabularies
-from aamperf.data.dataset import Collate, Draws
+from aamperf.data.collate import Collate
+from aamperf.data.loaders import Draws
 from aamperf.data.samples import read_samples
 from aamperf.data.tables import resolve_files, table_ids
 from aamperf.device import resolve_device, to_device

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Subset
 
 from aamperf.data.branches import batch_matrix, batch_unifrac
-from aamperf.data.dataset import Collate
+from aamperf.data.collate import Collate
 from aamperf.device import new_cuda_graph_step, sync, to_device
 from aamperf.errors import UserError
 from aamperf.model.aam import AAM

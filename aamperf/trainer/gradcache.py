@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from aamperf.data.dataset import split_batch
+from aamperf.data.loaders import split_batch
 from aamperf.device import new_cuda_graph_step
 from aamperf.distributed import world_size
 from aamperf.phases import Plan

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from aamperf.data.dataset import step_loader
+from aamperf.data.loaders import step_loader
 from aamperf.errors import UserError
 
 

@@ -38,8 +38,8 @@ from aamperf.data import build_data
 from aamperf.errors import bad_input_exits, exit_bad_input
 from aamperf.metrics.flops import cpu_description
 from aamperf.metrics.monitor import peak_rss, release_freed_memory, reset_peak_rss
-from aamperf.model.aam import bucket_size
 from aamperf.model.layers import MathAttention
+from aamperf.model.slots import bucket_size
 from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to, set_full_length
 from aamperf.phases.compile import apply_compile
 from aamperf.phases.memory import apply_checkpointing

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from skbio.diversity import beta_diversity
 
 from aamperf.data.branches import batch_matrix, batch_unifrac, read_branches
-from aamperf.data.dataset import Collate
+from aamperf.data.collate import Collate
 from aamperf.errors import UserError
 from aamperf.run import train
 

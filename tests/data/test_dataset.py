@@ -13,7 +13,7 @@ from skbio import TreeNode
 
 from aamperf.config import DataConfig, DataloaderConfig
 from aamperf.data import build_data
-from aamperf.data.dataset import Collate
+from aamperf.data.collate import Collate
 from aamperf.data.samples import rarefy_sample, top_asvs
 from aamperf.data.tables import read_table, read_target
 from aamperf.data.unifrac import compute_unifrac
@@ -66,7 +66,7 @@ def test_batch_layout(cache_dir):
         "target",
         "sample_idx",
         "asv_ids",
-        "real_slots",  # where the real ASVs lie (aamperf.model.aam.SlotIndex): no GPU read back to find them
+        "real_slots",  # where real ASVs lie (aamperf.model.slots.SlotIndex): no GPU read back to find them
         "unique_first",
         "unique_inverse",
         "n_real_slots",

@@ -392,7 +392,7 @@ def test_a_training_step_of_aam_ops_fast_on_cuda_waits_for_the_gpu_nowhere(make_
 
     from aamperf.data import build_data
     from aamperf.device import to_device
-    from aamperf.model.aam import SLOT_KEYS
+    from aamperf.model.slots import SLOT_KEYS
     from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to
     from aamperf.phases.attention import apply_attention
 

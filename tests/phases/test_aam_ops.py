@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from aamperf.data import build_data
 from aamperf.device import to_device
-from aamperf.model.aam import bucket_size
+from aamperf.model.slots import bucket_size
 from aamperf.phases.aam_ops import apply_aam_ops, collate_pad_to, set_full_length
 
 MAX_ASVS = 32  # above the tiny data's mean richness (20): the batch has padding rows
@@ -184,7 +184,7 @@ class SyncingOps(TorchDispatchMode):
 def test_a_training_step_of_aam_ops_fast_runs_no_op_that_waits_for_the_gpu(tiny, make_cfg):
     """With the collate's slot index, forward, loss and backward dispatch no op that syncs on a GPU (the
     CUDA run: tests/gpu/test_cuda_parts.py); without it, forward finds the slots itself (nonzero, unique)."""
-    from aamperf.model.aam import SLOT_KEYS
+    from aamperf.model.slots import SLOT_KEYS
 
     cfg, model, loss_fn, *_, bucketed = tiny
     apply_aam_ops(model, make_cfg("aam_ops=fast").aam_ops)
@@ -214,9 +214,9 @@ class OpShapes(TorchDispatchMode):
 
 def test_the_slot_index_in_buckets_gives_every_op_of_a_step_the_same_shapes_within_a_bucket(tiny, make_cfg):
     """aam_ops.bucket: the collate pads the real slots and distinct ASVs to bucket sizes on the host
-    (`aamperf.model.aam.bucketed`), so that a batch with one real ASV fewer runs the same shapes through
+    (`aamperf.model.slots.bucketed`), so that a batch with one real ASV fewer runs the same shapes through
     forward and backward (a compiled graph or CUDA graph reused, not made again); unpadded, they differ."""
-    from aamperf.model.aam import SLOT_KEYS, bucketed, slot_index
+    from aamperf.model.slots import SLOT_KEYS, bucketed, slot_index
     from aamperf.tokens import PAD
 
     cfg, model, loss_fn, *_, batch = tiny
