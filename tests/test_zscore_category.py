@@ -107,6 +107,14 @@ def test_a_run_reports_in_the_target_s_units_and_predict_puts_each_sample_in_its
     for key, value in want.items():
         assert summary["val"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
     assert read_summary(tmp_path / "run")["target"]["normalize_by"] == ["environment"]
+    # beside them, what each sample's environment's training mean alone scores (the means come from metadata)
+    files = build_data(make_cfg(*BY_ENV).data, batch_size=4, seed=0, loader=make_cfg().dataloader).files
+    envs = pd.read_csv(files["metadata"], sep="\t", index_col=0).loc[table.index.astype(str), "environment"]
+    means = [summary["target"]["groups"][f"environment={env}"][0] for env in envs]
+    want_means = sklearn_regression(table["observed"], means)
+    assert summary["val"]["val_target_category_mean_r2"] == pytest.approx(
+        want_means["val_target_r2"], rel=1e-6
+    )
     # the predictions written are the model's, each in its sample's environment's units: from model.pt
     cfg = make_cfg(*BY_ENV, *FAST)
     data = build_data(cfg.data, batch_size=4, seed=cfg.seed, loader=cfg.dataloader)

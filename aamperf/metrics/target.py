@@ -105,6 +105,11 @@ def validation_figures(
     own = target.inverse(torch.from_numpy(predicted), units).numpy()  # every output in the target's own units
     point = target.inverse(loss_fn.point(torch.from_numpy(predicted)), units).numpy()
     figures = {f"val_target_{k}": v for k, v in regression_metrics(observed, point).items()}
+    if units is not None:  # zscore_category: what each sample's category's training mean alone scores
+        means = units[:, 0].double().numpy()
+        figures.update(
+            {f"val_target_category_mean_{k}": v for k, v in regression_metrics(observed, means).items()}
+        )
     detail: dict = {"observed": observed, "predicted": point}
     if loss_fn.target_loss == "quantile":  # the outermost quantiles' interval (a log transform keeps order)
         low, high = int(np.argmin(loss_fn.quantiles)), int(np.argmax(loss_fn.quantiles))
