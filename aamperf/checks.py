@@ -16,7 +16,7 @@ from aamperf import checkpoint
 from aamperf.alerts import check_alerts
 from aamperf.batch_size import check_budget
 from aamperf.config import Config
-from aamperf.data.tables import check_data
+from aamperf.data.checks import check_data
 from aamperf.device import resolve_device
 from aamperf.distributed import check_distributed
 from aamperf.errors import UserError

@@ -31,7 +31,8 @@ from aamperf.phases import dataloader as loader_phase
 from aamperf.phases.aam_ops import set_full_length
 from aamperf.phases.auto import resolve_auto
 from aamperf.phases.compile import trial_context
-from aamperf.probe import Probe, measured, measuring, timed
+from aamperf.probe import Probe, measured, measuring
+from aamperf.probe_measures import timed
 from aamperf.rng import forked_rng, seed_everything
 from aamperf.summary import Summary
 from aamperf.targets import learn_target

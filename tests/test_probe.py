@@ -14,15 +14,13 @@ import torch
 
 from aamperf.files import update_json_cache
 from aamperf.interrupts import Interrupts, RunInterrupted
-from aamperf.probe import (
+from aamperf.probe import Probe, device_key, model_shapes
+from aamperf.probe_measures import (
     PAIRED_TRIALS,
     TRIALS,
-    Probe,
     beyond,
-    device_key,
     measure_attention,
     measure_matmul,
-    model_shapes,
     timed_in_turn,
 )
 
@@ -44,7 +42,7 @@ def test_measure_attention_names_the_kernels_that_run_and_times_both():
 
 def test_measure_attention_times_the_candidates_in_turn(monkeypatch):
     # one after the other, a slow spell of the machine fell on one candidate and flipped a near tie
-    import aamperf.probe as probe_module
+    import aamperf.probe_measures as probe_module
 
     turns = []
     real = probe_module.timed_in_turn

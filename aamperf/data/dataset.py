@@ -244,7 +244,7 @@ def fit_target(cfg: DictConfig, metadata: Path, dataset: SampleDataset, train_id
 
 def unifrac_mode(cfg: DictConfig, files: dict) -> str:
     """data.unifrac_mode, or what the files given imply: batch from a tree (precomputed for a weighted
-    metric), precomputed from a matrix (`batch` without a tree was refused up front: tables.check_data)."""
+    metric), precomputed from a matrix (`batch` without a tree was refused up front: checks.check_data)."""
     if cfg.unifrac_mode is None:
         batch = files["tree"] is not None and cfg.unifrac_metric == "unweighted"
         return "batch" if batch else "precomputed"

@@ -23,7 +23,7 @@ BACKENDS = {
 
 # Scores of one chunk of rows: about this many bytes ([rows, heads, L, L]), so that the chunk's scores,
 # softmax and dropout stay in the CPU's cache between ops. The probe's training measurement
-# (`aamperf.probe.measure_attention(cpu, float32, (256, 4, 151, 32), True, (0.1, "fast"))`, 2-core
+# (`aamperf.probe_measures.measure_attention(cpu, float32, (256, 4, 151, 32), True, (0.1, "fast"))`, 2-core
 # AVX-512 EPYC, L2 1 MiB a core, L3 32 MiB): chunks of 0.5 / 2 / 8 / 32 MiB 413 / 321 / 303 / 355 ms
 # forward + backward, the whole tensor at once (the math) 477-577 ms. On a family 26 (Zen 5) EPYC (the
 # same caches) chunks of 0.5, 1 and 8 MiB ran 1.00-1.04x 2 MiB's time in training steps

@@ -27,7 +27,8 @@ from omegaconf import DictConfig
 
 from aamperf.distributed import main_decides
 from aamperf.phases.precision import DTYPES
-from aamperf.probe import Probe, low_precision_dtypes, model_shapes
+from aamperf.probe import Probe, model_shapes
+from aamperf.probe_measures import low_precision_dtypes
 
 MIN_MATMUL_GAIN = 1.15  # autocast adds casts around every matmul: a smaller matmul gain does not cover them
 # The math must beat SDPA by this much to be chosen: it keeps its [rows, heads, L, L] probabilities for

@@ -37,7 +37,8 @@ from aamperf.errors import one_line
 from aamperf.metrics.flops import MIN_WATCH_S, LoadWatch
 from aamperf.model.layers import Block
 from aamperf.phases.record import applied, fallback, skipped
-from aamperf.probe import Probe, compiler_imported, timed
+from aamperf.probe import Probe
+from aamperf.probe_measures import compiler_imported, timed
 from aamperf.rng import forked_rng
 
 log = logging.getLogger(__name__)

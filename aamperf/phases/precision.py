@@ -13,7 +13,7 @@ from torch import nn
 from aamperf.metrics.flops import DTYPES  # one home: precision.dtype -> the torch dtype
 from aamperf.model.layers import LayerNorm, Transformer
 from aamperf.phases.record import applied, skipped
-from aamperf.probe import timed
+from aamperf.probe_measures import timed
 
 
 def check_precision(cfg: DictConfig, device: torch.device) -> list[str]:

@@ -31,7 +31,7 @@ from aamperf.metrics.flops import cpu_description  # noqa: E402
 print(f"CPU: {cpu_description()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
 print(f"TORCHINDUCTOR_COMPILE_THREADS={os.environ.get('TORCHINDUCTOR_COMPILE_THREADS', '(torch decides)')}")
 if args.trivial:
-    from aamperf.probe import measure_compiler_import
+    from aamperf.probe_measures import measure_compiler_import
 
     import_s = measure_compiler_import()["import_s"]  # what any compile loads first, as compile=auto times it
     start = time.perf_counter()
@@ -39,7 +39,7 @@ if args.trivial:
     torch.compile(lambda t: (t.sin() * 2).relu())(x).sum().backward()
     print(f"trivial: import {import_s:.1f} s, compile + first step {time.perf_counter() - start:.1f} s")
 elif args.probe:
-    from aamperf.probe import measure_compile
+    from aamperf.probe_measures import measure_compile
 
     start = time.perf_counter()
     r = measure_compile(torch.device("cpu"), (256, 151, 128, 4, 4))

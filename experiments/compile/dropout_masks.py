@@ -14,7 +14,7 @@ import torch
 from aamperf.metrics.flops import cpu_description
 from aamperf.phases.compile import run_eagerly_in_graphs
 from aamperf.phases.dropout import FastDropout, kept_from, multiplier_of
-from aamperf.probe import timed_in_turn
+from aamperf.probe_measures import timed_in_turn
 
 
 class InGraphDropout(FastDropout):

@@ -19,7 +19,7 @@ from torch import nn
 from aamperf.model.layers import MathAttention
 from aamperf.phases.attention import SDPAttention
 from aamperf.phases.dropout import apply_dropout
-from aamperf.probe import TRIALS, timed, timed_in_turn
+from aamperf.probe_measures import TRIALS, timed, timed_in_turn
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
 
     def step(module: nn.Module):
         def run() -> None:
-            module(q, k, v, mask).sum().backward()  # as aamperf.probe.measure_attention times it
+            module(q, k, v, mask).sum().backward()  # as aamperf.probe_measures.measure_attention times it
             q.grad = k.grad = v.grad = None
 
         return run

@@ -1,6 +1,6 @@
 """attention=auto's probe timing every round against stopping once its rounds clear the choice's margin
-(`bounds`, aamperf.probe.beyond): the seconds each probe takes, its SDPA / math ratio and its rounds, the two
-alternated in one process. The figures behind docs/levels.md's attention=auto paragraph.
+(`bounds`, aamperf.probe_measures.beyond): the seconds each probe takes, its SDPA / math ratio and its
+rounds, the two alternated in one process. The figures behind docs/levels.md's attention=auto paragraph.
 
 Usage: LD_PRELOAD=libtcmalloc_minimal.so.4 python experiments/headline/attention_probe_rounds.py \
        ROWS,HEADS,L,HEAD_DIM [fp32|bf16] [REPEATS=4]
@@ -15,7 +15,7 @@ import torch
 
 from aamperf.metrics.flops import cpu_description
 from aamperf.phases.auto import MIN_MATH_GAIN
-from aamperf.probe import measure_attention
+from aamperf.probe_measures import measure_attention
 
 
 def main() -> None:

@@ -10,17 +10,17 @@ import time
 
 import torch
 
-from aamperf import probe
+from aamperf import probe_measures
 from aamperf.metrics.flops import cpu_description
 
 SHAPES = [(16384, 128, 512), (16384, 512, 128), (16384, 128, 384)]  # the headline's (its probe cache key)
 
 isa = torch.backends.cpu.get_cpu_capability()
 print(f"CPU: {cpu_description()}, torch kernels {isa}, torch {torch.__version__}")
-for settled in (probe.SETTLED, float("inf")):  # inf: no shape settles, every trial is timed
-    probe.SETTLED = settled
+for settled in (probe_measures.SETTLED, float("inf")):  # inf: no shape settles, every trial is timed
+    probe_measures.SETTLED = settled
     start = time.perf_counter()
-    answer = probe.measure_matmul(torch.device("cpu"), SHAPES)
+    answer = probe_measures.measure_matmul(torch.device("cpu"), SHAPES)
     ratio = answer["flops"]["bf16"] / answer["flops"]["fp32"]
     print(
         f"SETTLED={settled}: {time.perf_counter() - start:.1f} s, bf16 {ratio:.3f}x fp32, "

@@ -9,9 +9,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from aamperf.data.checks import check_data
 from aamperf.data.samples import rarefy_chunk
 from aamperf.data.tables import (
-    check_data,
     existing_file,
     observation_sequences,
     read_table,

@@ -15,8 +15,9 @@ from conftest import read_summary
 
 from aamperf.checkpoint import check_resume, config_changes
 from aamperf.data import build_data
+from aamperf.data.checks import check_data
 from aamperf.data.dataset import write_split
-from aamperf.data.tables import check_data, resolve_files, table_ids
+from aamperf.data.tables import resolve_files, table_ids
 from aamperf.errors import UserError
 from aamperf.run import train
 

@@ -17,7 +17,7 @@ from aamperf.phases.attention import SDPAttention, check_attention
 from aamperf.phases.memory import apply_cuda_memory
 from aamperf.phases.precision import apply_precision
 from aamperf.phases.system import apply_system
-from aamperf.probe import measure_attention
+from aamperf.probe_measures import measure_attention
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

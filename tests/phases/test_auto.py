@@ -465,7 +465,7 @@ def test_compile_auto_asks_nothing_of_the_import_where_the_compiler_is_loaded(tm
 
 def test_the_compilers_import_is_measured_in_a_process_that_has_not_loaded_it():
     code = (
-        "from aamperf.probe import compiler_imported, measure_compiler_import\n"
+        "from aamperf.probe_measures import compiler_imported, measure_compiler_import\n"
         "before = compiler_imported(); r = measure_compiler_import()\n"
         "print(before, compiler_imported(), r['import_s'])"
     )
