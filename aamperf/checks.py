@@ -112,6 +112,12 @@ def check_config(cfg: DictConfig) -> None:
             f"data.max_asvs={cfg.data.max_asvs} exceeds model.max_asvs={model_asvs}: the model has no "
             "position for the extra ASVs; lower data.max_asvs or raise model.max_asvs"
         )
+    if cfg.model.get("categorical_output_scaling") is True and not cfg.data.get("categorical"):
+        problems.append(
+            "model.categorical_output_scaling=true scales the target per category of data.categorical's "
+            "columns, and it names none: set data.categorical=[<column>], or "
+            "model.categorical_output_scaling=false"
+        )
     problems += check_arguments(cfg, "model") + check_arguments(cfg, "loss") + check_system(cfg.system)
     problems += unread_keys(cfg, Config) + check_alerts(cfg) + check_data(cfg)
     cache_problem = (

@@ -25,13 +25,14 @@ from aamperf.weights import MODEL_FILE, read_model_file
 # The count head (model.count_head) is fresh too: the original's pretraining has none.
 FRESH = (
     "target_head", "target_encoder", "target_pool", "categorical_embeddings", "categorical_projection",
-    "count_encoder", "count_head",
+    "output_scales", "output_biases", "count_encoder", "count_head",
 )  # fmt: skip
 # Model arguments a fine-tune may change; any other that differs from the file's changes what the loaded
 # weights compute (num_heads splits the same tensors into other heads) and is refused.
 CHANGEABLE = (
     "dropout", "target_dim", "target_head", "target_layers", "categorical_sizes", "categorical_fusion",
-    "count_head", "count_layers", "target_hidden_dims", "target_dropout", "target_residual",
+    "categorical_output_scaling", "count_head", "count_layers", "target_hidden_dims", "target_dropout",
+    "target_residual",
 )  # fmt: skip
 # The modules (aamperf/model/aam.py) each `finetune.freeze` option keeps as pretrained.
 ASV_LEVEL = ("token_embedding", "base_position", "asv_encoder", "asv_pool")

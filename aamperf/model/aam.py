@@ -91,6 +91,7 @@ class AAM(FlopCount, nn.Module):
         target_dropout: float = 0.0,
         target_residual: bool = False,
         count_embedding_method: str = "add",
+        categorical_output_scaling: bool = False,
     ):
         problems = argument_problems({k: v for k, v in locals().items() if k not in ("self", "__class__")})
         if problems:
@@ -149,11 +150,23 @@ class AAM(FlopCount, nn.Module):
         )
         concat = categorical_sizes and categorical_fusion == "concat"
         self.categorical_projection = nn.Linear((1 + len(categorical_sizes)) * dim, dim) if concat else None
+        # categorical_output_scaling: each column's scale and bias of the target output per category (the
+        # original AAM's --conditional-output-scaling), 1 and 0 at first (`scaled`)
+        scaled = categorical_output_scaling and target_dim > 0
+        self.output_scales = nn.ModuleList(
+            nn.Embedding(n + 1, target_dim) for n in categorical_sizes if scaled
+        )
+        self.output_biases = nn.ModuleList(
+            nn.Embedding(n + 1, target_dim) for n in categorical_sizes if scaled
+        )
 
         self.apply(self._init_weights)
         with torch.no_grad():
             for table in self.categorical_embeddings:  # padding_idx's zero row, which the init drew over
                 table.weight[0].zero_()
+            for scale, bias in zip(self.output_scales, self.output_biases, strict=True):  # the identity
+                scale.weight.fill_(1.0)
+                bias.weight.zero_()
         self.asv_rows = "real"  # one of ASV_ROWS; set by the aam_ops phase, before any wrapper
         self.bucket_rows = False  # pad the encoded rows to `bucket_size` (aam_ops.bucket)
         self.pack_samples = False  # the sample level on the real ASVs, packed (aam_ops.pack_samples)
@@ -277,7 +290,8 @@ class AAM(FlopCount, nn.Module):
         if self.target_head is None:
             return out
         if self.target_encoder is None:
-            out["target"] = self.activated(self.target_head(self.condition(sample_embedding, categorical)))
+            target = self.target_head(self.condition(sample_embedding, categorical))
+            out["target"] = self.activated(self.scaled(target, categorical))
             return out
         h, real = states
         if isinstance(real, Packing):  # each packed ASV's sample's categories
@@ -285,8 +299,18 @@ class AAM(FlopCount, nn.Module):
         else:
             conditioned = self.condition(h, None if categorical is None else categorical[:, None, :])
         pooled = self.target_pool(self.target_encoder(conditioned, real), real)
-        out["target"] = self.activated(self.target_head(pooled))
+        out["target"] = self.activated(self.scaled(self.target_head(pooled), categorical))
         return out
+
+    def scaled(self, target: Tensor, categorical: Tensor | None) -> Tensor:
+        """The target output [B, target_dim] x each column's scale of the samples' categories, + its bias, a
+        column after another (categorical_output_scaling: the original AAM's --conditional-output-scaling,
+        before the activation as its); slot 0, unseen or missing, has its own. As it is without scaling."""
+        for i, (scale, bias) in enumerate(zip(self.output_scales, self.output_biases, strict=True)):
+            target = target * scale(categorical[:, i]).to(target.dtype) + bias(categorical[:, i]).to(
+                target.dtype
+            )
+        return target
 
     def activated(self, target: Tensor) -> Tensor:
         """The target head's output through `target_activation` (a regression's: learn_target refuses one

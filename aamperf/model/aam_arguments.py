@@ -62,6 +62,10 @@ def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
             f"{prefix}count_embedding_method={args['count_embedding_method']} must be one of "
             + ", ".join(COUNT_METHODS)
         )
+    if not isinstance(args["categorical_output_scaling"], bool):
+        problems.append(
+            f"{prefix}categorical_output_scaling={args['categorical_output_scaling']} must be true or false"
+        )
     if not isinstance(args["count_head"], bool):
         problems.append(f"{prefix}count_head={args['count_head']} must be true or false")
     layers = args["count_layers"]
