@@ -223,7 +223,7 @@ def _cleaned_up(tmp: Path | None, root: Path, step: int) -> Iterator[None]:
 # summary.json `resume_changes` lists it.
 RESUME_FIXED = (
     *("model", "data", "loss", "seed", "trainer.batch_size", "trainer.grad_accum_steps"),
-    *("init", "finetune.freeze", "optimizer.algorithm"),
+    *("init", "finetune.freeze", "optimizer.algorithm", "optimizer.categorical_lr"),
 )
 RESUME_IGNORED = ("trainer.resume", "data.cache_dir", "probe", "trainer.progress")
 # keys a checkpoint of an earlier version does not hold, and the value its run had
@@ -243,6 +243,11 @@ BEFORE_THE_KEY = {
     "optimizer.algorithm": "adamw",
     "optimizer.momentum": 0.9,
     "loss.count_weight": 1.0,
+    "data.normalize_by": [],
+    "data.weight_by": [],
+    "loss.category_weights": None,
+    "model.categorical_output_scaling": False,
+    "optimizer.categorical_lr": None,
 }
 
 
@@ -262,8 +267,8 @@ def check_resume(path: Path, changes: dict[str, list]) -> None:
         shown = ", ".join(f"{k}={new} (checkpoint: {old})" for k, (old, new) in list(fixed.items())[:3])
         raise UserError(
             f"cannot resume from {path} with {shown}: a resume keeps the model, data, loss, seed, batch, "
-            "init.from_run, finetune.freeze and optimizer.algorithm; set them back, or start a new run "
-            "directory"
+            "init.from_run, finetune.freeze, optimizer.algorithm and optimizer.categorical_lr; set them "
+            "back, or start a new run directory"
         )
 
 

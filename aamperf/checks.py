@@ -112,6 +112,14 @@ def check_config(cfg: DictConfig) -> None:
             f"data.max_asvs={cfg.data.max_asvs} exceeds model.max_asvs={model_asvs}: the model has no "
             "position for the extra ASVs; lower data.max_asvs or raise model.max_asvs"
         )
+    categorical_lr = cfg.optimizer.get("categorical_lr")
+    if categorical_lr is not None and not categorical_lr > 0:
+        problems.append(f"optimizer.categorical_lr={categorical_lr} must be > 0, or null: trainer.lr")
+    elif categorical_lr is not None and not cfg.data.get("categorical"):
+        problems.append(
+            f"optimizer.categorical_lr={categorical_lr} is the lr of the categorical conditioning "
+            "(data.categorical), which names no column: set it, or optimizer.categorical_lr=null"
+        )
     if cfg.model.get("categorical_output_scaling") is True and not cfg.data.get("categorical"):
         problems.append(
             "model.categorical_output_scaling=true scales the target per category of data.categorical's "

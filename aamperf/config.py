@@ -193,6 +193,9 @@ class OptimizerConfig:
     # SGD's (the original's); trainer.lr_schedule=onecycle cycles it between 0.85 and 0.95 instead (torch's
     # OneCycleLR cycles every optimizer's momentum, Adam's and AdamW's beta1)
     momentum: float = 0.9
+    # the lr of the categorical conditioning's parameters (data.categorical's embeddings, their fusion, the
+    # output scaling), scheduled as trainer.lr is: the original AAM's --categorical-lr; null: trainer.lr
+    categorical_lr: float | None = None
 
 
 @dataclass

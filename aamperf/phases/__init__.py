@@ -135,8 +135,8 @@ def apply_phases(
     records["checkpointing"] = budget_unused(records["checkpointing"], records["compile"])
     param_dtype = DTYPES.get(cfg.precision.dtype, torch.float32)
     model, records["distributed"] = wrap_model(model, cfg, world, device, param_dtype)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer, records["optimizer"] = build_optimizer(params, cfg.trainer, cfg.optimizer)
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    optimizer, records["optimizer"] = build_optimizer(named, cfg.trainer, cfg.optimizer)
     guard = MemoryGuard(cfg.memory, device)
     return Plan(
         model, autocast, scaler, optimizer, guard, records, grad_sync(model), world.is_main, world.rank

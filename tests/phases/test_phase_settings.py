@@ -26,7 +26,7 @@ def test_optimizer_implementations(make_cfg):
         ("adamw_fused", False, True),
     ):
         cfg = make_cfg(f"optimizer={option}")
-        optimizer, record = build_optimizer(params, cfg.trainer, cfg.optimizer)
+        optimizer, record = build_optimizer([("w", params[0])], cfg.trainer, cfg.optimizer)
         group = optimizer.param_groups[0]
         assert (group["foreach"], group["fused"]) == (foreach, fused)
         assert group["lr"] == cfg.trainer.lr and group["weight_decay"] == cfg.trainer.weight_decay
@@ -39,7 +39,7 @@ def test_fused_and_plain_adamw_take_the_same_step(make_cfg):
         torch.manual_seed(0)
         p = torch.nn.Parameter(torch.randn(64))
         cfg = make_cfg(f"optimizer={option}")
-        optimizer, _ = build_optimizer([p], cfg.trainer, cfg.optimizer)
+        optimizer, _ = build_optimizer([("w", p)], cfg.trainer, cfg.optimizer)
         for _ in range(3):
             p.grad = torch.sin(p.detach())
             optimizer.step()
@@ -61,7 +61,7 @@ def test_the_original_s_adam_and_sgd_take_torch_s_steps(make_cfg, option):
     ):
         cfg = make_cfg(f"optimizer={option}", f"optimizer.algorithm={algorithm}", "trainer.weight_decay=0.1")
         ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
-        optimizer, record = build_optimizer([ours], cfg.trainer, cfg.optimizer)
+        optimizer, record = build_optimizer([("w", ours)], cfg.trainer, cfg.optimizer)
         torch_own = reference(theirs, cfg.trainer)
         for _ in range(3):
             for p, opt in ((ours, optimizer), (theirs, torch_own)):
@@ -181,3 +181,50 @@ def test_tuned_loader_on_cpu_keeps_workers_and_drops_pinning(make_cfg):
 
 def test_cuda_memory_settings_skip_on_cpu(make_cfg):
     assert apply_cuda_memory(make_cfg().memory, CPU)["status"] == "skipped"
+
+
+@pytest.mark.parametrize("option", ["adamw_for_loop", "adamw_foreach"])
+def test_categorical_lr_trains_the_conditioning_at_its_own_lr(make_cfg, option):
+    """optimizer.categorical_lr (the original AAM's --categorical-lr): the categorical conditioning's
+    parameters, by name under a wrapper's prefix, in a group of their own at it; the rest at trainer.lr. At
+    trainer.lr=1e-12 a step moves the conditioning alone."""
+    from hydra.utils import instantiate
+
+    cfg = make_cfg(
+        f"optimizer={option}", "optimizer.categorical_lr=0.01", "trainer.lr=1e-12", "trainer.weight_decay=0",
+        "model.categorical_sizes=[3,2]", "model.categorical_output_scaling=true",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(instantiate(cfg.model))  # names under a prefix ("0."), as under a wrapper
+    named = list(model.named_parameters())
+    optimizer, record = build_optimizer(named, cfg.trainer, cfg.optimizer)
+    assert [g["lr"] for g in optimizer.param_groups] == [1e-12, 0.01]
+    modules = ("categorical_embeddings", "categorical_projection", "output_scales", "output_biases")
+    conditioning = {name for name, _ in named if name.split(".")[1] in modules}
+    assert {id(p) for p in optimizer.param_groups[1]["params"]} == {
+        id(p) for n, p in named if n in conditioning
+    }
+    assert record["categorical_params"] == sum(p.numel() for n, p in named if n in conditioning) > 0
+    before = {name: p.detach().clone() for name, p in named}
+    for _, p in named:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    for name, p in named:
+        moved = float((p.detach() - before[name]).abs().max())
+        assert (moved > 1e-3) if name in conditioning else (moved < 1e-9), name
+    plain, _ = build_optimizer(named, cfg.trainer, make_cfg(f"optimizer={option}").optimizer)
+    assert len(plain.param_groups) == 1  # without it: one group, as before
+
+
+def test_categorical_lr_without_conditioning_or_not_above_zero_is_refused(make_cfg):
+    from aamperf.checks import check_config
+    from aamperf.errors import UserError
+
+    with pytest.raises(
+        UserError, match=r"optimizer\.categorical_lr=0\.01 is the lr of the categorical conditioning"
+    ):
+        check_config(make_cfg("data.target=target", "optimizer.categorical_lr=0.01"))
+    with pytest.raises(UserError, match=r"optimizer\.categorical_lr=0\.0 must be > 0, or null"):
+        check_config(
+            make_cfg("data.target=target", "data.categorical=[environment]", "optimizer.categorical_lr=0")
+        )
