@@ -50,7 +50,7 @@ def only_in_validation(metadata: pd.DataFrame, train_ids: list[str], val_ids: li
     metadata.loc[train_ids[0], "environment"] = "not collected"
 
 
-@pytest.mark.parametrize("fusion", ["concat", "add"])
+@pytest.mark.parametrize("fusion", ["concat", "add", "gmu"])
 def test_a_run_conditioned_on_a_column_trains_with_the_training_samples_vocabulary(
     make_cfg, tmp_path, fusion
 ):
@@ -93,7 +93,7 @@ def conditioned_model(make_cfg, fusion: str) -> tuple[AAM, dict]:
     return instantiate(cfg.model).eval(), to_device(next(iter(data.train_loader)), CPU)
 
 
-@pytest.mark.parametrize("fusion", ["concat", "add"])
+@pytest.mark.parametrize("fusion", ["concat", "add", "gmu"])
 def test_the_target_head_reads_the_sample_embedding_fused_with_the_category(make_cfg, fusion):
     model, batch = conditioned_model(make_cfg, fusion)
     with torch.no_grad():
@@ -109,6 +109,11 @@ def test_the_target_head_reads_the_sample_embedding_fused_with_the_category(make
         column = model.categorical_embeddings[0].weight[batch["categorical"][:, 0]]
         if fusion == "concat":
             by_hand = model.categorical_projection(torch.cat([sample, column], dim=-1))
+        elif (
+            fusion == "gmu"
+        ):  # the original AAM's GMU: sample + sigmoid(gate [sample, c]) * tanh(transform c)
+            gate = torch.sigmoid(model.categorical_gate(torch.cat([sample, column], dim=-1)))
+            by_hand = sample + gate * torch.tanh(model.categorical_transform(column))
         else:
             by_hand = sample + column
         torch.testing.assert_close(out["target"], model.target_head(by_hand))
@@ -119,6 +124,10 @@ def test_the_target_head_reads_the_sample_embedding_fused_with_the_category(make
         assert not model.categorical_embeddings[0].weight[0].any()
         zero = torch.cat([sample, torch.zeros_like(sample)], -1) if fusion == "concat" else sample
         fused = model.categorical_projection(zero) if fusion == "concat" else zero
+        if fusion == "gmu":
+            nothing = torch.zeros_like(sample)
+            gate = torch.sigmoid(model.categorical_gate(torch.cat([sample, nothing], -1)))
+            fused = sample + gate * torch.tanh(model.categorical_transform(nothing))
         torch.testing.assert_close(unseen["target"], model.target_head(fused))
     # the loss passes the batch's categories: its target part is the conditioned output's
     loss_fn = AAMLoss(unifrac_weight=0, nucleotide_weight=0)
@@ -137,7 +146,7 @@ def counted_and_analytic(model: AAM, batch: dict) -> tuple[int, float]:
     return counter.get_total_flops(), model.batch_flops(batch["tokens"], batch["asv_ids"])[1]
 
 
-@pytest.mark.parametrize("fusion", ["concat", "add"])
+@pytest.mark.parametrize("fusion", ["concat", "add", "gmu"])
 def test_analytic_flops_match_the_flop_counter_with_conditioning(make_cfg, fusion):
     """The whole step within tests/model/test_flops.py's 0.1%, and what the conditioning adds (against the
     same model without it) exactly: concat's Linear(2D, D) forward and backward on the batch's 8 samples."""
@@ -146,7 +155,9 @@ def test_analytic_flops_match_the_flop_counter_with_conditioning(make_cfg, fusio
     counted, analytic = counted_and_analytic(model, batch)
     assert abs(analytic / counted - 1) < 0.001
     counted_plain, analytic_plain = counted_and_analytic(plain, batch)
-    extra = 3 * 2 * 8 * (2 * 32) * 32 if fusion == "concat" else 0
+    # forward and backward (3 forwards) of 8 samples: concat's Linear(2D, D); gmu's gate, Linear(2D, D),
+    # and its transform, Linear(D, D); add's sums none
+    extra = {"concat": 3 * 2 * 8 * (2 * 32) * 32, "gmu": 3 * 2 * 8 * (2 * 32 + 32) * 32, "add": 0}[fusion]
     assert counted - counted_plain == extra == analytic - analytic_plain
 
 

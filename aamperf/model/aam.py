@@ -150,6 +150,10 @@ class AAM(FlopCount, nn.Module):
         )
         concat = categorical_sizes and categorical_fusion == "concat"
         self.categorical_projection = nn.Linear((1 + len(categorical_sizes)) * dim, dim) if concat else None
+        # gmu: the original AAM's gated unit, x + sigmoid(gate [x, c]) * tanh(transform c) (`condition`)
+        gmu = categorical_sizes and categorical_fusion == "gmu"
+        self.categorical_gate = nn.Linear((1 + len(categorical_sizes)) * dim, dim) if gmu else None
+        self.categorical_transform = nn.Linear(len(categorical_sizes) * dim, dim) if gmu else None
         # categorical_output_scaling: each column's scale and bias of the target output per category (the
         # original AAM's --conditional-output-scaling), 1 and 0 at first (`scaled`)
         scaled = categorical_output_scaling and target_dim > 0
@@ -307,9 +311,8 @@ class AAM(FlopCount, nn.Module):
         column after another (categorical_output_scaling: the original AAM's --conditional-output-scaling,
         before the activation as its); slot 0, unseen or missing, has its own. As it is without scaling."""
         for i, (scale, bias) in enumerate(zip(self.output_scales, self.output_biases, strict=True)):
-            target = target * scale(categorical[:, i]).to(target.dtype) + bias(categorical[:, i]).to(
-                target.dtype
-            )
+            slot = categorical[:, i]
+            target = target * scale(slot).to(target.dtype) + bias(slot).to(target.dtype)
         return target
 
     def activated(self, target: Tensor) -> Tensor:
@@ -320,11 +323,12 @@ class AAM(FlopCount, nn.Module):
     def condition(self, sample_embedding: Tensor, categorical: Tensor | None) -> Tensor:
         """The sample embeddings [B, D] the target head reads: with categorical columns, fused with each
         column's embedding of the samples' categories `categorical` [B, columns] (index 0: unseen or
-        missing, a zero vector): `concat` [sample, columns...] -> Linear -> D, or `add` their sum. Only the
-        target head reads them, as in the original AAM (its `_fuse_categorical` feeds the target pathway
-        alone): the embedding UniFrac and predict's embeddings.tsv see stays the encoder's. The transformer
-        head fuses each ASV's state the same way: [..., D] states with [..., columns] categories that
-        broadcast to them ([B, 1, columns] padded, [T, columns] packed)."""
+        missing, a zero vector): `concat` [sample, columns...] -> Linear -> D, `add` their sum, or `gmu`
+        (the original's gated unit) x + sigmoid(Linear [x, c]) * tanh(Linear c), c the columns side by side.
+        Only the target head reads them, as in the original AAM (its `_fuse_categorical` feeds the target
+        pathway alone): the embedding UniFrac and predict's embeddings.tsv see stays the encoder's. The
+        transformer head fuses each ASV's state the same way: [..., D] states with [..., columns] categories
+        that broadcast to them ([B, 1, columns] padded, [T, columns] packed)."""
         if not len(self.categorical_embeddings):
             return sample_embedding
         if categorical is None:
@@ -333,11 +337,14 @@ class AAM(FlopCount, nn.Module):
                 "categorical=[B, columns] (the batch's `categorical`, data.categorical)"
             )
         columns = [table(categorical[..., i]) for i, table in enumerate(self.categorical_embeddings)]
-        if self.categorical_projection is not None:
-            columns = [c.to(sample_embedding.dtype).expand(*sample_embedding.shape[:-1], -1) for c in columns]
-            fused = torch.cat([sample_embedding, *columns], dim=-1)
+        if self.categorical_fusion == "add":
+            return sample_embedding + sum(columns)
+        columns = [c.to(sample_embedding.dtype).expand(*sample_embedding.shape[:-1], -1) for c in columns]
+        fused = torch.cat([sample_embedding, *columns], dim=-1)
+        if self.categorical_projection is not None:  # concat
             return self.categorical_projection(fused)
-        return sample_embedding + sum(columns)
+        gate = torch.sigmoid(self.categorical_gate(fused))
+        return sample_embedding + gate * torch.tanh(self.categorical_transform(torch.cat(columns, dim=-1)))
 
     def encode_asvs(
         self,

@@ -88,9 +88,9 @@ class FlopCount:
 
     def target_head_flops(self, widths: list[int]) -> int:
         """Forward FLOPs of the target head (0 when absent) on samples of `widths` real ASVs each: its Linear,
-        the categorical conditioning (concat's Linear((1 + columns) x D, D); lookups and add's sums are no
-        matmuls) on each sample's embedding, or for the transformer head on each ASV's state, and that head's
-        layers and pooling."""
+        the categorical conditioning (concat's Linear((1 + columns) x D, D), gmu's gate of that size and its
+        Linear(columns x D, D); lookups and add's sums are no matmuls) on each sample's embedding, or for
+        the transformer head on each ASV's state, and that head's layers and pooling."""
         if self.target_head is None:
             return 0
         dim, samples = self.embedding_dim, len(widths)
@@ -100,6 +100,9 @@ class FlopCount:
         condition = 0
         if self.categorical_projection is not None:
             condition = 2 * conditioned * self.categorical_projection.in_features * dim
+        if self.categorical_gate is not None:
+            fan_in = self.categorical_gate.in_features + self.categorical_transform.in_features
+            condition = 2 * conditioned * fan_in * dim
         if self.target_encoder is None:
             return linear + condition
         layers = len(self.target_encoder.blocks) * self.layer_flops(sum(widths), sum(w * w for w in widths))

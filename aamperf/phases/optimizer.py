@@ -8,9 +8,10 @@ from aamperf.phases.record import applied, skipped
 
 ALGORITHMS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 # AAM's modules of the categorical conditioning (aamperf/model/aam.py): optimizer.categorical_lr's
-CATEGORICAL = frozenset(
-    {"categorical_embeddings", "categorical_projection", "output_scales", "output_biases"}
-)
+CATEGORICAL = frozenset({
+    "categorical_embeddings", "categorical_projection", "categorical_gate", "categorical_transform",
+    "output_scales", "output_biases",
+})  # fmt: skip
 
 
 def build_optimizer(
