@@ -32,8 +32,8 @@ FRESH = (
 # weights compute (num_heads splits the same tensors into other heads) and is refused.
 CHANGEABLE = (
     "dropout", "target_dim", "target_head", "target_layers", "categorical_sizes", "categorical_fusion",
-    "categorical_output_scaling", "count_head", "count_layers", "target_hidden_dims", "target_dropout",
-    "target_residual",
+    "categorical_output_scaling", "categorical_dim", "count_head", "count_layers", "target_hidden_dims",
+    "target_dropout", "target_residual",
 )  # fmt: skip
 # The modules (aamperf/model/aam.py) each `finetune.freeze` option keeps as pretrained.
 ASV_LEVEL = ("token_embedding", "base_position", "asv_encoder", "asv_pool")

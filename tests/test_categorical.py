@@ -82,10 +82,13 @@ def test_a_run_conditioned_on_a_column_trains_with_the_training_samples_vocabula
     assert payload["config"]["model"]["categorical_sizes"] == [len(vocabulary)]
 
 
-def conditioned_model(make_cfg, fusion: str) -> tuple[AAM, dict]:
+def conditioned_model(make_cfg, fusion: str, *overrides: str) -> tuple[AAM, dict]:
     """(a tiny AAM conditioned on environment, in eval mode, a batch of the simulated data with it)."""
     cfg = make_cfg(
-        "data.target=target", "data.categorical=[environment]", f"model.categorical_fusion={fusion}"
+        "data.target=target",
+        "data.categorical=[environment]",
+        f"model.categorical_fusion={fusion}",
+        *overrides,
     )
     data = build_data(cfg.data, batch_size=8, seed=0, loader=cfg.dataloader)
     cfg.model.categorical_sizes = [len(v) for v in data.categorical["vocabularies"].values()]
@@ -161,9 +164,42 @@ def test_analytic_flops_match_the_flop_counter_with_conditioning(make_cfg, fusio
     assert counted - counted_plain == extra == analytic - analytic_plain
 
 
-def model_arguments(make_cfg, fusion: str) -> dict:
+@pytest.mark.parametrize("fusion", ["concat", "gmu"])
+def test_a_narrower_categorical_embedding_fuses_and_counts_its_flops(make_cfg, fusion):
+    """model.categorical_dim=8 (the original AAM's --categorical-embed-dim) below D=32: each column's table
+    is 8 wide, the fusion reads [sample, column] of 32 + 8, and the analytic FLOPs follow the counter's."""
+    model, batch = conditioned_model(make_cfg, fusion, "model.categorical_dim=8")
+    assert model.categorical_embeddings[0].weight.shape[1] == 8
+    with torch.no_grad():
+        out = model(
+            batch["tokens"], batch["counts"], asv_ids=batch["asv_ids"], categorical=batch["categorical"]
+        )
+        sample, column = out["sample_embedding"], model.categorical_embeddings[0](batch["categorical"][:, 0])
+        both = torch.cat([sample, column], dim=-1)
+        if fusion == "concat":
+            by_hand = model.categorical_projection(both)
+        else:
+            by_hand = sample + torch.sigmoid(model.categorical_gate(both)) * torch.tanh(
+                model.categorical_transform(column)
+            )
+        torch.testing.assert_close(out["target"], model.target_head(by_hand))
+    plain = AAM(**{**model_arguments(make_cfg, fusion, "model.categorical_dim=8"), "categorical_sizes": []})
+    counted, analytic = counted_and_analytic(model, batch)
+    counted_plain, analytic_plain = counted_and_analytic(plain, batch)
+    extra = 3 * 2 * 8 * ((32 + 8) + (8 if fusion == "gmu" else 0)) * 32
+    assert counted - counted_plain == extra == analytic - analytic_plain
+
+
+def test_a_categorical_dim_add_cannot_sum_is_refused(make_cfg):
+    with pytest.raises(
+        UserError, match=r"model\.categorical_dim=8 must be null or model\.embedding_dim \(32\)"
+    ):
+        check_config(make_cfg("model.categorical_fusion=add", "model.categorical_dim=8"))
+
+
+def model_arguments(make_cfg, fusion: str, *overrides: str) -> dict:
     """The tiny model's arguments, conditioned on one column of 4 categories."""
-    cfg = make_cfg(f"model.categorical_fusion={fusion}", "model.categorical_sizes=[4]")
+    cfg = make_cfg(f"model.categorical_fusion={fusion}", "model.categorical_sizes=[4]", *overrides)
     arguments = OmegaConf.to_container(cfg.model, resolve=True)
     return {key: value for key, value in arguments.items() if key != "_target_"}
 

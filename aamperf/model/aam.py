@@ -92,6 +92,7 @@ class AAM(FlopCount, nn.Module):
         target_residual: bool = False,
         count_embedding_method: str = "add",
         categorical_output_scaling: bool = False,
+        categorical_dim: int | None = None,
     ):
         problems = argument_problems({k: v for k, v in locals().items() if k not in ("self", "__class__")})
         if problems:
@@ -145,15 +146,18 @@ class AAM(FlopCount, nn.Module):
         self.keep_states = False  # output the per-ASV states too (aamperf/trainer/cached.py, embedding)
         # categorical conditioning of the target head: a table per column, row 0 (unseen / missing) zero
         self.categorical_fusion = categorical_fusion
+        # each column's embedding width: categorical_dim (the original AAM's --categorical-embed-dim), or D
+        width = dim if categorical_dim is None else categorical_dim
         self.categorical_embeddings = nn.ModuleList(
-            nn.Embedding(n + 1, dim, padding_idx=0) for n in categorical_sizes
+            nn.Embedding(n + 1, width, padding_idx=0) for n in categorical_sizes
         )
+        columns = len(categorical_sizes) * width
         concat = categorical_sizes and categorical_fusion == "concat"
-        self.categorical_projection = nn.Linear((1 + len(categorical_sizes)) * dim, dim) if concat else None
+        self.categorical_projection = nn.Linear(dim + columns, dim) if concat else None
         # gmu: the original AAM's gated unit, x + sigmoid(gate [x, c]) * tanh(transform c) (`condition`)
         gmu = categorical_sizes and categorical_fusion == "gmu"
-        self.categorical_gate = nn.Linear((1 + len(categorical_sizes)) * dim, dim) if gmu else None
-        self.categorical_transform = nn.Linear(len(categorical_sizes) * dim, dim) if gmu else None
+        self.categorical_gate = nn.Linear(dim + columns, dim) if gmu else None
+        self.categorical_transform = nn.Linear(columns, dim) if gmu else None
         # categorical_output_scaling: each column's scale and bias of the target output per category (the
         # original AAM's --conditional-output-scaling), 1 and 0 at first (`scaled`)
         scaled = categorical_output_scaling and target_dim > 0

@@ -75,6 +75,14 @@ def argument_problems(args: dict[str, Any], prefix: str = "") -> list[str]:
         problems.append(
             f"{prefix}categorical_fusion={args['categorical_fusion']} must be one of {', '.join(FUSIONS)}"
         )
+    width = args["categorical_dim"]
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
+        problems.append(f"{prefix}categorical_dim={width} must be null (embedding_dim) or an integer >= 1")
+    elif width is not None and width != args["embedding_dim"] and args["categorical_fusion"] == "add":
+        problems.append(
+            f"{prefix}categorical_fusion=add sums each column's embedding into the sample embedding: "
+            f"{prefix}categorical_dim={width} must be null or {prefix}embedding_dim ({args['embedding_dim']})"
+        )
     sizes = args["categorical_sizes"]
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
         problems.append(f"{prefix}categorical_sizes={list(sizes)} must be a list of integers >= 0")
