@@ -207,7 +207,7 @@ def target_line(summary: dict) -> str | None:
     elif "val_target_mae" in val:
         figures = f"val MAE {val['val_target_mae']:.4g}" + fmt("val_target_rmse", "RMSE") + " (its own units)"
         figures += fmt("val_target_r2", "R^2", ".3f")
-        if "val_target_category_mean_r2" in val:  # zscore_category: the part its categories' means explain
+        if val.get("val_target_category_mean_r2") is not None:  # zscore_category: what the means explain
             figures += f" (each category's training mean alone: R^2 {val['val_target_category_mean_r2']:.3f})"
         if "val_target_interval_coverage" in val:
             nominal = val["val_target_interval_nominal"]

@@ -178,6 +178,12 @@ def fit_groups(
     for i in train.tolist():
         if keys[i] is not None:
             by_key.setdefault(keys[i], []).append(i)
+    if not by_key:
+        raise UserError(
+            f"data.normalize_by={list(columns)}: no training sample has a value of "
+            f"{'these columns' if len(columns) > 1 else 'it'}, so no category to z-score within; name "
+            "columns data.metadata fills, or set data.target_transform=zscore"
+        )
     for key in sorted(by_key):
         fitted = values[by_key[key]]
         scale = float(fitted.std()) if len(fitted) > 1 else 0.0

@@ -217,3 +217,24 @@ def test_overlapped_steps_wait_for_the_step_before_and_drain_before_each_log_lin
     QueuedEnd.log = []
     train(make_cfg("trainer.max_steps=3", "trainer.overlap_steps=false"), tmp_path / "off")
     assert drained == [1, 2, 3] and QueuedEnd.log == []  # each step waits for its own work
+
+
+@pytest.mark.parametrize("schedule", LrSchedule)
+def test_every_schedule_moves_each_parameter_group_from_its_own_lr(schedule):
+    """Two groups (optimizer.categorical_lr's) at 0.01 and 0.1: every step's lrs keep their ratio, so each
+    group warms up to and decays from its own lr (torch's cosine schedulers take one eta_min for all)."""
+    tc = OmegaConf.create(
+        {"lr_schedule": schedule, "warmup_steps": 4, "max_steps": 40, "lr": 0.01, "min_lr_ratio": 0.1}
+        | {"monitor": "val_loss", "plateau_factor": 0.5, "plateau_patience": 1, "min_delta": 0.0}
+        | {"restart_steps": None, "restart_mult": 2}
+    )
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([{"params": [a]}, {"params": [b], "lr": 0.1}], lr=tc.lr)
+    scheduler = build_scheduler(optimizer, tc)
+    for _ in range(40):
+        first, second = (group["lr"] for group in optimizer.param_groups)
+        assert second == pytest.approx(10 * first, rel=1e-9)
+        optimizer.step()
+        scheduler.step()
+    kept = schedule in ("constant", "plateau")  # plateau: no validation to reduce on
+    assert first == pytest.approx(0.01) if kept else first < 0.01

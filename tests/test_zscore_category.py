@@ -207,3 +207,28 @@ def test_the_model_file_keeps_the_categories_units(make_cfg, tmp_path):
     spec = read_saved_target(payload, tmp_path).spec
     assert spec.transform == "zscore_category" and spec.normalize_by == ["environment"]
     assert spec.groups == read_summary(tmp_path)["target"]["groups"] and len(spec.groups) == 4
+
+
+def test_a_classification_and_columns_no_training_sample_fills_are_refused(make_cfg, tmp_path):
+    cfg = make_cfg(
+        "data.target=environment", "data.target_transform=zscore_category", "data.normalize_by=[target]"
+    )
+    with pytest.raises(
+        UserError, match=r"zscore_category z-scores a regression; 'environment' is a classification"
+    ):
+        build_data(cfg.data, batch_size=4, seed=0, loader=cfg.dataloader)
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    spec = fit_regression("y", values, torch.arange(4), "zscore_category")
+    with pytest.raises(
+        UserError, match=r"^data\.normalize_by=\['site'\]: no training sample has a value of it"
+    ):
+        fit_groups(spec, ["site"], values, [None, None, None, "site=a"], torch.arange(3))
+
+
+def test_the_last_line_says_the_category_means_score_and_takes_none():
+    from aamperf.run import target_line
+
+    val = {"val_target_mae": 1.0, "val_target_r2": 0.5, "val_target_category_mean_r2": 0.25}
+    assert "(each category's training mean alone: R^2 0.250)" in target_line({"val": val})
+    same = {"val_target_mae": 1.0, "val_target_r2": None, "val_target_category_mean_r2": None}  # all equal
+    assert "each category" not in target_line({"val": same})

@@ -238,6 +238,11 @@ def fit_target(cfg: DictConfig, metadata: Path, dataset: SampleDataset, train_id
     train, val = torch.as_tensor(train_idx), torch.as_tensor(val_idx)
     if kind == "regression":
         return fit_regression(cfg.target, dataset.target, train, str(cfg.target_transform))
+    if cfg.get("normalize_by"):  # zscore_category's columns (data/checks.py: only with it)
+        raise UserError(
+            f"data.target_transform=zscore_category z-scores a regression; {cfg.target!r} is a "
+            "classification (its classes): set data.target_transform=zscore and data.normalize_by=[]"
+        )
     spec, dataset.target = fit_classes(cfg.target, dataset.target, names, train, val)
     return spec
 

@@ -3,6 +3,7 @@
 
 import math
 import warnings
+from functools import partial
 from typing import Any
 
 import torch
@@ -102,6 +103,22 @@ class OnPlateau:
             group["lr"] = max(lr * share, floor)
 
 
+def cosine(step: int, length: int, ratio: float) -> float:
+    """The lr's factor `step` steps into a cosine decay of `length` steps from 1 to `ratio` (torch's
+    CosineAnnealingLR's curve, as a factor: each parameter group decays from its own lr to its own lr x
+    ratio, where torch's scheduler takes one eta_min for every group)."""
+    return ratio + (1 - ratio) * 0.5 * (1 + math.cos(math.pi * min(step, length) / length))
+
+
+def restarting_cosine(step: int, first: int, mult: int, ratio: float) -> float:
+    """The lr's factor `step` steps into cosine cycles restarting from 1, the first `first` steps long and
+    each next `mult` times as long (torch's CosineAnnealingWarmRestarts' curve, as a factor)."""
+    start, length = 0, first
+    while step >= start + length:  # counted in whole steps: a restart falls exactly on its step
+        start, length = start + length, length * mult
+    return cosine(step - start, length, ratio)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, tc: DictConfig, done_steps: int = 0):
     """torch's schedulers for `trainer.lr_schedule`, stepped once per optimizer step over `max_steps`:
     a linear warm-up over `warmup_steps`, then cosine or linear decay to lr x `min_lr_ratio`, or the lr
@@ -118,9 +135,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, tc: DictConfig, done_steps
         scheduler = OnPlateau(optimizer, tc)
     elif tc.lr_schedule == "cosine_restarts":
         cycle = tc.restart_steps if tc.restart_steps is not None else max(1, (tc.max_steps - warmup) // 4)
-        scheduler = lrs.CosineAnnealingWarmRestarts(
-            optimizer, T_0=cycle, T_mult=tc.restart_mult, eta_min=tc.lr * tc.min_lr_ratio
-        )
+        restarts = partial(restarting_cosine, first=cycle, mult=tc.restart_mult, ratio=tc.min_lr_ratio)
+        scheduler = lrs.LambdaLR(optimizer, restarts)
         if warmup:
             warm = lrs.LinearLR(optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup)
             scheduler = lrs.SequentialLR(optimizer, [warm, scheduler], milestones=[warmup])
@@ -130,7 +146,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, tc: DictConfig, done_steps
         scheduler = lrs.OneCycleLR(optimizer, max_lr=max_lr, total_steps=tc.max_steps, pct_start=rise)
     else:
         if tc.lr_schedule == "warmup_cosine":
-            decay = lrs.CosineAnnealingLR(optimizer, T_max=rest, eta_min=tc.lr * tc.min_lr_ratio)
+            decay = lrs.LambdaLR(optimizer, partial(cosine, length=rest, ratio=tc.min_lr_ratio))
         elif tc.lr_schedule == "warmup_linear":
             decay = lrs.LinearLR(optimizer, start_factor=1.0, end_factor=tc.min_lr_ratio, total_iters=rest)
         else:
