@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from aamperf.model.aam_arguments import TARGET_ACTIVATIONS, argument_problems
 from aamperf.model.aam_flops import FlopCount
+from aamperf.model.conditioning import Conditioning
 from aamperf.model.layers import MLP, AttentionPooling, Transformer
 from aamperf.model.packed import Packing
 from aamperf.model.slots import SlotIndex, bucket_size, first_slots
@@ -16,7 +17,7 @@ from aamperf.tokens import PAD, TOKENS_PER_ASV, VOCAB_SIZE
 ASV_ROWS = ("all", "real", "unique")  # which ASV rows the ASV encoder runs on (`AAM.asv_rows`)
 
 
-class AAM(FlopCount, nn.Module):
+class AAM(FlopCount, Conditioning, nn.Module):
     """Hierarchical transformer: an ASV encoder over the bases of every ASV, then a sample encoder
     over the ASVs of every sample. Heads: nucleotide logits per position, optional target.
 
@@ -144,37 +145,17 @@ class AAM(FlopCount, nn.Module):
         )
         self.count_head = nn.Linear(dim, 1) if count_head else None
         self.keep_states = False  # output the per-ASV states too (aamperf/trainer/cached.py, embedding)
-        # categorical conditioning of the target head: a table per column, row 0 (unseen / missing) zero
-        self.categorical_fusion = categorical_fusion
-        # each column's embedding width: categorical_dim (the original AAM's --categorical-embed-dim), or D
-        width = dim if categorical_dim is None else categorical_dim
-        self.categorical_embeddings = nn.ModuleList(
-            nn.Embedding(n + 1, width, padding_idx=0) for n in categorical_sizes
+        # categorical conditioning of the target head (aamperf/model/conditioning.py)
+        self.build_conditioning(
+            dim,
+            target_dim,
+            categorical_sizes,
+            categorical_fusion,
+            categorical_dim,
+            categorical_output_scaling,
         )
-        columns = len(categorical_sizes) * width
-        concat = categorical_sizes and categorical_fusion == "concat"
-        self.categorical_projection = nn.Linear(dim + columns, dim) if concat else None
-        # gmu: the original AAM's gated unit, x + sigmoid(gate [x, c]) * tanh(transform c) (`condition`)
-        gmu = categorical_sizes and categorical_fusion == "gmu"
-        self.categorical_gate = nn.Linear(dim + columns, dim) if gmu else None
-        self.categorical_transform = nn.Linear(columns, dim) if gmu else None
-        # categorical_output_scaling: each column's scale and bias of the target output per category (the
-        # original AAM's --conditional-output-scaling), 1 and 0 at first (`scaled`)
-        scaled = categorical_output_scaling and target_dim > 0
-        self.output_scales = nn.ModuleList(
-            nn.Embedding(n + 1, target_dim) for n in categorical_sizes if scaled
-        )
-        self.output_biases = nn.ModuleList(
-            nn.Embedding(n + 1, target_dim) for n in categorical_sizes if scaled
-        )
-
         self.apply(self._init_weights)
-        with torch.no_grad():
-            for table in self.categorical_embeddings:  # padding_idx's zero row, which the init drew over
-                table.weight[0].zero_()
-            for scale, bias in zip(self.output_scales, self.output_biases, strict=True):  # the identity
-                scale.weight.fill_(1.0)
-                bias.weight.zero_()
+        self.reset_conditioning()  # after the init: slot 0's zero rows, the output scaling's identity
         self.asv_rows = "real"  # one of ASV_ROWS; set by the aam_ops phase, before any wrapper
         self.bucket_rows = False  # pad the encoded rows to `bucket_size` (aam_ops.bucket)
         self.pack_samples = False  # the sample level on the real ASVs, packed (aam_ops.pack_samples)
@@ -310,45 +291,10 @@ class AAM(FlopCount, nn.Module):
         out["target"] = self.activated(self.scaled(self.target_head(pooled), categorical))
         return out
 
-    def scaled(self, target: Tensor, categorical: Tensor | None) -> Tensor:
-        """The target output [B, target_dim] x each column's scale of the samples' categories, + its bias, a
-        column after another (categorical_output_scaling: the original AAM's --conditional-output-scaling,
-        before the activation as its); slot 0, unseen or missing, has its own. As it is without scaling."""
-        for i, (scale, bias) in enumerate(zip(self.output_scales, self.output_biases, strict=True)):
-            slot = categorical[:, i]
-            target = target * scale(slot).to(target.dtype) + bias(slot).to(target.dtype)
-        return target
-
     def activated(self, target: Tensor) -> Tensor:
         """The target head's output through `target_activation` (a regression's: learn_target refuses one
         for a classification's logits)."""
         return target if self.target_activation is None else self.target_activation(target)
-
-    def condition(self, sample_embedding: Tensor, categorical: Tensor | None) -> Tensor:
-        """The sample embeddings [B, D] the target head reads: with categorical columns, fused with each
-        column's embedding of the samples' categories `categorical` [B, columns] (index 0: unseen or
-        missing, a zero vector): `concat` [sample, columns...] -> Linear -> D, `add` their sum, or `gmu`
-        (the original's gated unit) x + sigmoid(Linear [x, c]) * tanh(Linear c), c the columns side by side.
-        Only the target head reads them, as in the original AAM (its `_fuse_categorical` feeds the target
-        pathway alone): the embedding UniFrac and predict's embeddings.tsv see stays the encoder's. The
-        transformer head fuses each ASV's state the same way: [..., D] states with [..., columns] categories
-        that broadcast to them ([B, 1, columns] padded, [T, columns] packed)."""
-        if not len(self.categorical_embeddings):
-            return sample_embedding
-        if categorical is None:
-            raise ValueError(
-                f"the model is conditioned on {len(self.categorical_embeddings)} categorical columns: pass "
-                "categorical=[B, columns] (the batch's `categorical`, data.categorical)"
-            )
-        columns = [table(categorical[..., i]) for i, table in enumerate(self.categorical_embeddings)]
-        if self.categorical_fusion == "add":
-            return sample_embedding + sum(columns)
-        columns = [c.to(sample_embedding.dtype).expand(*sample_embedding.shape[:-1], -1) for c in columns]
-        fused = torch.cat([sample_embedding, *columns], dim=-1)
-        if self.categorical_projection is not None:  # concat
-            return self.categorical_projection(fused)
-        gate = torch.sigmoid(self.categorical_gate(fused))
-        return sample_embedding + gate * torch.tanh(self.categorical_transform(torch.cat(columns, dim=-1)))
 
     def encode_asvs(
         self,
