@@ -194,7 +194,9 @@ def predict(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
                 return {}
             metadata = resolve_files(data_cfg).get("metadata")
             observed = observed_values(metadata, data_cfg.get("target"), read["ids"], target)
-            units, summary["target_groups"] = sample_units(target, metadata, read["ids"], str(cfg.run))
+            units, groups = sample_units(target, metadata, read["ids"], str(cfg.run))
+            if groups is not None:  # zscore_category's: the samples of categories training lacks
+                summary["target_groups"] = groups
             summary["categorical"] = category_record(vocabularies, metadata, read["ids"])
             stop_if_signalled()  # a stop signal that code on the way swallowed: no file written after it
             summary.update(
