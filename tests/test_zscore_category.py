@@ -14,6 +14,7 @@ from hydra.utils import instantiate
 from test_categorical import predicted_here
 from test_targets import sklearn_regression
 
+from aamperf.checks import check_config
 from aamperf.data import build_data
 from aamperf.device import to_device
 from aamperf.errors import UserError
@@ -165,17 +166,17 @@ def test_a_run_reports_in_the_target_s_units_and_predict_puts_each_sample_in_its
         )
 
 
-def test_normalize_by_and_zscore_category_go_together_and_refuse_in_one_line(launch):
-    proc, _ = launch("data.target=target", "data.target_transform=zscore_category")
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
-    assert "data.normalize_by=[<column>,...]" in errors[0]
-    proc, _ = launch("data.target=target", "data.normalize_by=[environment]")
-    assert proc.returncode == 2 and "is read by data.target_transform=zscore_category only" in proc.stderr
+def test_normalize_by_and_zscore_category_go_together_and_refuse_in_one_line(make_cfg, launch):
+    with pytest.raises(UserError, match=r"data\.normalize_by=\[<column>,\.\.\.\]"):
+        check_config(make_cfg("data.target=target", "data.target_transform=zscore_category"))
+    with pytest.raises(UserError, match=r"is read by data\.target_transform=zscore_category only"):
+        check_config(make_cfg("data.target=target", "data.normalize_by=[environment]"))
     proc, _ = launch(
         "data.target=target", "data.target_transform=zscore_category", "data.normalize_by=[site]"
     )
-    assert proc.returncode == 2 and "error: data.normalize_by: no column 'site' in " in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert errors[0].startswith("error: data.normalize_by: no column 'site' in ")
     proc, _ = launch("data.target=target", "data.target_transform=zscore-category")  # the original's spelling
     assert proc.returncode == 2 and "data.target_transform=zscore_category data.normalize_by=" in proc.stderr
 
