@@ -1,7 +1,5 @@
 """Readers of the user's files, tokenization and rarefaction, with the errors that name the fix."""
 
-import re
-
 import biom
 import h5py
 import numpy as np
@@ -9,7 +7,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from aamperf.data.checks import check_data
 from aamperf.data.samples import rarefy_chunk
 from aamperf.data.tables import (
     existing_file,
@@ -140,38 +137,6 @@ def test_precomputed_unifrac_errors(tmp_path):
     (tmp_path / "dist.ids.txt").write_text("s1\ns2\n")
     with pytest.raises(UserError, match=r"^data\.unifrac: .* \(3, 3\) matrix for 2 ids"):
         read_unifrac(tmp_path / "dist.npy")
-
-
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (["data=biom"], r"^data\.source=biom needs data\.table=<file\.biom>$"),
-        (["data=biom", "data.table=x.biom"], r"^data\.table: no such file: x\.biom$"),
-        (["data=biom"], r"^data=biom needs exactly one of data\.tree=.* or data\.unifrac="),
-        (["data=biom", "data.tree=t.nwk", "data.target=age"], r"^data\.target=age needs data\.metadata"),
-        (["data.table=x.biom"], r"^data\.table is set but data\.source=simulated ignores it; add data=biom$"),
-        (["data.n_envs=0"], r"^data\.n_envs=0 must be >= 1$"),
-        (["data.val_fraction=1.0"], r"^data\.val_fraction=1\.0 must be between 0 and 1"),
-        (["data.rarefy_depth=0"], r"^data\.rarefy_depth=0 must be >= 1"),
-        (
-            ["data=biom", "data.table=t.biom", "data.unifrac=d.npy", "data.unifrac_mode=batch"],
-            r"data\.unifrac_mode=batch computes UniFrac from data\.tree; give data\.tree=<tree\.nwk>",
-        ),
-        (["data.val_fraction=0.02"], r"leaves 1 validation samples .*; raise data\.val_fraction$"),
-        (["data.n_samples=12"], r"^data\.n_samples=12 leaves at most 10 training samples .* a batch of 16"),
-        (
-            ["data=biom", "data.unifrac={tmp}/d.npy"],
-            r"d\.npy needs its sample ids, .* in d\.ids\.txt",
-        ),
-        (["data=biom", "data.unifrac={tmp}/d.parquet"], r"^data\.unifrac: unknown file type '\.parquet'"),
-    ],
-)
-def test_what_the_config_decides_is_found_up_front(make_cfg, tmp_path, overrides, message):
-    (tmp_path / "d.npy").write_bytes(b"")
-    (tmp_path / "d.parquet").write_bytes(b"")
-    cfg = make_cfg(*(o.format(tmp=tmp_path) for o in overrides), "trainer.batch_size=16")
-    problems = check_data(cfg)
-    assert any(re.search(message, problem) for problem in problems), problems
 
 
 def _with(change):
