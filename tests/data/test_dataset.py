@@ -307,7 +307,7 @@ def test_biom_source_with_fasta_and_precomputed_unifrac(cache_dir, tmp_path):
     ],
 )
 def test_errors_name_the_fix(cache_dir, overrides, batch_size, message):
-    """What is found as the files are read; what the config alone decides: tests/data/test_tables.py."""
+    """What is found as the files are read; what the config alone decides: tests/data/test_checks.py."""
     with pytest.raises(UserError, match=message):
         build_data(data_cfg(cache_dir, **overrides), batch_size=batch_size, seed=0, loader=LOADER)
 
