@@ -301,7 +301,14 @@ def test_a_resume_refuses_a_new_batch_and_applies_a_new_lr(make_cfg, tmp_path):
     assert rows[4]["step"] == 5 and rows[4]["lr"] > 1e-3  # the new lr's schedule, not the old one's
 
 
-@pytest.mark.parametrize("damage_kind", ["truncated", "empty", "garbage"])
+@pytest.mark.parametrize(  # truncated in the fast suite; the other two kinds with the slow tests
+    "damage_kind",
+    [
+        "truncated",
+        pytest.param("empty", marks=pytest.mark.slow),
+        pytest.param("garbage", marks=pytest.mark.slow),
+    ],
+)
 def test_a_damaged_cache_is_rebuilt_with_a_warning(
     make_cfg, tmp_path, cache_dir, damage_kind, caplog, monkeypatch
 ):

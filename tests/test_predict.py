@@ -132,6 +132,7 @@ def test_a_run_without_a_model_is_one_line(launch, tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: run={tmp_path} has no model.pt")
 
 
+@pytest.mark.slow  # ~6 s, two launches; train's restart with tcmalloc is in the fast suite (test_allocator)
 @needs_tcmalloc
 def test_predict_starts_again_with_tcmalloc_in_its_own_directory_and_null_keeps_glibcs(
     launch, trained_run, tmp_path
