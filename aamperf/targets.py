@@ -28,7 +28,7 @@ class TargetSpec:
     """model units = (g(y) - shift) / scale, with g = log for log_* transforms, log(1 + y) for log1p_*
     (the original AAM's log-zscore and log-minmax), else the identity: every transform is affine in y or
     in g(y), so one inverse serves all. zscore_category: the affine part is the sample's category's
-    (`groups`), given as `units` [n, 2] (each row's shift and scale: `units_of`, `units_at`); `shift` and
+    (`groups`), given as `units` [n, 2] (each row's shift and scale: `units_of`, `sample_units`); `shift` and
     `scale` are then every training sample's, for a category training never saw and a missing value.
     Classification: the target is the class index into `classes`."""
 
@@ -42,9 +42,9 @@ class TargetSpec:
     normalize_by: list[str] = field(default_factory=list)  # zscore_category's metadata columns
     # zscore_category: "column=value,column=value" -> [shift, scale] of the training samples of that category
     groups: dict[str, list[float]] = field(default_factory=dict)
-    # zscore_category: [n, 2] float64, each sample of the data at hand's (shift, scale): `units_at`; not saved
+    # zscore_category: [n, 2] float64, each sample of the data at hand's (shift, scale), indexed by the
+    # batches' sample_idx (AAMLoss keeps a copy on the device); not saved
     sample_units: Tensor | None = field(default=None, repr=False, compare=False)
-    placed: dict[str, Tensor] = field(default_factory=dict, repr=False, compare=False)  # `units_at`'s
     # data.weight_by: the metadata columns whose categories weigh the target part (loss.category_weights);
     # each sample of the data at hand's category of them (None: a missing value), and the training
     # samples of each category (`fit_weight_keys`); not saved with the model
@@ -82,16 +82,6 @@ class TargetSpec:
         default = [self.shift, self.scale]
         return torch.tensor([self.groups.get(k, default) if k is not None else default for k in keys],
                             dtype=torch.float64)  # fmt: skip
-
-    def units_at(self, idx: Tensor) -> Tensor | None:
-        """[n, 2] the shift and scale of the data's samples `idx` (`sample_units`, a copy kept on each
-        device idx comes from: none each step), or None unless the transform is zscore_category."""
-        if self.sample_units is None:
-            return None
-        key = str(idx.device)
-        if key not in self.placed:
-            self.placed[key] = self.sample_units.to(idx.device)
-        return self.placed[key][idx]
 
     @property
     def logs(self) -> tuple[Any, Any] | None:
@@ -188,7 +178,7 @@ def fit_groups(
         fitted = values[by_key[key]]
         scale = float(fitted.std()) if len(fitted) > 1 else 0.0
         spec.groups[key] = [float(fitted.mean()), scale if scale > 0 and math.isfinite(scale) else spec.scale]
-    spec.sample_units, spec.placed = spec.units_of(keys), {}
+    spec.sample_units = spec.units_of(keys)
 
 
 def fit_weight_keys(

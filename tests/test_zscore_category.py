@@ -49,7 +49,7 @@ def test_each_category_s_units_are_its_training_samples_mean_and_std(make_cfg):
     metadata = pd.read_csv(data.files["metadata"], sep="\t", index_col=0)
     envs = metadata.loc[data.sample_ids, "environment"]
     train = torch.as_tensor(data.train_loader.dataset.indices)
-    units = spec.units_at(train)
+    units = spec.sample_units[train]
     standard = spec.forward(data.dataset.target[train].double(), units)
     for env in want.index:
         rows = torch.from_numpy((envs.iloc[train.numpy()] == env).to_numpy().copy())
@@ -72,7 +72,7 @@ def test_a_category_of_one_training_sample_an_unseen_one_and_a_missing_one():
         "site=a": pytest.approx([2.0, 2**0.5]),
         "site=b": pytest.approx([10.0, spec.scale]),
     }
-    units = spec.units_at(torch.arange(6))  # b: one sample (its scale the target's); c unseen, None missing
+    units = spec.sample_units  # b: one sample (its scale the target's); c unseen, None missing
     torch.testing.assert_close(units[4], torch.tensor(everyone, dtype=torch.float64))
     torch.testing.assert_close(units[5], torch.tensor(everyone, dtype=torch.float64))
     torch.testing.assert_close(spec.inverse(spec.forward(values, units), units), values)
@@ -126,7 +126,7 @@ def test_a_run_reports_in_the_target_s_units_and_predict_puts_each_sample_in_its
         batches = [to_device(b, CPU) for b in data.val_loader]
         outputs = torch.cat([loss_fn.evaluate(model, b, 0)[2] for b in batches])
     idx = torch.cat([b["sample_idx"] for b in batches])
-    own = data.target.inverse(outputs[:, 0].double(), data.target.units_at(idx))
+    own = data.target.inverse(outputs[:, 0].double(), data.target.sample_units[idx])
     np.testing.assert_allclose(table["predicted"], own[: len(table)].numpy(), rtol=1e-5)
 
     data = build_data(make_cfg(*BY_ENV).data, batch_size=4, seed=0, loader=make_cfg().dataloader)

@@ -101,7 +101,7 @@ def validation_figures(
         figures = {f"val_{k}": found[k] for k in ("accuracy", "macro_f1", "roc_auc")}
         detail = {"classes": target.classes, "confusion_matrix": found["confusion_matrix"]}
         return figures, {**detail, "observed": observed, "probabilities": probabilities}
-    units = None if idx is None else target.units_at(idx.cpu())
+    units = None if idx is None or target.sample_units is None else target.sample_units[idx.cpu()]
     own = target.inverse(torch.from_numpy(predicted), units).numpy()  # every output in the target's own units
     point = target.inverse(loss_fn.point(torch.from_numpy(predicted)), units).numpy()
     figures = {f"val_target_{k}": v for k, v in regression_metrics(observed, point).items()}

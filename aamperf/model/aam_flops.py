@@ -97,12 +97,8 @@ class FlopCount:
         # its Linear, or every Linear of its MLP (aamperf/model/layers.py MLP)
         linear = 2 * samples * sum(m.in_features * m.out_features for m in linears(self.target_head))
         conditioned = samples if self.target_encoder is None else sum(widths)
-        condition = 0
-        if self.categorical_projection is not None:
-            condition = 2 * conditioned * self.categorical_projection.in_features * dim
-        if self.categorical_gate is not None:
-            fan_in = self.categorical_gate.in_features + self.categorical_transform.in_features
-            condition = 2 * conditioned * fan_in * dim
+        fusion = (self.categorical_projection, self.categorical_gate, self.categorical_transform)
+        condition = 2 * conditioned * sum(m.in_features * m.out_features for m in fusion if m is not None)
         if self.target_encoder is None:
             return linear + condition
         layers = len(self.target_encoder.blocks) * self.layer_flops(sum(widths), sum(w * w for w in widths))

@@ -70,6 +70,7 @@ class AAMLoss(nn.Module):
         self.category_weights_option = category_weights
         self.category_weights: dict[str, float] | None = None  # data.weight_by's categories' (set_target)
         self.sample_weights: Tensor | None = None  # [n] each sample of the data's, from its category's
+        self.sample_units: Tensor | None = None  # [n, 2] zscore_category's each sample's (set_target)
         self.target = TargetSpec("target")  # zscore with mean 0, std 1 until the data's is set
         self.count_low, self.count_high = 0.0, 1.0  # the counts the count part scales to 0 and 1 (set_counts)
 
@@ -93,7 +94,7 @@ class AAMLoss(nn.Module):
         loss.category_weights is set, each sample's part x its category's weight (`sample_weights`, the
         divisor unchanged: the original AAM's weighted mean over the samples). `target_mae` is the
         mean absolute error in the target's own units."""
-        self.target, self.class_weights = target, None
+        self.target, self.class_weights, self.sample_units = target, None, target.sample_units
         if target.is_classification and self.class_weights_option is not None:
             self.class_weights = class_weights(self.class_weights_option, target.class_counts)
         self.category_weights = self.sample_weights = None
@@ -122,9 +123,8 @@ class AAMLoss(nn.Module):
         return ((predicted.float() - scaled).square() * real).sum(), real.sum()
 
     def on_device(self, name: str, like: Tensor) -> Tensor:
-        """The tensor attribute `name` (class_weights, quantile_levels, sample_weights) on `like`'s device and
-        dtype, moved
-        there once (not a host copy every step)."""
+        """The tensor attribute `name` (class_weights, quantile_levels, sample_weights, sample_units) on
+        `like`'s device and dtype, moved there once (not a host copy every step)."""
         value = getattr(self, name)
         if value.device != like.device or value.dtype != like.dtype:
             value = value.to(like)
@@ -156,9 +156,11 @@ class AAMLoss(nn.Module):
         samples' indices in the data (`sample_idx`): zscore_category's units and the category weights
         (loss.category_weights, which multiply each sample's loss) are each sample's."""
         predicted, target = predicted.float(), target.float()
-        each_weight = None
+        each_weight = units = None  # the samples' own (loss.category_weights; zscore_category)
         if idx is not None and self.sample_weights is not None:
             each_weight = self.on_device("sample_weights", predicted)[idx]
+        if idx is not None and self.sample_units is not None:
+            units = self.on_device("sample_units", predicted)[idx]
         if self.target.is_classification:
             labels = target.squeeze(1).long()
             weights = None if self.class_weights is None else self.on_device("class_weights", predicted)
@@ -167,7 +169,6 @@ class AAMLoss(nn.Module):
             weight = torch.ones_like(weighted) if weights is None else weights[labels]
             summed = weighted.sum() if each_weight is None else (weighted * each_weight).sum()
             return summed, weight.sum(), {}
-        units = None if idx is None else self.target.units_at(idx)  # zscore_category's: each sample's
         standard = self.target.forward(target, units)  # [B, 1], the model's units
         if self.target_loss == "quantile":
             each = pinball(predicted, standard, self.on_device("quantile_levels", predicted))  # [B]
@@ -180,9 +181,8 @@ class AAMLoss(nn.Module):
             each = self.over_weight * error.clamp(min=0) - self.under_weight * error.clamp(max=0)
         else:
             each = F.mse_loss(predicted, standard, reduction="none")
-        summed = (
-            each.sum() if each_weight is None else (each.reshape(len(each), -1) * each_weight[:, None]).sum()
-        )
+        each = each.reshape(len(each), -1).sum(dim=1)  # [B]: a sample's loss (a quantile's already its mean)
+        summed = (each if each_weight is None else each * each_weight).sum()
         own = self.target.inverse(self.point(predicted.detach()), units)  # the target's own units
         mae = (own - target.squeeze(1)).abs().sum()
         return summed, predicted.new_full((), float(target.size(0))), {"target_mae": mae}  # a fill, no copy
