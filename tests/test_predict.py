@@ -27,7 +27,7 @@ from aamperf.errors import UserError
 from aamperf.model.loss import predicted_unifrac
 from aamperf.predict.config import register_predict_configs
 from aamperf.predict.masks import hidden_bases, sequence_keys
-from aamperf.predict.run import predict
+from aamperf.predict.run import first_rows, predict
 from aamperf.run import train
 from aamperf.tokens import MASK
 from aamperf.weights import load_model
@@ -225,6 +225,17 @@ def test_two_ranks_write_what_one_process_writes(launch, trained_run):
         assert (two / name).read_text() == (one / name).read_text(), name  # the same rows, in the same order
     assert np.array_equal(np.load(two / "unifrac.npy"), np.load(one / "unifrac.npy"))
     assert not (two / "shares").exists()  # the ranks' shares were merged and removed
+    # rank 0 checks its own batches of the first chunk (rows 0-2), not its rows of the next chunk too
+    assert summary["quality"]["samples"] == 3 and summary["quality"]["embedding_cosine_min"] > 0.99
+
+
+def test_the_quality_check_compares_only_a_ranks_outputs_of_the_first_samples():
+    outputs = {"embedding": torch.zeros(6, 2)}
+    assert first_rows(outputs) == 6  # one process, no share: every row in order
+    assert first_rows(outputs | {"rows": torch.arange(6)}) == 6
+    # rank 0 of two, chunks of 9 in batches of 3: its batch of each chunk, rows 0-2 and 9-11
+    assert first_rows(outputs | {"rows": torch.tensor([0, 1, 2, 9, 10, 11])}) == 3
+    assert first_rows(outputs | {"rows": torch.tensor([3, 4, 5])}) == 0  # a later rank: none
 
 
 def _levels_of_two_ranks(rank: int, config: dict, run_dir: str, port: int, out: str) -> None:

@@ -315,7 +315,7 @@ def check_quality(
     """The level against the fp32 eager model on the first `quality_samples` samples (None: none asked),
     both on the same input (`masks`). Over `passes`, their first draw, through the level's (model, autocast)
     `level_model` again."""
-    rows = range(min(cfg.quality_samples, len(mine["embedding"]), len(samples.ids)))
+    rows = range(min(cfg.quality_samples, first_rows(mine), len(samples.ids)))
     if not len(rows):
         return None
     reference, _ = load_model(Path(cfg.run), device)
@@ -326,6 +326,15 @@ def check_quality(
     ids = samples.ids[: len(rows)]  # zscore_category: their own units (predictions warn of the rest)
     units, _ = sample_units(target, samples.files.get("metadata"), ids, str(cfg.run), warn=False)
     return quality(plain, level, target, units)
+
+
+def first_rows(mine: dict) -> int:
+    """How many of this rank's outputs are the table's first samples, in order: all of one process's; of a
+    rank's share (its `rows`), those up to its first gap (rank 0's batches of the first chunk)."""
+    if "rows" not in mine:
+        return len(mine["embedding"])
+    rows = mine["rows"]
+    return int((rows == torch.arange(len(rows))).cumprod(0).sum())
 
 
 def collate_range(samples, rows: range) -> dict[str, Any]:
