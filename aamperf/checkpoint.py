@@ -248,6 +248,7 @@ BEFORE_THE_KEY = {
     "loss.category_weights": None,
     "model.categorical_output_scaling": False,
     "optimizer.categorical_lr": None,
+    "trainer.val_passes": 1,
 }
 
 

@@ -32,6 +32,22 @@ from aamperf.trainer.schedule import check_schedule
 from aamperf.weights import MODEL_FILE, OWN_LOSSES, OWN_MODELS
 
 
+def val_passes_problems(cfg: DictConfig) -> list[str]:
+    """trainer.val_passes > 1 reads the validation samples anew each pass: only where their ASVs are drawn
+    (data.asv_sampling=random) or the loss hides bases (AAMLoss with loss.nucleotide_weight > 0)."""
+    passes = cfg.trainer.val_passes
+    if passes < 1:
+        return [f"trainer.val_passes={passes} must be >= 1"]
+    hides = cfg.loss.get("_target_") in OWN_LOSSES and cfg.loss.get("nucleotide_weight", 1.0) > 0
+    if passes == 1 or cfg.data.get("asv_sampling") == "random" or hides:
+        return []
+    return [
+        f"trainer.val_passes={passes} reads each validation sample anew each pass, which neither "
+        f"data.asv_sampling={cfg.data.get('asv_sampling')} nor the loss (it hides no bases) does: the same "
+        "input every time; set data.asv_sampling=random, or trainer.val_passes=1"
+    ]
+
+
 def check_config(cfg: DictConfig) -> None:
     """Raise one UserError listing every problem of `cfg`, or return."""
     t, m = cfg.trainer, cfg.metrics
@@ -75,6 +91,7 @@ def check_config(cfg: DictConfig) -> None:
         problems.append(f"trainer.grad_clip={t.grad_clip} must be >= 0 (0: no clipping)")
     if t.val_every < 1 or t.val_batches < 1:
         problems.append("trainer.val_every and trainer.val_batches must be >= 1")
+    problems += val_passes_problems(cfg)
     problems += monitor_problems(t, cfg.data.get("target"))
     if t.checkpoint_every < 0 or t.keep_last < 1:
         problems.append("trainer.checkpoint_every must be >= 0 (0: none) and trainer.keep_last >= 1")

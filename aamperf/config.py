@@ -270,6 +270,10 @@ class TrainerConfig:
     # samples per validation batch (all ranks); null: the training micro-batch. The UniFrac part of a val
     # loss is over the pairs inside each batch, so runs at other batch sizes compare at the same one
     val_batch_size: int | None = None
+    # times each validation reads its samples: pass k their ASVs' draw k (data.asv_sampling=random) and the
+    # bases the loss hides at step k; the loss over all passes, the target's figures of each sample's mean
+    # output (the original AAM's --val-prediction-passes; predict's `passes`)
+    val_passes: int = 1
     # early stopping: the run ends after this many validations in a row whose `monitor` figure did not
     # improve on its best by more than `min_delta` (0: never; the original AAM's --patience, in epochs there)
     patience: int = 0

@@ -214,11 +214,14 @@ def target_line(summary: dict) -> str | None:
             figures += f", {nominal:.0%} interval covers {val['val_target_interval_coverage']:.0%}"
     else:
         return None
-    batches = (summary.get("config") or {}).get("trainer", {}).get("val_batches")
+    trainer = (summary.get("config") or {}).get("trainer", {})
+    passes = trainer.get("val_passes", 1)
     over = (
         f", over {val['val_samples']} of the {summary.get('n_val')} validation samples "
-        f"(trainer.val_batches={batches})"
+        f"(trainer.val_batches={trainer.get('val_batches')})"
         if "val_samples" in val
         else ""
     )
+    if over and passes > 1:
+        over += f", each its mean over {passes} passes"
     return f"  target {(summary.get('target') or {}).get('column', '')}: {figures}{over}"

@@ -402,6 +402,21 @@ def test_runs_validated_in_batches_of_another_size_get_no_quality_verdict(tmp_pa
         assert rows[same]["verdict"].startswith("faster at equal quality"), rows[same]["verdict"]
 
 
+def test_a_run_validated_over_other_passes_than_its_baseline_is_undecided(tmp_path):
+    """trainer.val_passes: a val loss over 3 draws of each sample is not one over draw 0 alone."""
+    for name, passes in {"one": 1, "three": 3, "three_too": 3}.items():
+        trainer = {} if name == "one" else {"trainer": {"val_passes": passes}}  # "one": before the key
+        make_seeds(tmp_path, name, 10.0 if name == "one" else 20.0, trainer)
+    rows = {r["config"]: r for r in compare(find_runs([tmp_path]), baseline="optim=one")["rows"]}
+    assert rows["optim=three"]["val_passes_differ"] == [(3, 1)]
+    assert rows["optim=three"]["verdict"] == (
+        "undecided: validated over 3 passes against the baseline's 1, so the val losses are of other draws; "
+        "run both with trainer.val_passes=1"
+    )
+    rows = {r["config"]: r for r in compare(find_runs([tmp_path]), baseline="optim=three")["rows"]}
+    assert not rows["optim=three_too"]["val_passes_differ"]
+
+
 def test_runs_from_before_the_val_batch_was_recorded_are_judged_by_their_micro_batch(tmp_path):
     """Their validation batches were their training micro-batches: at most the validation set, a multiple
     of the ranks; where nothing says, nothing is claimed."""

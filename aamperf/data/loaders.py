@@ -72,7 +72,10 @@ def make_loaders(
             f"only {len(val_idx)} validation samples for {world} ranks (UniFrac needs >= 2 per batch); "
             + more_val
         )
-    val = DataLoader(Subset(dataset, val_idx), batch_size=val_batch, shuffle=False, **kwargs)
+    val_set, val_order = Subset(dataset, val_idx), None
+    if getattr(dataset, "draws_anew", False):  # a validation pass reads its own draw (trainer.val_passes)
+        val_set, val_order = Draws(dataset, val_idx), PassSampler(len(val_idx))
+    val = DataLoader(val_set, batch_size=val_batch, sampler=val_order, shuffle=False, **kwargs)
     return train, val
 
 
@@ -103,6 +106,20 @@ class DrawSampler(Sampler):
 
     def __len__(self) -> int:
         return len(self.sampler)
+
+
+class PassSampler(Sampler):
+    """The validation samples in order, each with the draw of the validation pass reading them: `draw`, which
+    `validate` sets before each pass (trainer.val_passes; 0: the draw predict reads first)."""
+
+    def __init__(self, n: int):
+        self.n, self.draw = n, 0
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return ((self.draw, k) for k in range(self.n))
+
+    def __len__(self) -> int:
+        return self.n
 
 
 def step_loader(loader: DataLoader, micro_batches: int) -> DataLoader:

@@ -90,20 +90,28 @@ def validation_figures(
 ) -> tuple[dict, dict]:
     """(the figures of a validation's target, for metrics.jsonl and summary.json's `val`; what they were
     computed from, for summary.json and val_predictions.tsv) of these samples: `observed` [n] in the
-    target's own units (a classification's: class indices), `predicted` [n, outputs] the model's target
-    output, `idx` [n] their indices in the data (zscore_category's units are each sample's). `loss_fn`:
-    the AAMLoss that knows the target (its transform or classes) and its loss."""
+    target's own units (a classification's: class indices), `predicted` the model's target output, [n,
+    outputs] or over validation passes [n, passes, outputs] (the mean of the passes' values, as predict's
+    `passes`: a class's probabilities, a value in the target's own units), `idx` [n] their indices in the
+    data (zscore_category's units are each sample's). `loss_fn`: the AAMLoss that knows the target (its
+    transform or classes) and its loss."""
     target = loss_fn.target
+    n, passes = len(predicted), predicted.shape[1] if predicted.ndim == 3 else 1
+    each = predicted.reshape(n * passes, -1)  # a row per sample and pass
     if target.is_classification:
-        shifted = predicted - predicted.max(axis=1, keepdims=True)  # softmax, stable
-        probabilities = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
+        shifted = each - each.max(axis=1, keepdims=True)  # softmax, stable
+        chances = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
+        probabilities = chances.reshape(n, passes, -1).mean(axis=1)
         found = classification_metrics(observed.astype(np.int64), probabilities)
         figures = {f"val_{k}": found[k] for k in ("accuracy", "macro_f1", "roc_auc")}
         detail = {"classes": target.classes, "confusion_matrix": found["confusion_matrix"]}
         return figures, {**detail, "observed": observed, "probabilities": probabilities}
     units = None if idx is None or target.sample_units is None else target.sample_units[idx.cpu()]
-    own = target.inverse(torch.from_numpy(predicted), units).numpy()  # every output in the target's own units
-    point = target.inverse(loss_fn.point(torch.from_numpy(predicted)), units).numpy()
+    each_units = None if units is None else units.repeat_interleave(passes, dim=0)
+    outputs = torch.from_numpy(each)
+    # every output in the target's own units, then each sample's mean over the passes
+    own = target.inverse(outputs, each_units).reshape(n, passes, -1).mean(dim=1).numpy()
+    point = target.inverse(loss_fn.point(outputs), each_units).reshape(n, passes).mean(dim=1).numpy()
     figures = {f"val_target_{k}": v for k, v in regression_metrics(observed, point).items()}
     if units is not None:  # zscore_category: what each sample's category's training mean alone scores
         means = units[:, 0].double().numpy()

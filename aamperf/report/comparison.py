@@ -335,6 +335,7 @@ def validity(group: Group, pairs: list[tuple[Run, Run]], beside: set[Path]) -> d
     """What could make the comparison say less than it seems: failed runs, pairs that trained the same
     way, pairs timed while another run shared their host, pairs validated in batches of other sizes."""
     sizes = [(val_batch(r.summary), val_batch(b.summary)) for r, b in pairs]
+    passes = [(val_passes(r.summary), val_passes(b.summary)) for r, b in pairs]
     return {
         "errors": [f"{r.path.name}: {r.summary.get('error')}" for r in group.runs if r not in group.ok_runs],
         # every pair trained the same way (the same phases applied after `auto`, the same config else)
@@ -343,7 +344,14 @@ def validity(group: Group, pairs: list[tuple[Run, Run]], beside: set[Path]) -> d
         "overlapped_pairs": sum(r.path in beside or b.path in beside for r, b in pairs),
         # [run's, baseline's] validation batch of each pair whose val losses do not compare (UniFrac's pairs)
         "val_batches_differ": sorted({(a, b) for a, b in sizes if a and b and a != b}),
+        # [run's, baseline's] trainer.val_passes of each pair: the figures of other draws, or of their mean
+        "val_passes_differ": sorted({(a, b) for a, b in passes if a != b}),
     }
+
+
+def val_passes(s: dict[str, Any]) -> int:
+    """A run's trainer.val_passes (its summary; 1 before the key)."""
+    return ((s.get("config") or {}).get("trainer") or {}).get("val_passes", 1)
 
 
 def verdict(
@@ -375,6 +383,13 @@ def verdict(
             f"undecided: validated in batches of {run_batch} against the baseline's {base_batch}, and the "
             "UniFrac part of a val loss is over the pairs inside a batch, so the val losses do not compare; "
             f"run both with trainer.val_batch_size={base_batch}",
+            None,
+        )
+    if row["val_passes_differ"]:
+        run_passes, base_passes = row["val_passes_differ"][0]
+        return (
+            f"undecided: validated over {run_passes} passes against the baseline's {base_passes}, so the val "
+            f"losses are of other draws; run both with trainer.val_passes={base_passes}",
             None,
         )
     if speed is None or quality is None or n < MIN_PAIRS:

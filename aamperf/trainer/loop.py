@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from aamperf.data.loaders import PassSampler
 from aamperf.device import new_cuda_graph_step, sync, to_device
 from aamperf.distributed import all_sum, full_value, gather_constant, world_size
 from aamperf.errors import RunAborted
@@ -151,49 +152,59 @@ def validate(
     device,
     non_blocking,
     detail: dict[str, Any] | None = None,
+    passes: int = 1,
 ) -> dict[str, float | None]:
     """Every figure of one validation, all of the same samples: those of its first `n_batches` batches
-    (at most: its cost does not grow with the data), `val_samples` of them. The mean loss and parts (the
-    batches are of one size: the means of the samples), and, where the model predicts a target the loss
-    knows (its `target`), its figures in the target's own units (aamperf/metrics/target.py) of every
-    rank's samples. `detail`, where given, gets what those were computed from: the samples, observed and
-    predicted values, a classification's confusion matrix."""
+    (at most: its cost does not grow with the data), `val_samples` of them, read `passes` times
+    (trainer.val_passes: pass k reads draw k of their ASVs under data.asv_sampling=random, and the loss
+    hides the bases of step k). The mean loss and parts over every pass's batches (of one size: the means
+    of the samples), and, where the model predicts a target the loss knows (its `target`), its figures in
+    the target's own units (aamperf/metrics/target.py) of every rank's samples, each sample's outputs
+    averaged over the passes. `detail`, where given, gets what those were computed from: the samples,
+    observed and predicted values, a classification's confusion matrix."""
     model.eval()
     sums: dict[str, torch.Tensor] = {}
     n = samples = 0
     outputs: list[torch.Tensor] = []  # the model's target output of the batch, as the loss saw it
-    predictions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (sample_idx, target, output)
+    # each pass's (sample_idx, target, output) of its batches
+    predictions: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
     hook = model.register_forward_hook(lambda _, __, out: outputs.append(target_output(out)))
+    order = getattr(loader, "sampler", None)
     try:
-        for batch in loader:
-            # step=0: the same nucleotide masks at every validation, so val losses are comparable over time.
-            new_cuda_graph_step(device)
-            batch = to_device(batch, device, non_blocking)
-            loss, parts = loss_fn(model, batch, 0)
-            for name, value in {"loss": loss, **parts}.items():
-                sums[name] = sums.get(name, 0) + value.detach().float()
-            if outputs and outputs[-1] is not None and batch.get("target") is not None:
-                predictions.append((batch["sample_idx"], batch["target"].squeeze(1), outputs[-1]))
-            outputs.clear()
-            samples += batch["n_samples"]  # of the global batch
-            n += 1
-            if n == n_batches:
-                break
+        for draw in range(passes):
+            if isinstance(order, PassSampler):  # this pass's draw of each sample's ASVs
+                order.draw = draw
+            predictions.append([])
+            for k, batch in enumerate(loader, 1):
+                # step=draw: the same nucleotide masks at every validation, so val losses compare over time
+                new_cuda_graph_step(device)
+                batch = to_device(batch, device, non_blocking)
+                loss, parts = loss_fn(model, batch, draw)
+                for name, value in {"loss": loss, **parts}.items():
+                    sums[name] = sums.get(name, 0) + value.detach().float()
+                if outputs and outputs[-1] is not None and batch.get("target") is not None:
+                    predictions[-1].append((batch["sample_idx"], batch["target"].squeeze(1), outputs[-1]))
+                outputs.clear()
+                samples += batch["n_samples"] if draw == 0 else 0  # of the global batch
+                n += 1
+                if k == n_batches:
+                    break
     finally:
         hook.remove()
+        if isinstance(order, PassSampler):
+            order.draw = 0
     model.train()
     world = world_size()  # each rank holds its share of every part: the global value is their mean
     val: dict[str, float | None] = {
         f"val_{name}": (all_sum(total) / (n * world)).item() for name, total in sums.items()
     }  # host sync: once per validation
     val["val_samples"] = samples
-    if predictions and getattr(loss_fn, "target", None) is not None:  # every rank's, in rank order
-        idx, observed, predicted = (
-            gather_constant(torch.cat(column)).cpu() for column in zip(*predictions, strict=True)
-        )
-        figures, found = validation_figures(
-            loss_fn, observed.double().numpy(), predicted.double().numpy(), idx
-        )
+    if predictions[0] and getattr(loss_fn, "target", None) is not None:  # every rank's, in rank order
+        idx, observed, _ = (torch.cat(column) for column in zip(*predictions[0], strict=True))
+        # [n, passes, outputs]: the samples come in the same order in every pass
+        each = torch.stack([torch.cat([row[2] for row in rows]) for rows in predictions], dim=1)
+        idx, observed, each = (gather_constant(t).cpu() for t in (idx, observed, each))
+        figures, found = validation_figures(loss_fn, observed.double().numpy(), each.double().numpy(), idx)
         val.update(figures)
         if detail is not None:
             detail.clear()
@@ -307,7 +318,7 @@ def fit(
                     with plan.autocast():
                         result.val = validate(
                             plan.model, loss_fn, data.val_loader, tc.val_batches, device, non_blocking,
-                            result.val_detail,
+                            result.val_detail, tc.val_passes,
                         )  # fmt: skip
                     row.update(result.val)
                     stop = guards.check_validation(step, result.val)  # a NaN validation is no result

@@ -1,0 +1,63 @@
+"""trainer.val_passes (the original AAM's --val-prediction-passes): each validation reads its samples that
+many times, pass k their ASVs' draw k and the bases the loss hides at step k; the loss is the mean over every
+pass, the target's figures those of each sample's mean output in the target's own units."""
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from aamperf.checks import check_config
+from aamperf.data import build_data
+from aamperf.device import to_device
+from aamperf.errors import UserError
+from aamperf.phases import setup_phases
+from aamperf.run import target_line, train
+from aamperf.trainer import validate
+from aamperf.weights import load_model
+
+CPU = torch.device("cpu")
+
+
+def test_a_validation_of_three_passes_averages_each_samples_outputs_over_three_draws(make_cfg, tmp_path):
+    cfg = make_cfg("data.target=target", "data.asv_sampling=random", "trainer.val_passes=3")
+    summary = train(cfg, tmp_path)
+    assert target_line(summary).endswith("(trainer.val_batches=1), each its mean over 3 passes")
+    model, _ = load_model(tmp_path)
+    setup = setup_phases(cfg, CPU)
+    data = build_data(cfg.data, batch_size=4, seed=cfg.seed, loader=setup.loader, pad_to=setup.pad_to)
+    loss_fn = instantiate(cfg.loss)
+    loss_fn.set_target(data.target)
+    detail: dict = {}
+    val = validate(model, loss_fn, data.val_loader, 1, CPU, False, detail, passes=3)
+    assert val["val_target_mae"] == pytest.approx(summary["val"]["val_target_mae"], rel=1e-5)
+
+    # by hand: the first batch of the validation samples, as draws 0, 1 and 2 of their ASVs
+    model.eval()
+    losses, values = [], []
+    with torch.no_grad():
+        for draw in range(3):
+            data.val_loader.sampler.draw = draw
+            batch = to_device(next(iter(data.val_loader)), CPU)  # batch UniFrac from its branch sets
+            losses.append(loss_fn(model, batch, draw)[0])
+            out = loss_fn.outputs(model, batch, draw)[0]
+            values.append(loss_fn.target.inverse(out["target"][:, 0]))
+    data.val_loader.sampler.draw = 0
+    assert not torch.allclose(values[0], values[1])  # each pass read other ASVs
+    assert val["val_loss"] == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5)
+    assert val["val_samples"] == len(batch["sample_idx"])  # the samples, not their passes
+    assert detail["sample_idx"] == batch["sample_idx"].tolist()
+    assert torch.allclose(
+        torch.from_numpy(detail["predicted"]), torch.stack(values).mean(0).double(), atol=1e-5
+    )
+    one = validate(model, loss_fn, data.val_loader, 1, CPU, False)
+    assert one["val_loss"] == pytest.approx(losses[0].item(), rel=1e-5)  # one pass: draw 0 alone
+
+
+def test_val_passes_that_would_read_the_same_input_each_time_are_refused(make_cfg):
+    with pytest.raises(UserError, match=r"trainer.val_passes=0 must be >= 1"):
+        check_config(make_cfg("trainer.val_passes=0"))
+    fixed = "neither data.asv_sampling=abundance nor the loss .it hides no bases. does: the same input"
+    with pytest.raises(UserError, match=fixed + r".*set data.asv_sampling=random, or trainer.val_passes=1"):
+        check_config(make_cfg("trainer.val_passes=2", "loss.nucleotide_weight=0"))
+    check_config(make_cfg("trainer.val_passes=2"))  # each pass hides other bases
+    check_config(make_cfg("trainer.val_passes=2", "loss.nucleotide_weight=0", "data.asv_sampling=random"))
