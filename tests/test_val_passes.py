@@ -61,3 +61,17 @@ def test_val_passes_that_would_read_the_same_input_each_time_are_refused(make_cf
         check_config(make_cfg("trainer.val_passes=2", "loss.nucleotide_weight=0"))
     check_config(make_cfg("trainer.val_passes=2"))  # each pass hides other bases
     check_config(make_cfg("trainer.val_passes=2", "loss.nucleotide_weight=0", "data.asv_sampling=random"))
+
+
+def test_a_classifications_passes_average_their_probabilities():
+    from types import SimpleNamespace
+
+    from aamperf.metrics.target import validation_figures
+
+    loss_fn = SimpleNamespace(target=SimpleNamespace(is_classification=True, classes=["a", "b"]))
+    # sample 0: two passes sure of class 0, one much surer of class 1 (a mean of logits would pick 1)
+    logits = torch.tensor([[[4.0, 0.0], [4.0, 0.0], [0.0, 12.0]], [[0.0, 1.0], [0.0, 1.0], [0.0, 1.0]]])
+    figures, detail = validation_figures(loss_fn, torch.tensor([0, 1]).numpy(), logits.double().numpy())
+    chances = torch.softmax(logits.double(), dim=-1).mean(dim=1)
+    assert torch.allclose(torch.from_numpy(detail["probabilities"]), chances)
+    assert detail["probabilities"].argmax(axis=1).tolist() == [0, 1] and figures["val_accuracy"] == 1.0
