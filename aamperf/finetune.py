@@ -25,8 +25,8 @@ from aamperf.weights import MODEL_FILE, read_model_file
 # The count head (model.count_head) is fresh too: the original's pretraining has none.
 FRESH = (
     "target_head", "target_encoder", "target_pool", "categorical_embeddings", "categorical_projection",
-    "categorical_gate", "categorical_transform", "output_scales", "output_biases", "count_encoder",
-    "count_head",
+    "categorical_gate", "categorical_transform", "categorical_update", "categorical_norm", "output_scales",
+    "output_biases", "count_encoder", "count_head",
 )  # fmt: skip
 # Model arguments a fine-tune may change; any other that differs from the file's changes what the loaded
 # weights compute (num_heads splits the same tensors into other heads) and is refused.

@@ -96,7 +96,7 @@ def conditioned_model(make_cfg, fusion: str, *overrides: str) -> tuple[AAM, dict
     return instantiate(cfg.model).eval(), to_device(next(iter(data.train_loader)), CPU)
 
 
-@pytest.mark.parametrize("fusion", ["concat", "add", "gmu"])
+@pytest.mark.parametrize("fusion", ["concat", "add", "gmu", "cross_attention"])
 def test_the_target_head_reads_the_sample_embedding_fused_with_the_category(make_cfg, fusion):
     model, batch = conditioned_model(make_cfg, fusion)
     with torch.no_grad():
@@ -117,6 +117,8 @@ def test_the_target_head_reads_the_sample_embedding_fused_with_the_category(make
         ):  # the original AAM's GMU: sample + sigmoid(gate [sample, c]) * tanh(transform c)
             gate = torch.sigmoid(model.categorical_gate(torch.cat([sample, column], dim=-1)))
             by_hand = sample + gate * torch.tanh(model.categorical_transform(column))
+        elif fusion == "cross_attention":  # the original's attention to one metadata token, as it computes
+            by_hand = model.categorical_norm(sample + model.categorical_update(column))
         else:
             by_hand = sample + column
         torch.testing.assert_close(out["target"], model.target_head(by_hand))
@@ -131,6 +133,8 @@ def test_the_target_head_reads_the_sample_embedding_fused_with_the_category(make
             nothing = torch.zeros_like(sample)
             gate = torch.sigmoid(model.categorical_gate(torch.cat([sample, nothing], -1)))
             fused = sample + gate * torch.tanh(model.categorical_transform(nothing))
+        if fusion == "cross_attention":
+            fused = model.categorical_norm(sample + model.categorical_update(torch.zeros_like(sample)))
         torch.testing.assert_close(unseen["target"], model.target_head(fused))
     # the loss passes the batch's categories: its target part is the conditioned output's
     loss_fn = AAMLoss(unifrac_weight=0, nucleotide_weight=0)
@@ -149,7 +153,7 @@ def counted_and_analytic(model: AAM, batch: dict) -> tuple[int, float]:
     return counter.get_total_flops(), model.batch_flops(batch["tokens"], batch["asv_ids"])[1]
 
 
-@pytest.mark.parametrize("fusion", ["concat", "add", "gmu"])
+@pytest.mark.parametrize("fusion", ["concat", "add", "gmu", "cross_attention"])
 def test_analytic_flops_match_the_flop_counter_with_conditioning(make_cfg, fusion):
     """The whole step within tests/model/test_flops.py's 0.1%, and what the conditioning adds (against the
     same model without it) exactly: concat's Linear(2D, D) forward and backward on the batch's 8 samples."""
@@ -159,12 +163,12 @@ def test_analytic_flops_match_the_flop_counter_with_conditioning(make_cfg, fusio
     assert abs(analytic / counted - 1) < 0.001
     counted_plain, analytic_plain = counted_and_analytic(plain, batch)
     # forward and backward (3 forwards) of 8 samples: concat's Linear(2D, D); gmu's gate, Linear(2D, D),
-    # and its transform, Linear(D, D); add's sums none
-    extra = {"concat": 3 * 2 * 8 * (2 * 32) * 32, "gmu": 3 * 2 * 8 * (2 * 32 + 32) * 32, "add": 0}[fusion]
+    # and its transform, Linear(D, D); cross_attention's Linear(D, D); add's sums none
+    extra = {"concat": 2 * 32, "gmu": 2 * 32 + 32, "cross_attention": 32, "add": 0}[fusion] * 3 * 2 * 8 * 32
     assert counted - counted_plain == extra == analytic - analytic_plain
 
 
-@pytest.mark.parametrize("fusion", ["concat", "gmu"])
+@pytest.mark.parametrize("fusion", ["concat", "gmu", "cross_attention"])
 def test_a_narrower_categorical_embedding_fuses_and_counts_its_flops(make_cfg, fusion):
     """model.categorical_dim=8 (the original AAM's --categorical-embed-dim) below D=32: each column's table
     is 8 wide, the fusion reads [sample, column] of 32 + 8, and the analytic FLOPs follow the counter's."""
@@ -178,6 +182,8 @@ def test_a_narrower_categorical_embedding_fuses_and_counts_its_flops(make_cfg, f
         both = torch.cat([sample, column], dim=-1)
         if fusion == "concat":
             by_hand = model.categorical_projection(both)
+        elif fusion == "cross_attention":
+            by_hand = model.categorical_norm(sample + model.categorical_update(column))
         else:
             by_hand = sample + torch.sigmoid(model.categorical_gate(both)) * torch.tanh(
                 model.categorical_transform(column)
@@ -186,8 +192,35 @@ def test_a_narrower_categorical_embedding_fuses_and_counts_its_flops(make_cfg, f
     plain = AAM(**{**model_arguments(make_cfg, fusion, "model.categorical_dim=8"), "categorical_sizes": []})
     counted, analytic = counted_and_analytic(model, batch)
     counted_plain, analytic_plain = counted_and_analytic(plain, batch)
-    extra = 3 * 2 * 8 * ((32 + 8) + (8 if fusion == "gmu" else 0)) * 32
+    extra = 3 * 2 * 8 * {"concat": 32 + 8, "gmu": 32 + 8 + 8, "cross_attention": 8}[fusion] * 32
     assert counted - counted_plain == extra == analytic - analytic_plain
+
+
+def test_the_originals_cross_attention_to_one_metadata_token_is_layernorm_of_x_plus_a_linear_map():
+    """The original AAM's CrossAttentionFusion: each ASV's state [B, S, D] attends (torch's
+    MultiheadAttention) to its metadata projected to one token; over one key the softmax is 1, so every
+    position gets the same update, LayerNorm(x + W_o W_v (W_c c + b_c) + ...): one Linear of c. Its query and
+    key projections train nothing."""
+    torch.manual_seed(0)
+    dim, heads, columns = 32, 8, 12
+    project, attention = (
+        torch.nn.Linear(columns, dim),
+        torch.nn.MultiheadAttention(dim, heads, batch_first=True),
+    )
+    states, c = torch.randn(4, 10, dim), torch.randn(4, columns)
+    metadata = project(c).unsqueeze(1)  # [B, 1, D]: the one key and value
+    theirs = torch.nn.functional.layer_norm(states + attention(states, metadata, metadata)[0], (dim,))
+    value = attention.in_proj_weight[2 * dim :], attention.in_proj_bias[2 * dim :]
+    out = attention.out_proj
+    update = torch.nn.Linear(columns, dim)  # the same affine map as one Linear: cross_attention's
+    with torch.no_grad():
+        update.weight.copy_(out.weight @ value[0] @ project.weight)
+        update.bias.copy_(out.weight @ (value[0] @ project.bias + value[1]) + out.bias)
+    ours = torch.nn.functional.layer_norm(states + update(c).unsqueeze(1), (dim,))
+    torch.testing.assert_close(ours, theirs)
+    (theirs * torch.randn_like(theirs)).sum().backward()  # a LayerNorm's outputs sum to 0: weigh them
+    query_key = attention.in_proj_weight.grad[: 2 * dim]
+    assert not query_key.any() and attention.in_proj_weight.grad[2 * dim :].abs().min() > 0
 
 
 def test_a_categorical_dim_add_cannot_sum_is_refused(make_cfg):

@@ -89,15 +89,21 @@ class FlopCount:
     def target_head_flops(self, widths: list[int]) -> int:
         """Forward FLOPs of the target head (0 when absent) on samples of `widths` real ASVs each: its Linear,
         the categorical conditioning (concat's Linear((1 + columns) x D, D), gmu's gate of that size and its
-        Linear(columns x D, D); lookups and add's sums are no matmuls) on each sample's embedding, or for
-        the transformer head on each ASV's state, and that head's layers and pooling."""
+        Linear(columns x D, D), cross_attention's Linear(columns x D, D); lookups, add's sums and the
+        LayerNorm are no matmuls) on each sample's embedding, or for the transformer head on each ASV's
+        state, and that head's layers and pooling."""
         if self.target_head is None:
             return 0
         dim, samples = self.embedding_dim, len(widths)
         # its Linear, or every Linear of its MLP (aamperf/model/layers.py MLP)
         linear = 2 * samples * sum(m.in_features * m.out_features for m in linears(self.target_head))
         conditioned = samples if self.target_encoder is None else sum(widths)
-        fusion = (self.categorical_projection, self.categorical_gate, self.categorical_transform)
+        fusion = (
+            self.categorical_projection,
+            self.categorical_gate,
+            self.categorical_transform,
+            self.categorical_update,
+        )
         condition = 2 * conditioned * sum(m.in_features * m.out_features for m in fusion if m is not None)
         if self.target_encoder is None:
             return linear + condition

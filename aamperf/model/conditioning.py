@@ -1,7 +1,8 @@
 """The categorical conditioning of AAM's target head (data.categorical), a mixin of `AAM` as its FLOP count
 is: each column's embedding table (row 0, unseen or missing, a zero vector), their fusion into what the head
-reads (`condition`: concat, add or gmu) and the output's scale and bias per category (`scaled`). Its modules
-keep AAM's attribute names (model.pt's keys, aamperf/finetune.py's FRESH, the optimizer's categorical_lr)."""
+reads (`condition`: concat, add, gmu or cross_attention) and the output's scale and bias per category
+(`scaled`). Its modules keep AAM's attribute names (model.pt's keys, aamperf/finetune.py's FRESH, the
+optimizer's categorical_lr)."""
 
 from collections.abc import Sequence
 
@@ -35,6 +36,11 @@ class Conditioning:
         gmu = categorical_sizes and fusion == "gmu"
         self.categorical_gate = nn.Linear(dim + columns, dim) if gmu else None
         self.categorical_transform = nn.Linear(columns, dim) if gmu else None
+        # cross_attention: the original AAM's, whose attention over one key (the metadata) is the same update
+        # at every position: LayerNorm(x + Linear c) (`condition`)
+        attend = categorical_sizes and fusion == "cross_attention"
+        self.categorical_update = nn.Linear(columns, dim) if attend else None
+        self.categorical_norm = nn.LayerNorm(dim) if attend else None
         # output scaling: each column's scale and bias of the target output per category (the original
         # AAM's --conditional-output-scaling), 1 and 0 at first (`scaled`)
         scaled = output_scaling and target_dim > 0
@@ -57,8 +63,10 @@ class Conditioning:
     def condition(self, sample_embedding: Tensor, categorical: Tensor | None) -> Tensor:
         """The sample embeddings [B, D] the target head reads: with categorical columns, fused with each
         column's embedding of the samples' categories `categorical` [B, columns] (index 0: unseen or
-        missing, a zero vector): `concat` [sample, columns...] -> Linear -> D, `add` their sum, or `gmu`
-        (the original's gated unit) x + sigmoid(Linear [x, c]) * tanh(Linear c), c the columns side by side.
+        missing, a zero vector): `concat` [sample, columns...] -> Linear -> D, `add` their sum, `gmu`
+        (the original's gated unit) x + sigmoid(Linear [x, c]) * tanh(Linear c), c the columns side by side,
+        or `cross_attention` LayerNorm(x + Linear c): the original's cross-attention of each position to the
+        metadata, one key, so its softmax is 1 everywhere and the update the same at every position.
         Only the target head reads them, as in the original AAM (its `_fuse_categorical` feeds the target
         pathway alone): the embedding UniFrac and predict's embeddings.tsv see stays the encoder's. The
         transformer head fuses each ASV's state the same way: [..., D] states with [..., columns] categories
@@ -77,6 +85,10 @@ class Conditioning:
         fused = torch.cat([sample_embedding, *columns], dim=-1)
         if self.categorical_projection is not None:  # concat
             return self.categorical_projection(fused)
+        if self.categorical_update is not None:  # cross_attention
+            return self.categorical_norm(
+                sample_embedding + self.categorical_update(torch.cat(columns, dim=-1))
+            )
         gate = torch.sigmoid(self.categorical_gate(fused))
         return sample_embedding + gate * torch.tanh(self.categorical_transform(torch.cat(columns, dim=-1)))
 

@@ -10,7 +10,7 @@ ALGORITHMS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch
 # AAM's modules of the categorical conditioning (aamperf/model/aam.py): optimizer.categorical_lr's
 CATEGORICAL = frozenset({
     "categorical_embeddings", "categorical_projection", "categorical_gate", "categorical_transform",
-    "output_scales", "output_biases",
+    "categorical_update", "categorical_norm", "output_scales", "output_biases",
 })  # fmt: skip
 
 
