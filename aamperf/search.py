@@ -25,7 +25,7 @@ from aamperf.distributed import torchrun_env
 from aamperf.errors import error_line, exit_bad_input, exit_with
 from aamperf.files import write_atomic
 from aamperf.report import find_runs
-from aamperf.report.comparison import val_batch
+from aamperf.report.verdict import val_batch
 
 REFERENCE_DIR = "reference"
 
