@@ -29,7 +29,8 @@ import torch
 
 from aamperf.files import read_json_cache, update_json_cache
 from aamperf.interrupts import stop_if_signalled
-from aamperf.metrics.flops import MAX_ROWS, machine_key
+from aamperf.metrics.flops import MAX_ROWS
+from aamperf.metrics.host import machine_key
 from aamperf.probe_measures import (
     NEW_SHAPES,
     measure_attention,

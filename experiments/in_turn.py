@@ -31,7 +31,7 @@ from hydra import compose, initialize_config_dir
 from aamperf.config import CONF_DIR, register_configs
 from aamperf.device import to_device
 from aamperf.job import build_job
-from aamperf.metrics.flops import cpu_description
+from aamperf.metrics.host import cpu_description
 from aamperf.metrics.timing import StepMeter
 from aamperf.phases import attention
 from aamperf.phases.dropout import FastDropout, keep_scale

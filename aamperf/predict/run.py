@@ -27,7 +27,7 @@ from aamperf.distributed import World, close_world, join_world, torchrun_env
 from aamperf.errors import UserError
 from aamperf.files import write_atomic, write_json_atomic
 from aamperf.interrupts import stop_if_signalled
-from aamperf.metrics.flops import cpu_description
+from aamperf.metrics.host import cpu_description
 from aamperf.metrics.monitor import peak_rss, reset_peak_rss
 from aamperf.model import AAM
 from aamperf.phases.aam_ops import set_full_length, unmask_for

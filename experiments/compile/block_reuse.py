@@ -17,7 +17,7 @@ args = parser.parse_args()
 if args.inductor_cache:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.inductor_cache
 
-from aamperf.metrics.flops import cpu_description  # noqa: E402 (after the cache directory is set)
+from aamperf.metrics.host import cpu_description  # noqa: E402 (after the cache directory is set)
 from aamperf.model.layers import Block  # noqa: E402
 from aamperf.phases.compile import compiled_graphs  # noqa: E402
 

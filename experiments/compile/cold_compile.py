@@ -26,7 +26,7 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor")  # a new cache: a
 
 import torch  # noqa: E402 (after the cache directory is set)
 
-from aamperf.metrics.flops import cpu_description  # noqa: E402
+from aamperf.metrics.host import cpu_description  # noqa: E402
 
 print(f"CPU: {cpu_description()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
 print(f"TORCHINDUCTOR_COMPILE_THREADS={os.environ.get('TORCHINDUCTOR_COMPILE_THREADS', '(torch decides)')}")

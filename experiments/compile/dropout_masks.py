@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from aamperf.metrics.flops import cpu_description
+from aamperf.metrics.host import cpu_description
 from aamperf.phases.compile import run_eagerly_in_graphs
 from aamperf.phases.dropout import FastDropout, kept_from, multiplier_of
 from aamperf.probe_measures import timed_in_turn

@@ -36,7 +36,7 @@ from torch import nn
 from aamperf.config import CONF_DIR, register_configs
 from aamperf.data import build_data
 from aamperf.errors import bad_input_exits, exit_bad_input
-from aamperf.metrics.flops import cpu_description
+from aamperf.metrics.host import cpu_description
 from aamperf.metrics.monitor import peak_rss, release_freed_memory, reset_peak_rss
 from aamperf.model.layers import MathAttention
 from aamperf.model.slots import bucket_size

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from aamperf.metrics.flops import cpu_description
+from aamperf.metrics.host import cpu_description
 from aamperf.phases.auto import MIN_MATH_GAIN
 from aamperf.probe_measures import measure_attention
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from aamperf.metrics.flops import cpu_description
+from aamperf.metrics.host import cpu_description
 from aamperf.phases.dropout import keep_mask, keep_multiplier, keep_scale
 
 trials = int(sys.argv[1]) if len(sys.argv) > 1 else 20

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from aamperf.metrics.flops import cpu_description
+from aamperf.metrics.host import cpu_description
 
 trials = int(sys.argv[1]) if len(sys.argv) > 1 else 20
 widths = (151, 152, 160, 176, 192)

@@ -14,7 +14,7 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from aamperf.metrics.flops import cpu_description
+from aamperf.metrics.host import cpu_description
 from aamperf.model.layers import Block
 from aamperf.phases.attention import apply_attention
 from aamperf.phases.dropout import apply_dropout, keep_bits, zero_unkept_

@@ -11,7 +11,7 @@ import time
 import torch
 
 from aamperf import probe_measures
-from aamperf.metrics.flops import cpu_description
+from aamperf.metrics.host import cpu_description
 
 SHAPES = [(16384, 128, 512), (16384, 512, 128), (16384, 128, 384)]  # the headline's (its probe cache key)
 

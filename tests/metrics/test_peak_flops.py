@@ -13,9 +13,11 @@ import pytest
 import torch
 from conftest import skip_where_others_busy
 
+import aamperf.metrics.host as host
 from aamperf.metrics import count_flops, null_reason, peak_flops
 from aamperf.metrics import flops as flops_module
-from aamperf.metrics.flops import SETTLE_ROWS, LoadWatch, calibrate_cpu, machine_key, time_matmuls
+from aamperf.metrics.flops import SETTLE_ROWS, LoadWatch, calibrate_cpu, time_matmuls
+from aamperf.metrics.host import machine_key
 
 CPU = torch.device("cpu")
 
@@ -38,15 +40,15 @@ def test_two_cpus_of_one_bare_name_and_flags_are_told_apart_by_their_generation(
     """A Zen 4 and a Zen 5 EPYC under KVM both read "AMD EPYC" with the same matmul flags, at bf16 matmul
     rates ~2x apart: the description beside a figure, and the cache key of a peak, must differ."""
     zen4, zen5 = (
-        flops_module.parse_cpuinfo(_cpuinfo_of(25, 17)),
-        flops_module.parse_cpuinfo(_cpuinfo_of(26, 2)),
+        host.parse_cpuinfo(_cpuinfo_of(25, 17)),
+        host.parse_cpuinfo(_cpuinfo_of(26, 2)),
     )
     assert zen4 == ("AMD EPYC", ["avx2", "avx512_bf16", "avx512f", "fma"], "family 25 model 17 stepping 1")
     assert zen5[:2] == zen4[:2] and zen5[2] == "family 26 model 2 stepping 1"
     described, keys = [], []
     for info in (zen4, zen5):
-        monkeypatch.setattr(flops_module, "_cpuinfo", lambda info=info: info)
-        described.append(flops_module.cpu_description())
+        monkeypatch.setattr(host, "cpuinfo", lambda info=info: info)
+        described.append(host.cpu_description())
         keys.append(machine_key("bf16", 2))
     assert described == [
         "AMD EPYC (family 25 model 17 stepping 1; avx2, avx512_bf16, avx512f, fma)",
@@ -74,7 +76,7 @@ def test_a_clean_calibration_is_cached_for_this_machine_and_used_when_a_later_on
     assert peak == 5e10 and record["status"] == "this_run"
     (key,) = json.loads(cache.read_text())
     assert key == machine_key("fp32", torch.get_num_threads())
-    assert f"|{','.join(flops_module._cpuinfo()[1])}|" in key  # the matmul flags of this CPU
+    assert f"|{','.join(host.cpuinfo()[1])}|" in key  # the matmul flags of this CPU
     # A later run on a busy machine measures less: the clean figure is used, and the record says why.
     peak, record = peak_flops(CPU, "fp32", cache, calibrate=fake_calibration(1e9, "other processes busy"))
     assert peak == 5e10 and record["status"] == "cache" and "under load" in record["reason"]
