@@ -3,6 +3,7 @@ it; and the run record read back as `python -m aamperf.compare` reads it."""
 
 import contextlib
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -24,6 +25,7 @@ from omegaconf import DictConfig
 from aamperf.config import register_configs
 from aamperf.report.runs import Run
 from aamperf.run import train
+from aamperf.train import cli
 from aamperf.weights import MODEL_FILE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -212,6 +214,59 @@ def launch(tmp_path: Path, cache_dir: Path) -> Callable[..., Launched]:
         return launch_run(
             *overrides, cache_dir=cache_dir, run_dir=None if name is None else tmp_path / name, **options
         )
+
+    return launch
+
+
+@contextlib.contextmanager
+def root_logger_kept() -> Iterator[None]:
+    """Hydra sets up the root logger for each run (console, train.log); the tests after this one
+    must not log to a captured stream that is closed by then."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        for handler in set(root.handlers) - set(handlers):
+            handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
+def invoke(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    """`python -m aamperf.train *args` in this process (0.3 s; a new process spends 1.5 s importing torch):
+    (exit code, stdout, stderr), its output alone (the test's before it dropped), without a torchrun
+    rank's variables (as launch_run's)."""
+    for name in RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "argv", ["aamperf.train", *args])
+    capfd.readouterr()
+    try:
+        with root_logger_kept():
+            cli()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        HydraConfig.instance().cfg = None  # no run's HydraConfig left behind for the next test
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def launch_here(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> Callable[..., Launched]:
+    """launch(*overrides, name="run", tiny=True) of `python -m aamperf.train`, the same arguments, run in
+    this process by invoke(): for a run refused before it trains (exit code 2, one `error:` line). Not for
+    what only a process of its own shows: a signal, its environment, an allocator's restart."""
+
+    def launch(*overrides: str, name: str | None = "run", tiny: bool = True) -> Launched:
+        run_dir = None if name is None else tmp_path / name
+        args = [*([*TINY, f"data.cache_dir={cache_dir}"] if tiny else []), *overrides]
+        args += [] if run_dir is None else [f"hydra.run.dir={run_dir}"]
+        code, out, err = invoke(monkeypatch, capfd, *args)
+        return Launched(subprocess.CompletedProcess(["aamperf.train", *args], code, out, err), run_dir)
 
     return launch
 

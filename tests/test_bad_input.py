@@ -2,18 +2,16 @@
 earlier run in the run directory left byte for byte as it was. Most cases call cli() in this process."""
 
 import json
-import logging
 import os
 import shutil
 import socket
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import CONF_DIR, TINY, read_metrics, read_summary
+from conftest import CONF_DIR, TINY, invoke, read_metrics, read_summary, root_logger_kept
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
@@ -239,34 +237,6 @@ RUN_CASES = {
     ),
     "checkpoint of another model shape": (["model.embedding_dim=48"], "cannot resume from"),
 }
-
-
-@contextmanager
-def root_logger_kept():
-    """Hydra sets up the root logger for each run (console, train.log); the tests after this one
-    must not log to a captured stream that is closed by then."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        yield
-    finally:
-        for handler in set(root.handlers) - set(handlers):
-            handler.close()
-        root.handlers[:] = handlers
-        root.setLevel(level)
-
-
-def invoke(monkeypatch, capfd, *args: str) -> tuple[int, str, str]:
-    """`python -m aamperf.train *args` in this process: (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["aamperf.train", *args])
-    try:
-        with root_logger_kept():
-            cli()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capfd.readouterr()
-    return code, out, err
 
 
 def files_of(run_dir: Path) -> dict[str, bytes]:

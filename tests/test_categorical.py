@@ -50,7 +50,12 @@ def only_in_validation(metadata: pd.DataFrame, train_ids: list[str], val_ids: li
     metadata.loc[train_ids[0], "environment"] = "not collected"
 
 
-@pytest.mark.parametrize("fusion", ["concat", "add", "gmu"])
+# concat in the default suite; each other fusion's run (~1.5 s, 7 s on a busy machine) in `pytest -m slow`:
+# what it changes, the target head's input, is checked by test_the_target_head_reads_the_sample_embedding_...
+@pytest.mark.parametrize(
+    "fusion",
+    ["concat", pytest.param("add", marks=pytest.mark.slow), pytest.param("gmu", marks=pytest.mark.slow)],
+)
 def test_a_run_conditioned_on_a_column_trains_with_the_training_samples_vocabulary(
     make_cfg, tmp_path, fusion
 ):
@@ -293,8 +298,8 @@ def test_predict_maps_a_category_training_never_saw_to_slot_0_and_counts_it(make
         predicted_here(tmp_path / "run", tmp_path / "none", f"data.table={files['table']}")
 
 
-def test_a_column_the_metadata_lacks_is_refused_through_the_cli(launch):
-    proc, _ = launch("data.target=target", "data.categorical=[habitat]")
+def test_a_column_the_metadata_lacks_is_refused_through_the_cli(launch_here):
+    proc, _ = launch_here("data.target=target", "data.categorical=[habitat]")
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: data.categorical: no column 'habitat' in ")

@@ -107,7 +107,7 @@ def test_a_run_with_category_weights_records_them(make_cfg, tmp_path):
     ]
 
 
-def test_the_refusals(make_cfg, launch):
+def test_the_refusals(make_cfg, launch_here):
     with pytest.raises(UserError, match=r"name them, data\.weight_by=\[<column>,\.\.\.\]"):
         check_config(make_cfg("data.target=target", "loss.category_weights=balanced"))
     with pytest.raises(UserError, match=r"is read by loss\.category_weights \(it is null\)"):
@@ -121,7 +121,7 @@ def test_the_refusals(make_cfg, launch):
             check_config(make_cfg("data.target=target", *BY_ENV, f"loss.category_weights={bad}"))
     with pytest.raises(UserError, match=r"names 'env7', not a category .* \(env0, env1, env2, env3\)"):
         target_setup(make_cfg, "data.target=target", *BY_ENV, "loss.category_weights={env7:2.0}")
-    proc, _ = launch("data.target=target", "data.weight_by=[site]", "loss.category_weights=balanced")
+    proc, _ = launch_here("data.target=target", "data.weight_by=[site]", "loss.category_weights=balanced")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
     assert errors[0].startswith("error: data.weight_by: no column 'site' in ")

@@ -33,8 +33,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(launch):
     assert not run_dir.exists()  # refused before Hydra made the run directory
 
 
-def test_missing_user_table_names_the_option(launch, tmp_path):
-    proc, _ = launch(
+def test_missing_user_table_names_the_option(launch_here, tmp_path):
+    proc, _ = launch_here(
         "data=biom",
         f"data.table={tmp_path / 'nope.biom'}",
         f"data.tree={tmp_path / 'nope.nwk'}",
@@ -85,7 +85,7 @@ def config_groups(name: str) -> dict[str, str]:
     return {group: ", ".join(sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))) for group in groups}
 
 
-def test_the_help_lists_trainings_groups_and_a_prediction_group_is_refused_in_one_line(launch):
+def test_the_help_lists_trainings_groups_and_a_prediction_group_is_refused_in_one_line(launch, launch_here):
     proc, _ = launch("--help", tiny=False, name=None)
     assert proc.returncode == 0, proc.stderr
     section = proc.stdout.split("Config groups (group=option", 1)[1].split("Plain keys", 1)[0]
@@ -102,7 +102,7 @@ def test_the_help_lists_trainings_groups_and_a_prediction_group_is_refused_in_on
         ("inference=fast", "inference", "fast"),
         ("+quantize=none", "quantize", "none"),
     ):
-        refused, run_dir = launch(override)  # Hydra's own advice was `+inference=fast`
+        refused, run_dir = launch_here(override)  # Hydra's own advice was `+inference=fast`
         assert refused.returncode == 2
         assert refused.stderr.strip().splitlines() == [
             f"error: {override}: {group} sets how a trained model predicts, not training: "

@@ -118,8 +118,8 @@ def test_fsdp_ranks_stop_early_together_and_keep_the_best_weights_as_one_process
     assert all(torch.allclose(mine[k], theirs[k], rtol=1e-4, atol=1e-6) for k in trained_keys)
 
 
-def test_distributed_without_torchrun_is_a_one_line_error(launch):
-    proc, _ = launch("distributed=ddp")
+def test_distributed_without_torchrun_is_a_one_line_error(launch_here):
+    proc, _ = launch_here("distributed=ddp")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: distributed=ddp needs torchrun's environment")

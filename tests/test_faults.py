@@ -55,6 +55,9 @@ def test_sigint_stops_after_the_step_in_one_line_without_a_checkpoint_when_none_
     assert read_summary(run_dir)["status"] == "interrupted" and not checkpoint.checkpoints(run_dir)
 
 
+# ~4-7 s (a run launched, to its second step); its handler's second signal is in the default suite:
+# test_a_second_signal_to_the_handler_ends_its_process_at_once
+@pytest.mark.slow
 def test_a_second_signal_ends_the_process_at_once(launch):
     proc, run_dir = launch(*LONG, wait=False)
     wait_for_steps(proc, run_dir, 2)
@@ -65,6 +68,24 @@ def test_a_second_signal_ends_the_process_at_once(launch):
     # killed by the second, whichever was handled first: no step finished, nothing written
     assert proc.returncode in (-signal.SIGTERM, -signal.SIGINT)
     assert not checkpoint.checkpoints(run_dir)
+
+
+def test_a_second_signal_to_the_handler_ends_its_process_at_once():
+    """The run's handler in its training loop (a step under way): the first signal waits for the step's end,
+    the second kills the process at once, by its own default action. A process without torch (0.2 s)."""
+    code = (
+        "import os, signal, time\n"
+        "from aamperf.interrupts import Interrupts\n"
+        "with Interrupts() as interrupts:\n"
+        "    interrupts.in_loop = True\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(10)\n"
+        "print('went on')\n"
+    )
+    proc = subprocess.run([*PYTHON, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr[-3000:]
+    assert proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize(

@@ -106,9 +106,10 @@ def test_freezing_without_a_pretrained_run_is_one_line(make_cfg, tmp_path):
     )
 
 
-@pytest.mark.slow  # ~11 s on a 2-core AMD EPYC: the default suite stays near 10 minutes
-def test_another_model_size_is_refused_in_one_line_and_writes_no_more_than_a_refused_run(launch, pretrained):
-    proc, run_dir = launch(f"init.from_run={pretrained}", "model.embedding_dim=48", name="finetune")
+def test_another_model_size_is_refused_in_one_line_and_writes_no_more_than_a_refused_run(
+    launch_here, pretrained
+):
+    proc, run_dir = launch_here(f"init.from_run={pretrained}", "model.embedding_dim=48", name="finetune")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert lines[-1] == (
@@ -118,7 +119,7 @@ def test_another_model_size_is_refused_in_one_line_and_writes_no_more_than_a_ref
         "set model=aam_tiny or model.embedding_dim=32"
     )
     assert not any("error" in line.lower() for line in lines[:-1])
-    refused, reference = launch("data.target=bmi", name="reference")  # a start refused by its data
+    refused, reference = launch_here("data.target=bmi", name="reference")  # a start refused by its data
     assert refused.returncode == 2
 
     def files(directory):

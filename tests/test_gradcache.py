@@ -204,9 +204,9 @@ def test_a_resumed_stream_of_whole_steps_goes_on_at_the_step_it_stopped_at(make_
     assert taken[0] != taken[2]  # a new pass, a new order: the replay is of the pass it stopped in
 
 
-def test_a_step_larger_than_the_training_set_is_one_line_and_exit_2(launch):
+def test_a_step_larger_than_the_training_set_is_one_line_and_exit_2(launch_here):
     """Drawn whole, a step of more samples than the training set has would never come (the loader drops
     partial batches): refused before the first step, naming the fix."""
-    proc, _ = launch("trainer.batch_size=64", "trainer.grad_accum_steps=8", "data.n_samples=60")
+    proc, _ = launch_here("trainer.batch_size=64", "trainer.grad_accum_steps=8", "data.n_samples=60")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "a step of 64 samples" in proc.stderr and "training samples" in proc.stderr

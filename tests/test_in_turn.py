@@ -12,14 +12,17 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "in_turn.py"
 
 
-# one pair in the default suite, the others (5-10 s each on a 2-core AMX Xeon) in `pytest -m slow`
+# every pair in `pytest -m slow`: 5-10 s each on a 2-core AMX Xeon (a process, the level's probes; asv-masks
+# 7 s on a quiet machine, 20-40 s on a busy one). What asv-masks times is checked in process by the default
+# suite (tests/model/test_packed.py):
+# test_asv_encoder_without_masks_gives_the_masked_outputs_on_full_length_asvs
 SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
     "pair",
     [
-        "asv-masks",
+        pytest.param("asv-masks", marks=SLOW),
         pytest.param("mask-threads", marks=SLOW),
         pytest.param("chunk-bytes", marks=SLOW),
         pytest.param("mask-cast", marks=SLOW),

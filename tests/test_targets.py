@@ -357,12 +357,11 @@ def test_a_numeric_column_is_a_classification_when_asked(make_cfg, tmp_path):
     assert "val_accuracy" in classified["val"]
 
 
-@pytest.mark.slow  # ~7 s on a 2-core AMD EPYC: the default suite stays near 10 minutes
-def test_an_id_column_as_target_exits_2_in_one_line(make_cfg, tmp_path, launch):
+def test_an_id_column_as_target_exits_2_in_one_line(make_cfg, tmp_path, launch_here):
     """Through the real command line: one error line, exit code 2."""
     train_ids, val_ids = split(make_cfg)
     ids = {sid: f"subject-{sid}" for sid in train_ids + val_ids}
-    proc, _ = launch(*metadata_with(make_cfg, tmp_path, ids))
+    proc, _ = launch_here(*metadata_with(make_cfg, tmp_path, ids))
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr

@@ -132,17 +132,18 @@ def test_a_plateau_halves_the_lr_after_more_than_its_patience_of_validations_wit
 
 
 def test_a_resumed_plateau_keeps_its_reductions_and_trains_as_the_whole_run(make_cfg, tmp_path):
-    """Stopped after step 8 with the lr reduced, resumed to step 16: every step's lr and loss as the
+    """Stopped after step 4 with the lr reduced, resumed to step 8: every step's lr and loss as the
     uninterrupted run's (the reductions come from the checkpoint, not from a replay of the steps)."""
     same = [
         *("trainer.lr_schedule=plateau", "trainer.plateau_patience=0", "trainer.plateau_factor=0.5"),
-        *("trainer.lr=0.05", "trainer.val_every=2", "trainer.checkpoint_every=4", "trainer.resume=auto"),
+        *("trainer.lr=0.05", "trainer.val_every=1", "trainer.checkpoint_every=4", "trainer.resume=auto"),
     ]
-    train(make_cfg(*same, "trainer.max_steps=16"), tmp_path / "whole")
-    train(make_cfg(*same, "trainer.max_steps=8"), tmp_path / "resumed")
-    train(make_cfg(*same, "trainer.max_steps=16"), tmp_path / "resumed")
+    train(make_cfg(*same, "trainer.max_steps=8"), tmp_path / "whole")
+    train(make_cfg(*same, "trainer.max_steps=4"), tmp_path / "resumed")
+    assert train(make_cfg(*same, "trainer.max_steps=8"), tmp_path / "resumed")["resumed_from_step"] == 4
     whole, resumed = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "resumed")
-    assert min(row["lr"] for row in whole[:8]) < 0.05  # reduced before the checkpoint
+    assert min(row["lr"] for row in whole[:4]) < 0.05  # reduced before the checkpoint
+    assert min(row["lr"] for row in whole[4:]) < min(row["lr"] for row in whole[:4])  # and after the resume
     assert [row["lr"] for row in resumed] == [row["lr"] for row in whole]
     assert [row["loss"] for row in resumed] == [row["loss"] for row in whole]
 

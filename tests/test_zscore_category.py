@@ -166,18 +166,19 @@ def test_a_run_reports_in_the_target_s_units_and_predict_puts_each_sample_in_its
         )
 
 
-def test_normalize_by_and_zscore_category_go_together_and_refuse_in_one_line(make_cfg, launch):
+def test_normalize_by_and_zscore_category_go_together_and_refuse_in_one_line(make_cfg, launch_here):
     with pytest.raises(UserError, match=r"data\.normalize_by=\[<column>,\.\.\.\]"):
         check_config(make_cfg("data.target=target", "data.target_transform=zscore_category"))
     with pytest.raises(UserError, match=r"is read by data\.target_transform=zscore_category only"):
         check_config(make_cfg("data.target=target", "data.normalize_by=[environment]"))
-    proc, _ = launch(
+    proc, _ = launch_here(
         "data.target=target", "data.target_transform=zscore_category", "data.normalize_by=[site]"
     )
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
     assert errors[0].startswith("error: data.normalize_by: no column 'site' in ")
-    proc, _ = launch("data.target=target", "data.target_transform=zscore-category")  # the original's spelling
+    # the original's spelling
+    proc, _ = launch_here("data.target=target", "data.target_transform=zscore-category")
     assert proc.returncode == 2 and "data.target_transform=zscore_category data.normalize_by=" in proc.stderr
 
 

@@ -148,10 +148,10 @@ def test_too_small_a_side_names_the_file(make_cfg, tmp_path, chosen, says):
         build(make_cfg(f"data.val_samples={path}"))
 
 
-def test_the_command_line_refuses_unknown_ids_in_one_line(make_cfg, launch, tmp_path):
+def test_the_command_line_refuses_unknown_ids_in_one_line(make_cfg, launch_here, tmp_path):
     every = build(make_cfg()).sample_ids
     path = listing(tmp_path / "val.txt", ["nope", *every[:3]])
-    proc, run_dir = launch(f"data.val_samples={path}")
+    proc, run_dir = launch_here(f"data.val_samples={path}")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert lines[-1] == (

@@ -2,6 +2,7 @@
 gradients of no checkpointing, dropout on (its masks' seeds saved: aamperf/phases/recompute.py)."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -13,8 +14,9 @@ from aamperf.data import build_data
 from aamperf.device import to_device
 from aamperf.model.layers import Transformer
 from aamperf.phases.compile import apply_compile
-from aamperf.phases.memory import UNBUDGETED, apply_checkpointing, set_compiled_recompute
+from aamperf.phases.memory import UNBUDGETED, apply_checkpointing, budget_unused, set_compiled_recompute
 from aamperf.phases.recompute import RANDOMNESS_KEPT
+from aamperf.phases.record import applied, skipped
 from aamperf.run import train
 
 
@@ -116,6 +118,21 @@ def test_a_run_records_its_budget_and_the_next_job_runs_without_it(make_cfg, tmp
     assert torch._inductor.config.joint_custom_post_pass is None
 
 
+def test_a_budget_whose_compile_phase_compiled_nothing_is_skipped_with_why(caplog):
+    """What a run's record and log say of memory=budget where compile=auto declined (the run below)."""
+    budget = {"mode": "budget", "activation_budget": 0.5}
+    assert budget_unused(applied(**budget), applied()) == applied(**budget)  # compiled: the budget acts
+    declined = skipped("compile=auto: 3 steps, too few to pay for a compile")
+    with caplog.at_level(logging.WARNING, logger="aamperf.phases.memory"):
+        record = budget_unused(applied(**budget), declined)
+    why = "memory=budget acts in torch.compile's graphs, and the model runs eager (compile=auto: 3 steps"
+    assert record["status"] == "skipped" and record["reason"].startswith(why)
+    assert {k: record[k] for k in budget} == budget  # its settings kept in the record
+    assert "every activation kept (memory=full or ops recompute in eager)" in caplog.text
+
+
+# ~6 s: a process of its own; budget_unused's record and warning in the default suite (the test above)
+@pytest.mark.slow
 def test_a_budget_with_nothing_compiled_says_so(launch):
     # in a process of its own, as a user's first run: in the suite's, an earlier test has imported the
     # compiler, and compile=auto would compile a block to decline (11 s) where a new process declines at
