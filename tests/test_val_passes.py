@@ -75,3 +75,19 @@ def test_a_classifications_passes_average_their_probabilities():
     chances = torch.softmax(logits.double(), dim=-1).mean(dim=1)
     assert torch.allclose(torch.from_numpy(detail["probabilities"]), chances)
     assert detail["probabilities"].argmax(axis=1).tolist() == [0, 1] and figures["val_accuracy"] == 1.0
+
+
+@pytest.mark.slow  # a process and two torchrun ranks: ~15 s on 2 cores
+def test_two_ranks_validate_their_passes_as_one_process_does(launch):
+    """Each rank reads its share of every pass's draws: the gathered outputs' means give one process's
+    figures, and the val loss over the passes is the same."""
+    from conftest import torchrun
+    from test_distributed import trained
+
+    passes = ["data.asv_sampling=random", "trainer.val_passes=3"]
+    one, one_summary, _ = trained(launch, "one", *passes)
+    two, summary, _ = trained(launch, "two", "distributed=ddp", *passes, launcher=torchrun(2))
+    for key in ("val_loss", "val_target_mae", "val_target_r2"):
+        expected = [r[key] for r in one if key in r]
+        assert expected and [r[key] for r in two if key in r] == pytest.approx(expected, rel=1e-4), key
+    assert summary["val"]["val_samples"] == one_summary["val"]["val_samples"] == 8
