@@ -5,12 +5,8 @@ from typing import Any
 
 import torch
 
-FUSIONS = (
-    "concat",
-    "add",
-    "gmu",
-    "cross_attention",
-)  # how categorical embeddings join the sample embedding (`AAM.condition`)
+# how categorical embeddings join the sample embedding (`AAM.condition`)
+FUSIONS = ("concat", "add", "gmu", "cross_attention")
 # how an ASV's log(1 + count) joins its vector (`AAM.with_counts`; the original's --count-embedding-method):
 # add (a Linear of it added), concat (that Linear's output beside the vector, then Linear(2D, D)), film (a
 # Linear(1, 2D) of it giving a scale and a shift: vector x (1 + scale) + shift)
