@@ -22,6 +22,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from aamperf.allocator import ALLOCATORS, find
 from aamperf.config import register_configs
 from aamperf.report.runs import Run
 from aamperf.run import train
@@ -233,17 +234,31 @@ def root_logger_kept() -> Iterator[None]:
         root.setLevel(level)
 
 
-def invoke(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
-    """`python -m aamperf.train *args` in this process (0.3 s; a new process spends 1.5 s importing torch):
-    (exit code, stdout, stderr), its output alone (the test's before it dropped), without a torchrun
-    rank's variables (as launch_run's)."""
+def invoke(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture, *args: str, module: str = "aamperf.train"
+) -> tuple[int, str, str]:
+    """`python -m <module> *args` (aamperf.train or aamperf.predict) in this process (0.3 s; a new process
+    spends 1.5 s importing torch): (exit code, stdout, stderr), its output alone (the test's before it
+    dropped), without a torchrun rank's variables (as launch_run's). Never restarted with an allocator
+    preloaded: that would replace pytest's process (this_command() is false here, which already keeps it
+    from happening; a restart that came anyway fails the test)."""
+    assert module in ("aamperf.train", "aamperf.predict"), module
+    if module == "aamperf.predict":
+        from aamperf.predict.__main__ import cli as entry
+    else:
+        entry = cli
+
+    def restart(name: str, args: list[str]) -> None:
+        raise AssertionError(f"{module} would start again with {name} preloaded, replacing pytest: {args}")
+
     for name in RANK_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(sys, "argv", ["aamperf.train", *args])
+    monkeypatch.setattr("aamperf.allocator._start_again", restart)
+    monkeypatch.setattr(sys, "argv", [module, *args])
     capfd.readouterr()
     try:
         with root_logger_kept():
-            cli()
+            entry()
         code = 0
     except SystemExit as exc:
         code = exc.code
@@ -257,16 +272,27 @@ def invoke(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture, *args:
 def launch_here(
     tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
 ) -> Callable[..., Launched]:
-    """launch(*overrides, name="run", tiny=True) of `python -m aamperf.train`, the same arguments, run in
-    this process by invoke(): for a run refused before it trains (exit code 2, one `error:` line). Not for
-    what only a process of its own shows: a signal, its environment, an allocator's restart."""
+    """launch(*overrides, name="run", tiny=True, module="aamperf.train"), the same arguments, run in this
+    process by invoke(): for a run refused before it trains (exit code 2, one `error:` line) or a short one
+    whose printout is checked. Not for what only a process of its own shows: a signal, its environment, an
+    allocator's restart. aamperf.predict runs with allocator=null (its default, tcmalloc, restarts the
+    process where installed) unless the test names one that is not installed here."""
 
-    def launch(*overrides: str, name: str | None = "run", tiny: bool = True) -> Launched:
+    def launch(
+        *overrides: str, name: str | None = "run", tiny: bool = True, module: str = "aamperf.train"
+    ) -> Launched:
         run_dir = None if name is None else tmp_path / name
         args = [*([*TINY, f"data.cache_dir={cache_dir}"] if tiny else []), *overrides]
+        if module == "aamperf.predict":
+            given = [a.split("=", 1)[1] for a in overrides if a.startswith("allocator=")]
+            if any(v in ALLOCATORS and find(v) for v in given):
+                pytest.fail(
+                    f"allocator={given[-1]} is installed here: it needs a process of its own (launch)"
+                )
+            args += [] if given else ["allocator=null"]
         args += [] if run_dir is None else [f"hydra.run.dir={run_dir}"]
-        code, out, err = invoke(monkeypatch, capfd, *args)
-        return Launched(subprocess.CompletedProcess(["aamperf.train", *args], code, out, err), run_dir)
+        code, out, err = invoke(monkeypatch, capfd, *args, module=module)
+        return Launched(subprocess.CompletedProcess([module, *args], code, out, err), run_dir)
 
     return launch
 

@@ -249,7 +249,7 @@ def predicted_here(run_dir, out, *overrides: str) -> dict:
     return predict(cfg, out)
 
 
-def test_predict_maps_a_category_training_never_saw_to_slot_0_and_counts_it(make_cfg, tmp_path, launch):
+def test_predict_maps_a_category_training_never_saw_to_slot_0_and_counts_it(make_cfg, tmp_path, launch_here):
     """Trained on env0..env3; a new metadata gives two samples `glacier` (unseen) and one none: slot 0,
     said per column in predict's summary and printout; the targets are the model's on those slots."""
     overrides = [*FAST, "data.categorical=[environment]"]
@@ -261,7 +261,7 @@ def test_predict_maps_a_category_training_never_saw_to_slot_0_and_counts_it(make
     metadata.loc[data.sample_ids[2], "environment"] = ""
     metadata.to_csv(tmp_path / "new.tsv", sep="\t")
     new = [f"data.table={files['table']}", f"data.metadata={tmp_path / 'new.tsv'}"]
-    proc, out = launch(
+    proc, out = launch_here(
         f"run={tmp_path / 'run'}", "device=cpu", *new, name="out", module="aamperf.predict", tiny=False
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -44,8 +44,8 @@ def test_missing_user_table_names_the_option(launch_here, tmp_path):
     assert last.startswith("error:") and "data.table" in last and "nope.biom" in last
 
 
-def test_a_run_of_warm_up_steps_only_says_why_it_has_no_speed(launch):
-    proc, _ = launch("trainer.max_steps=1")  # TINY: metrics.skip_steps=1
+def test_a_run_of_warm_up_steps_only_says_why_it_has_no_speed(launch_here):
+    proc, _ = launch_here("trainer.max_steps=1")  # TINY: metrics.skip_steps=1
     assert proc.returncode == 0, proc.stderr
     assert (
         "n/a: the 1 steps run were all warm-up (metrics.skip_steps=1); raise trainer.max_steps" in proc.stdout

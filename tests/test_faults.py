@@ -330,13 +330,12 @@ def test_a_resume_refuses_a_new_batch_and_applies_a_new_lr(make_cfg, tmp_path):
         pytest.param("garbage", marks=pytest.mark.slow),
     ],
 )
-def test_a_damaged_cache_is_rebuilt_with_a_warning(
-    make_cfg, tmp_path, cache_dir, damage_kind, caplog, monkeypatch
-):
+def test_a_damaged_cache_is_rebuilt_with_a_warning(make_cfg, tmp_path, damage_kind, caplog, monkeypatch):
     """Each cache a run reads: the simulated data set, its sample store, its UniFrac matrix (precomputed
     mode), the peak FLOP/s record."""
     import shutil
 
+    from aamperf.data.tables import resolve_files
     from aamperf.metrics.flops import LoadWatch
     from aamperf.run import train
 
@@ -344,9 +343,11 @@ def test_a_damaged_cache_is_rebuilt_with_a_warning(
     # and the test needs every cache written (on a busy machine, tests running beside it, it was not)
     monkeypatch.setattr(LoadWatch, "verdict", staticmethod(lambda *args, **kwargs: None))
 
+    # the tiny data set alone from the session's cache, not the other tests' entries: its sample store,
+    # UniFrac matrix and peak FLOP/s record this test's first run writes
+    simulated = resolve_files(make_cfg().data)["table"].parent
     cache = tmp_path / "cache"
-    shutil.copytree(cache_dir, cache)
-    shutil.rmtree(cache / "samples", ignore_errors=True)  # other tests' stores: this run writes its own
+    shutil.copytree(simulated, cache / "simulated" / simulated.name)
     # metrics.peak_flops=null: the calibration runs and writes its cache, one of those damaged below
     overrides = (f"data.cache_dir={cache}", "data.unifrac_mode=precomputed", "metrics.peak_flops=null")
     first = train(make_cfg(*overrides), tmp_path / "first")  # every cache written
@@ -364,8 +365,7 @@ def test_a_damaged_cache_is_rebuilt_with_a_warning(
     ]:
         damage(path)
     second = train(make_cfg(*overrides), tmp_path / "second")
-    for table in (cache / "simulated").glob("*/table.biom"):  # other tests' data sets too: the run's is one
-        damage(table)
+    damage(cache / "simulated" / simulated.name / "table.biom")
     third = train(make_cfg(*overrides), tmp_path / "third")
     for summary in (second, third):
         assert summary["status"] == "completed"

@@ -90,10 +90,10 @@ def test_an_interpolation_in_a_model_file_is_not_resolved_into_a_target(tmp_path
     assert not marker.exists()
 
 
-def test_predict_builds_no_target_from_a_shared_model_file(launch, tmp_path):
+def test_predict_builds_no_target_from_a_shared_model_file(launch_here, tmp_path):
     marker = tmp_path / "marker"
     model_file(tmp_path / "shared", {**AAM, "layers": payloads(marker)["os.makedirs"]})
-    proc, out = launch(f"run={tmp_path / 'shared'}", name="p", module="aamperf.predict", tiny=False)
+    proc, out = launch_here(f"run={tmp_path / 'shared'}", name="p", module="aamperf.predict", tiny=False)
     assert not marker.exists()
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
@@ -102,14 +102,15 @@ def test_predict_builds_no_target_from_a_shared_model_file(launch, tmp_path):
     assert not (out / "summary.json").exists()
 
     model_file(tmp_path / "plugin", payloads(marker)["builtins.open"])  # another model: predict says so
-    proc, _ = launch(f"run={tmp_path / 'plugin'}", name="p2", module="aamperf.predict", tiny=False)
+    proc, _ = launch_here(f"run={tmp_path / 'plugin'}", name="p2", module="aamperf.predict", tiny=False)
     assert proc.returncode == 2
     assert "trained builtins.open (model._target_), not AAM" in proc.stderr.strip().splitlines()[-1]
     assert not marker.exists()
 
 
 def test_hydras_pickle_rerun_is_refused(launch, tmp_path):
-    """--experimental-rerun unpickles the file it is given: refused before it is read."""
+    """--experimental-rerun unpickles the file it is given: refused before it is read. Each command in a
+    process of its own (not launch_here): the exit code 2 a shell sees, through its process's end."""
     marker = tmp_path / "marker"
     (tmp_path / "config.pickle").write_bytes(pickle.dumps(TouchOnLoad(marker)))
     for module in ("aamperf.train", "aamperf.predict"):

@@ -117,8 +117,8 @@ def test_a_new_table_with_new_asvs(launch, trained_run, cache_dir):
     assert summary["target_observed"] == summary["n_samples"]
 
 
-def test_predict_without_a_run_says_how_to_give_one(launch):
-    proc, _ = launch(name="p", module="aamperf.predict", tiny=False)
+def test_predict_without_a_run_says_how_to_give_one(launch_here):
+    proc, _ = launch_here(name="p", module="aamperf.predict", tiny=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: run has no value (???); give the training run to predict with: run=<its directory> "
@@ -126,8 +126,8 @@ def test_predict_without_a_run_says_how_to_give_one(launch):
     )
 
 
-def test_a_run_without_a_model_is_one_line(launch, tmp_path):
-    proc, _ = launch(f"run={tmp_path}", name="p", module="aamperf.predict", tiny=False)
+def test_a_run_without_a_model_is_one_line(launch_here, tmp_path):
+    proc, _ = launch_here(f"run={tmp_path}", name="p", module="aamperf.predict", tiny=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: run={tmp_path} has no model.pt")
 
@@ -171,9 +171,10 @@ def test_predict_starts_again_before_torch_is_imported(tmp_path):
     assert out.stdout.split() == ["tcmalloc", "['run=r']", "False"]
 
 
-def test_an_unknown_allocator_is_one_line_before_anything_is_read(launch, trained_run):
+def test_an_unknown_allocator_is_one_line_before_anything_is_read(launch_here, trained_run):
     run_dir, _ = trained_run
-    proc, out = launch(f"run={run_dir}", "allocator=jemalloc", name="p", module="aamperf.predict", tiny=False)
+    options = {"name": "p", "module": "aamperf.predict", "tiny": False}
+    proc, out = launch_here(f"run={run_dir}", "allocator=jemalloc", **options)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: allocator=jemalloc is not one of tcmalloc, or null (the process's own malloc)"
@@ -181,14 +182,16 @@ def test_an_unknown_allocator_is_one_line_before_anything_is_read(launch, traine
     assert not (out / "summary.json").exists()
 
 
-def test_a_run_of_another_model_is_refused_in_one_line_and_its_model_must_import(launch, make_cfg, tmp_path):
+def test_a_run_of_another_model_is_refused_in_one_line_and_its_model_must_import(
+    launch_here, make_cfg, tmp_path
+):
     """A plug-in model (model._target_) trains and keeps model.pt; predict serves AAM and says so; a
     model whose module does not import where it is loaded names its target."""
     plugin = ["~model", "+model._target_=plugin_model.MeanPoolModel", "+model.dim=8", "data.max_asvs=16"]
     plugin += ["~loss", "+loss._target_=plugin_model.pair_loss", "+loss._partial_=true"]
     run_dir = tmp_path / "plugin"
     assert train(make_cfg(*plugin), run_dir)["status"] == "completed"
-    proc, out = launch(f"run={run_dir}", name="p", module="aamperf.predict", tiny=False)
+    proc, out = launch_here(f"run={run_dir}", name="p", module="aamperf.predict", tiny=False)
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     said = f"error: run={run_dir} trained plugin_model.MeanPoolModel (model._target_), not AAM"
@@ -351,14 +354,16 @@ def test_a_benchmark_sweep_ends_in_a_report_naming_the_fastest_level_that_keeps_
     assert not list(sweep.glob("*/embeddings.tsv"))  # a benchmark writes its figures, not predictions
 
 
-def test_a_table_whose_asvs_cannot_be_read_as_sequences_is_one_line(launch, trained_run, tmp_path):
+def test_a_table_whose_asvs_cannot_be_read_as_sequences_is_one_line(launch_here, trained_run, tmp_path):
     import biom
 
     run_dir, _ = trained_run
     table = biom.Table(np.array([[5, 0], [3, 9]]), ["feature_1", "feature_2"], ["A", "B"])
     path = tmp_path / "hashed.biom"
     path.write_text(table.to_json("test"))
-    proc, _ = launch(f"run={run_dir}", f"data.table={path}", name="p", module="aamperf.predict", tiny=False)
+    proc, _ = launch_here(
+        f"run={run_dir}", f"data.table={path}", name="p", module="aamperf.predict", tiny=False
+    )
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: data.sequences: 2 observation ids of data.table are not DNA sequences")

@@ -109,7 +109,7 @@ def test_a_quantile_regression_writes_one_column_per_quantile_in_the_target_s_un
 
 
 def test_a_classification_writes_the_class_its_probabilities_and_sklearn_s_figures(
-    make_cfg, tmp_path, launch
+    make_cfg, tmp_path, launch_here
 ):
     """data.target=environment: the predicted class is the name of the largest logit's class, the
     probabilities the logits' softmax; the figures on every sample equal scikit-learn's; the printout
@@ -117,7 +117,7 @@ def test_a_classification_writes_the_class_its_probabilities_and_sklearn_s_figur
     from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, roc_auc_score
 
     train(make_cfg("data.target=environment", "data.n_envs=3", *FAST), tmp_path / "run")
-    proc, out = launch(
+    proc, out = launch_here(
         f"run={tmp_path / 'run'}", "device=cpu", name="out", module="aamperf.predict", tiny=False
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -224,7 +224,7 @@ MALFORMED = {
 }
 
 
-def test_a_malformed_target_payload_is_refused_in_one_line(zscore_run, tmp_path, launch):
+def test_a_malformed_target_payload_is_refused_in_one_line(zscore_run, tmp_path, launch_here):
     """The model file is data: each malformed target is refused with what is wrong; through the entry
     point, one `error:` line and exit code 2."""
     path = zscore_run / "model.pt"
@@ -234,7 +234,7 @@ def test_a_malformed_target_payload_is_refused_in_one_line(zscore_run, tmp_path,
         with pytest.raises(UserError, match=f"^{re.escape(f'{path}: its target{message}')}"):
             predicted_here(zscore_run, tmp_path / "out")
         assert not (tmp_path / "out" / "targets.tsv").exists(), why
-    proc, _ = launch(f"run={zscore_run}", "device=cpu", name="cli", module="aamperf.predict", tiny=False)
+    proc, _ = launch_here(f"run={zscore_run}", "device=cpu", name="cli", module="aamperf.predict", tiny=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: {path}: its target's quantiles (['a']) are not numbers between 0 and 1")

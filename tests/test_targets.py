@@ -368,8 +368,8 @@ def test_an_id_column_as_target_exits_2_in_one_line(make_cfg, tmp_path, launch_h
     assert "column 'site' of" in errors[0] and "is neither numeric nor categorical" in errors[0]
 
 
-def test_the_run_ends_with_a_line_of_its_target_figures(make_cfg, launch):
-    proc, run_dir = launch(*MORE, "data.target=environment")
+def test_the_run_ends_with_a_line_of_its_target_figures(launch_here):
+    proc, run_dir = launch_here(*MORE, "data.target=environment")
     assert proc.returncode == 0, proc.stderr[-2000:]
     val = read_summary(run_dir)["val"]
     assert proc.stdout.splitlines()[-1] == (

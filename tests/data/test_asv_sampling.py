@@ -116,14 +116,16 @@ def test_predict_passes_write_the_mean_and_spread_of_each_draw_s_prediction(make
     np.testing.assert_allclose(once["predicted"], own[:, 0].numpy(), rtol=1e-4, atol=1e-6)
 
 
-def test_passes_without_random_draws_or_masks_are_refused(make_cfg, tmp_path, launch):
+def test_passes_without_random_draws_or_masks_are_refused(make_cfg, tmp_path, launch_here):
     train(make_cfg("trainer.max_steps=2"), tmp_path / "run")
     refused = r"^passes=3 reads each sample anew each pass, which neither data.asv_sampling=abundance nor "
     refused += r"the masks do .*; set data.asv_sampling=random, or passes=1$"
     with pytest.raises(UserError, match=refused):
         predicted_here(tmp_path / "run", tmp_path / "out", "passes=3", "mask=none")
     assert not (tmp_path / "out" / "targets.tsv").exists()
-    proc, _ = launch(f"run={tmp_path / 'run'}", "mask=all", name="bad", module="aamperf.predict", tiny=False)
+    proc, _ = launch_here(
+        f"run={tmp_path / 'run'}", "mask=all", name="bad", module="aamperf.predict", tiny=False
+    )
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and errors == [
         "error: mask=all: expected Mask: Invalid value 'all', expected one of [run, none]"
